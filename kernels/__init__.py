@@ -1,0 +1,1 @@
+"""unipage.kernels — see docs/design.md."""

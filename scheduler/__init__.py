@@ -1,0 +1,1 @@
+"""unipage.scheduler — see docs/design.md."""

@@ -1,0 +1,1 @@
+"""unipage.server — see docs/design.md."""

@@ -1,0 +1,1 @@
+"""unipage.sim — see docs/design.md."""

@@ -1,0 +1,1 @@
+POLICIES = {"lru": None}
