@@ -1,0 +1,61 @@
+"""Timing helpers shared by the GPU benchmarks: CUDA-graph replay with a flushed L2,
+the measured copy bandwidth (the floor every kernel is compared against), and
+one JSON-lines record format (the same fields the simulator writes)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20  # larger than any Hopper L2 (50-60 MB)
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def time_graph(fn, iters: int = 30, warmup: int = 3) -> float:
+    """Median seconds of one call of ``fn`` replayed from a CUDA graph, L2 flushed before each replay."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = time_graph(lambda: dst.copy_(src), iters=10)
+    return 2 * nbytes / seconds
+
+
+def emit(record: dict, out=None) -> None:
+    """Write one JSON line: the record plus the device, versions and wall time."""
+    full = {"device": device_name(), "torch": torch.__version__, "python": sys.version.split()[0],
+            "unix_time": round(time.time(), 3), **record}
+    line = json.dumps(full, sort_keys=False)
+    print(line, file=out or sys.stdout, flush=True)
