@@ -1,0 +1,177 @@
+"""KVManager: block tables, prefix hits with exact page ids, LRU reclaim order."""
+
+import pytest
+
+from unipage.eviction import make_policy
+from unipage.kv import KVManager, block_hashes
+from unipage.pool import PageKind, PagePool
+from unipage.reclaim import Reclaimer
+
+B = 4  # block tokens
+
+
+def make(num_pages=16, policy="lru", caching=True):
+    pool = PagePool(num_pages)
+    reclaimer = Reclaimer(pool, make_policy(policy))
+    return pool, reclaimer, KVManager(pool, reclaimer, B, prefix_caching=caching)
+
+
+def run_sequence(kv, seq_id, tokens, salt=""):
+    """Open, grow to the whole prompt, compute it (commit) and return the block table."""
+    kv.open(seq_id, tokens, salt)
+    assert kv.grow(seq_id, len(tokens))
+    kv.commit(seq_id, tokens)
+    return list(kv.block_table(seq_id))
+
+
+def test_grow_appends_blocks_as_tokens_arrive():
+    pool, _, kv = make()
+    kv.open("a")
+    assert kv.grow("a", 1) and kv.block_table("a") == [0]
+    assert kv.grow("a", 4) and kv.block_table("a") == [0]
+    assert kv.grow("a", 5) and kv.block_table("a") == [0, 1]
+    assert kv.grow("a", 13) and kv.block_table("a") == [0, 1, 2, 3]
+    kv.free("a")
+    assert pool.occupancy() == {"free": 16, "kv": 0, "cached_kv": 0, "adapter": 0}
+    kv.check()
+
+
+def test_grow_that_does_not_fit_returns_false_and_changes_nothing():
+    pool, _, kv = make(num_pages=3)
+    kv.open("a")
+    assert kv.grow("a", 8)
+    assert not kv.grow("a", 16)
+    assert kv.block_table("a") == [0, 1] and pool.num_free == 1
+    kv.check()
+
+
+def test_prefix_hit_shares_exact_pages_and_partial_block_is_private():
+    pool, _, kv = make()
+    prompt = list(range(10))  # 2 full blocks + 2 tokens
+    assert run_sequence(kv, "a", prompt) == [0, 1, 2]
+    assert kv.match_prefix(prompt) == [0, 1]
+    assert kv.open("b", prompt + [99]) == 8
+    assert kv.block_table("b") == [0, 1]
+    assert kv.grow("b", 11) and kv.block_table("b") == [0, 1, 3]
+    assert pool.refcount(0) == 2 and pool.refcount(2) == 1
+    kv.check()
+
+
+def test_prefix_hit_needs_the_same_adapter_digest():
+    _, _, kv = make()
+    prompt = list(range(8))
+    run_sequence(kv, "a", prompt, salt="digest-A")
+    assert kv.match_prefix(prompt, "digest-A") == [0, 1]
+    assert kv.match_prefix(prompt, "digest-B") == []
+    assert kv.match_prefix(prompt) == []
+    assert kv.match_prefix([0, 1, 2, 3, 9, 9, 9, 9], "digest-A") == [0]
+    kv.check()
+
+
+def test_freed_blocks_stay_cached_and_are_hit_again():
+    pool, reclaimer, kv = make()
+    prompt = list(range(8))
+    run_sequence(kv, "a", prompt)
+    kv.free("a")
+    assert pool.occupancy()["cached_kv"] == 2 and reclaimer.evictable_pages == 2
+    assert kv.open("b", prompt) == 8 and kv.block_table("b") == [0, 1]
+    assert pool.occupancy()["cached_kv"] == 0 and pool.refcount(0) == 1
+    kv.check()
+
+
+def test_max_cached_tokens_caps_the_hit():
+    _, _, kv = make()
+    prompt = list(range(8))
+    run_sequence(kv, "a", prompt)
+    assert kv.open("b", prompt, max_cached_tokens=7) == 4
+    assert kv.block_table("b") == [0]
+    kv.check()
+
+
+def test_pressure_reclaims_cached_blocks_lru_tail_first():
+    pool, reclaimer, kv = make(num_pages=6)
+    run_sequence(kv, "old", [1] * 8)  # pages 0, 1
+    kv.free("old")
+    run_sequence(kv, "new", [2] * 8)  # pages 2, 3
+    kv.free("new")
+    assert pool.num_free == 2
+    # Needs 3 pages: the 2 free ones plus one cached block — the tail of the older chain.
+    kv.open("c")
+    assert kv.grow("c", 12)
+    assert kv.block_table("c") == [1, 4, 5]  # the reclaimed page is on top of the free stack
+    assert kv.match_prefix([1] * 8) == [0]  # the head of the old chain survives
+    assert kv.match_prefix([2] * 8) == [2, 3]
+    assert reclaimer.evictions["kv"] == 1
+    kv.check()
+
+
+def test_pressure_never_evicts_blocks_in_use():
+    pool, _, kv = make(num_pages=4)
+    run_sequence(kv, "a", list(range(8)))
+    kv.open("b", list(range(8)))  # shares both blocks
+    kv.open("c")
+    assert kv.grow("c", 8)
+    assert not kv.grow("c", 12)  # the shared blocks are not candidates
+    assert pool.refcount(0) == 2
+    kv.check()
+
+
+def test_commit_of_a_block_computed_twice_keeps_the_first():
+    pool, _, kv = make()
+    prompt = list(range(4))
+    kv.open("a")
+    kv.open("b")
+    kv.grow("a", 4)
+    kv.grow("b", 4)
+    kv.commit("a", prompt)
+    kv.commit("b", prompt)
+    assert kv.match_prefix(prompt) == [0]
+    kv.free("b")
+    assert pool.kind(1) == PageKind.FREE  # b's copy was never registered
+    kv.free("a")
+    assert pool.kind(0) == PageKind.CACHED_KV
+    kv.check()
+
+
+def test_commit_is_incremental_over_decode():
+    _, _, kv = make()
+    tokens = list(range(6))
+    run_sequence(kv, "a", tokens)
+    tokens += [6, 7, 8]
+    kv.grow("a", len(tokens))
+    kv.commit("a", tokens)
+    assert kv.match_prefix(tokens) == [0, 1]
+    assert block_hashes(tokens, B)[1] == block_hashes(tokens[:8], B)[1]
+    kv.check()
+
+
+def test_invalidate_drops_cached_and_unregisters_live_blocks():
+    pool, reclaimer, kv = make()
+    run_sequence(kv, "a", list(range(8)), salt="d1")
+    kv.free("a")
+    run_sequence(kv, "b", list(range(8, 16)), salt="d1")
+    assert kv.invalidate("d1") == 2
+    assert pool.occupancy()["cached_kv"] == 0 and reclaimer.evictable_pages == 0
+    assert kv.match_prefix(list(range(8, 16)), "d1") == []
+    kv.free("b")
+    assert pool.num_free == 16
+    kv.check()
+
+
+def test_prefix_caching_off():
+    pool, _, kv = make(caching=False)
+    run_sequence(kv, "a", list(range(8)))
+    kv.free("a")
+    assert pool.num_free == 16 and kv.open("b", list(range(8))) == 0
+
+
+def test_unknown_and_duplicate_sequences():
+    _, _, kv = make()
+    kv.open("a")
+    with pytest.raises(ValueError, match="already open"):
+        kv.open("a")
+    with pytest.raises(KeyError, match="unknown sequence"):
+        kv.grow("zz", 4)
+    with pytest.raises(KeyError, match="unknown sequence"):
+        kv.free("zz")
+    kv.check()

@@ -1,0 +1,227 @@
+"""`KVManager`: block tables per sequence and prefix caching.  Pure Python.
+
+A sequence owns a block table — the page ids of its KV blocks, in token order;
+token ``t`` lives in block ``t // block_tokens``.  Full blocks are registered
+in the prefix cache under a chained hash::
+
+    h[0] = H(salt, tokens[0:B])        h[i] = H(h[i-1], tokens[i*B:(i+1)*B])
+
+where ``salt`` is the adapter's *content digest* (empty for the base model):
+KV computed under one adapter is never reused under another, nor under a
+replaced adapter that kept its name.  A block whose last user leaves stays in
+the pool as CACHED_KV and is offered to the `Reclaimer`; a later sequence with
+the same prefix and adapter picks it up again.  When freed, a sequence's
+blocks are stamped tail-first, so under LRU the tail of a prefix is reclaimed
+before its head (a chain is only useful from its start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+
+from unipage.eviction import KV_BLOCK, Candidate
+from unipage.pool import PageKind, PagePool
+from unipage.reclaim import Reclaimer
+
+
+def block_hashes(tokens, block_tokens: int, salt: str = "", parent: bytes = b"") -> list[bytes]:
+    """Chained hashes of the full blocks of ``tokens`` (a trailing partial block is ignored)."""
+    out = []
+    prev = parent or hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        chunk = array("q", tokens[start:start + block_tokens]).tobytes()
+        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+@dataclass(slots=True)
+class _Sequence:
+    salt: str
+    table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # hashes of table[:len(hashes)]
+
+
+@dataclass(slots=True)
+class _Block:
+    """A page registered in the prefix cache."""
+
+    hash: bytes
+    salt: str
+    uses: int = 1
+    last_used: int = 0
+    cached_at: int = 0
+
+
+class KVManager:
+    def __init__(self, pool: PagePool, reclaimer: Reclaimer, block_tokens: int,
+                 prefix_caching: bool = True, recompute_s_per_token: float = 20e-6) -> None:
+        self.pool = pool
+        self.reclaimer = reclaimer
+        self.block_tokens = block_tokens
+        self.prefix_caching = prefix_caching
+        self.block_cost_s = block_tokens * recompute_s_per_token
+        self._seqs: dict[object, _Sequence] = {}
+        self._by_hash: dict[bytes, int] = {}  # hash -> page
+        self._blocks: dict[int, _Block] = {}  # page -> registration
+        self._by_salt: dict[str, set[int]] = {}  # salt -> registered pages
+        reclaimer.register_owner(KV_BLOCK, self._evict_cached)
+        self.hits = 0  # prefix blocks reused
+
+    # -- queries ---------------------------------------------------------
+    def block_table(self, seq_id) -> list[int]:
+        return self._seq(seq_id).table
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens)
+
+    def match_prefix(self, tokens, salt: str = "") -> list[int]:
+        """Pages of the longest run of cached full blocks that starts ``tokens``; changes nothing."""
+        if not self.prefix_caching:
+            return []
+        pages = []
+        for h in block_hashes(tokens, self.block_tokens, salt):
+            page = self._by_hash.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    # -- sequences -------------------------------------------------------
+    def open(self, seq_id, tokens=(), salt: str = "", max_cached_tokens: int | None = None) -> int:
+        """Start a sequence, taking the cached prefix of ``tokens``; returns the tokens it covers.
+
+        ``max_cached_tokens`` caps the reuse (a scheduler keeps at least one prompt
+        token to compute).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already open")
+        pages = self.match_prefix(tokens, salt)
+        if max_cached_tokens is not None:
+            pages = pages[: max(max_cached_tokens, 0) // self.block_tokens]
+        seq = _Sequence(salt)
+        now = self.reclaimer.tick()
+        for page in pages:
+            self._take(page, now)
+            seq.table.append(page)
+            seq.hashes.append(self._blocks[page].hash)
+        self.hits += len(pages)
+        self._seqs[seq_id] = seq
+        return len(pages) * self.block_tokens
+
+    def grow(self, seq_id, num_tokens: int, protect: frozenset = frozenset()) -> bool:
+        """Make room for ``num_tokens`` tokens in total; False (nothing changed) if it cannot fit."""
+        seq = self._seq(seq_id)
+        missing = self.blocks_needed(num_tokens) - len(seq.table)
+        if missing <= 0:
+            return True
+        pages = self.reclaimer.alloc(missing, PageKind.KV, protect)
+        if pages is None:
+            return False
+        seq.table.extend(pages)
+        return True
+
+    def commit(self, seq_id, tokens) -> None:
+        """Register the full blocks of ``tokens`` (the sequence's computed tokens) for prefix reuse."""
+        seq = self._seq(seq_id)
+        if not self.prefix_caching:
+            return
+        full = min(len(tokens) // self.block_tokens, len(seq.table))
+        if full <= len(seq.hashes):
+            return
+        start = len(seq.hashes) * self.block_tokens
+        parent = seq.hashes[-1] if seq.hashes else b""
+        new = block_hashes(tokens[start: full * self.block_tokens], self.block_tokens, seq.salt, parent)
+        now = self.reclaimer.tick()
+        for index, h in enumerate(new, start=len(seq.hashes)):
+            page = seq.table[index]
+            if h not in self._by_hash and page not in self._blocks:
+                self._register(page, h, seq.salt, now)
+        seq.hashes.extend(new)
+
+    def free(self, seq_id) -> None:
+        """Release a sequence's blocks: registered ones become cached, the rest free."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        for page in reversed(seq.table):  # tail first: the tail is older under LRU
+            self._release(page, self.reclaimer.tick())
+
+    def invalidate(self, salt: str) -> int:
+        """Forget every cached block computed under ``salt`` (its adapter was evicted); returns pages freed."""
+        freed = 0
+        for page in list(self._by_salt.get(salt, ())):
+            if self.pool.kind(page) == PageKind.CACHED_KV:
+                self.reclaimer.remove(KV_BLOCK, page)
+                self.pool.drop(page)
+                freed += 1
+            self._unregister(page)
+        return freed
+
+    # -- internals -------------------------------------------------------
+    def _seq(self, seq_id) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}") from None
+
+    def _take(self, page: int, now: int) -> None:
+        block = self._blocks[page]
+        block.uses += 1
+        block.last_used = now
+        if self.pool.kind(page) == PageKind.CACHED_KV:
+            self.reclaimer.remove(KV_BLOCK, page)
+            self.pool.reuse(page)
+        else:
+            self.pool.share(page)
+
+    def _release(self, page: int, now: int) -> None:
+        block = self._blocks.get(page)
+        if block is None or self.pool.refcount(page) > 1:
+            self.pool.free([page])
+            return
+        self.pool.cache(page)
+        block.last_used = block.cached_at = now
+        self.reclaimer.add(Candidate(KV_BLOCK, page, 1, now, now, block.uses, self.block_cost_s))
+
+    def _register(self, page: int, h: bytes, salt: str, now: int) -> None:
+        self._by_hash[h] = page
+        self._blocks[page] = _Block(h, salt, 1, now, now)
+        self._by_salt.setdefault(salt, set()).add(page)
+
+    def _unregister(self, page: int) -> None:
+        block = self._blocks.pop(page)
+        del self._by_hash[block.hash]
+        pages = self._by_salt[block.salt]
+        pages.discard(page)
+        if not pages:
+            del self._by_salt[block.salt]
+
+    def _evict_cached(self, page: int) -> None:
+        """Reclaimer callback: drop a cached block."""
+        self._unregister(page)
+        self.pool.drop(page)
+
+    def check(self) -> None:
+        """Refcounts equal the block tables that hold each page; registrations are consistent."""
+        refs: dict[int, int] = {}
+        for seq in self._seqs.values():
+            assert len(seq.hashes) <= len(seq.table)
+            for page in seq.table:
+                refs[page] = refs.get(page, 0) + 1
+        for page, count in refs.items():
+            assert self.pool.kind(page) == PageKind.KV, f"page {page} in a block table is not KV"
+            assert self.pool.refcount(page) == count, f"page {page}: refcount != block tables holding it"
+        for page, block in self._blocks.items():
+            assert self._by_hash[block.hash] == page
+            kind = self.pool.kind(page)
+            assert kind in (PageKind.KV, PageKind.CACHED_KV), f"registered page {page} is {kind.name}"
+            assert (kind == PageKind.CACHED_KV) == ((KV_BLOCK, page) in self.reclaimer)
+            assert (kind == PageKind.CACHED_KV) == (page not in refs)
+        assert len(refs) == self.pool.count(PageKind.KV), "a KV page is held by no block table"
+        assert len(self._by_hash) == len(self._blocks) == sum(len(s) for s in self._by_salt.values())

@@ -1,0 +1,37 @@
+"""`UnifiedMemory`: the page pool with its two tenants, wired from one config.
+
+    PagePool  <--  Reclaimer (one eviction policy)  <--  KVManager      (cached blocks)
+                                                    <--  AdapterManager (idle adapters)
+
+Pure Python bookkeeping; `unipage.storage.PoolStorage` holds the tensors.
+"""
+
+from __future__ import annotations
+
+from unipage.adapters import AdapterManager
+from unipage.config import UnipageConfig
+from unipage.eviction import make_policy
+from unipage.kv import KVManager
+from unipage.pool import PagePool
+from unipage.reclaim import Reclaimer
+
+
+class UnifiedMemory:
+    def __init__(self, config: UnipageConfig) -> None:
+        self.config = config
+        self.pool = PagePool(config.num_pages)
+        self.reclaimer = Reclaimer(self.pool, make_policy(config.lora.eviction_policy))
+        self.kv = KVManager(self.pool, self.reclaimer, config.pool.block_tokens,
+                            config.pool.prefix_caching, config.lora.recompute_s_per_token)
+        self.adapters = AdapterManager(config, self.reclaimer, self.kv.invalidate)
+
+    def occupancy(self) -> dict[str, int]:
+        """Pages by owner kind: free, kv, cached_kv, adapter."""
+        return self.pool.occupancy()
+
+    def check(self) -> None:
+        """Assert every invariant of the pool and of both tenants."""
+        self.pool.check()
+        self.reclaimer.check()
+        self.kv.check()
+        self.adapters.check()

@@ -1,0 +1,177 @@
+"""`PagePool`: who owns each page of the unified pool.  Pure Python, no torch.
+
+A page id names the same slot in every layer of the device tensor
+``pool[num_layers, num_pages, page_elems]``.  Each page has one owner kind and
+a reference count::
+
+    kind        refcount   on the free stack   meaning
+    FREE        0          yes (exactly once)  unused
+    KV          >= 1       no                  a KV block used by >= 1 sequence
+    CACHED_KV   0          no                  a full KV block kept for prefix reuse
+    ADAPTER     1          no                  part of a resident adapter's buffer
+
+    FREE --alloc--> KV | ADAPTER --free (last ref)--> FREE
+    KV (last ref) --cache--> CACHED_KV --reuse--> KV
+                              CACHED_KV --drop--> FREE
+
+Invariant (``check``): ``free + kv + cached_kv + adapter == total``.
+Every method validates its whole argument before changing anything, so a bad
+call raises `PageError` and leaves the pool as it was.  Running out of pages
+is not an error: ``alloc`` returns ``None``.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from unipage.errors import PageError
+
+
+class PageKind(IntEnum):
+    FREE = 0
+    KV = 1
+    CACHED_KV = 2
+    ADAPTER = 3
+
+
+_OWNED = (PageKind.KV, PageKind.ADAPTER)
+
+
+class PagePool:
+    """O(1)-per-page allocator over page ids ``0 .. num_pages - 1``."""
+
+    __slots__ = ("num_pages", "_kind", "_ref", "_free", "_counts")
+
+    def __init__(self, num_pages: int) -> None:
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be an integer >= 1, got {num_pages!r}")
+        self.num_pages = num_pages
+        self._kind = bytearray(num_pages)  # PageKind per page
+        self._ref = [0] * num_pages
+        # Stack of free ids; popping from the end hands out low ids first.
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._counts = [num_pages, 0, 0, 0]  # indexed by PageKind
+
+    # -- queries ---------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def count(self, kind: PageKind) -> int:
+        return self._counts[kind]
+
+    def occupancy(self) -> dict[str, int]:
+        """Pages per owner kind, e.g. ``{"free": 10, "kv": 4, "cached_kv": 2, "adapter": 8}``."""
+        return {kind.name.lower(): self._counts[kind] for kind in PageKind}
+
+    def kind(self, page: int) -> PageKind:
+        self._check_ids((page,))
+        return PageKind(self._kind[page])
+
+    def refcount(self, page: int) -> int:
+        self._check_ids((page,))
+        return self._ref[page]
+
+    # -- transitions -----------------------------------------------------
+    def alloc(self, n: int, kind: PageKind = PageKind.KV) -> list[int] | None:
+        """Take ``n`` free pages for ``kind`` (KV or ADAPTER), refcount 1; ``None`` if fewer are free."""
+        if kind not in _OWNED:
+            raise PageError(f"alloc kind must be KV or ADAPTER, got {kind!r}")
+        if not isinstance(n, int) or n < 0:
+            raise PageError(f"alloc count must be an integer >= 0, got {n!r}")
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        ids = self._free[-n:]
+        del self._free[-n:]
+        ids.reverse()
+        kinds, refs = self._kind, self._ref
+        for page in ids:
+            kinds[page] = kind
+            refs[page] = 1
+        self._counts[PageKind.FREE] -= n
+        self._counts[kind] += n
+        return ids
+
+    def free(self, ids) -> None:
+        """Drop one reference to each page; a page whose last reference goes becomes FREE."""
+        ids = list(ids)
+        self._check_ids(ids)
+        kinds, refs = self._kind, self._ref
+        drops: dict[int, int] = {}
+        for page in ids:
+            drops[page] = drops.get(page, 0) + 1
+        for page, times in drops.items():
+            if kinds[page] not in _OWNED or refs[page] < times:
+                raise PageError(f"page {page} is {PageKind(kinds[page]).name} with refcount "
+                                f"{refs[page]}; cannot free it {times} time(s)")
+        for page in ids:
+            refs[page] -= 1
+            if refs[page] == 0:
+                self._set_free(page)
+
+    def share(self, page: int) -> None:
+        """Add a reference to an in-use KV page (a prefix block shared by one more sequence)."""
+        self._expect(page, PageKind.KV, "share")
+        self._ref[page] += 1
+
+    def cache(self, page: int) -> None:
+        """The last user of a KV page leaves it as a reusable cached block."""
+        self._expect(page, PageKind.KV, "cache")
+        if self._ref[page] != 1:
+            raise PageError(f"page {page} has refcount {self._ref[page]}; only the last user can cache it")
+        self._move(page, PageKind.CACHED_KV)
+        self._ref[page] = 0
+
+    def reuse(self, page: int) -> None:
+        """A cached block is hit by a new sequence: it is KV again with one reference."""
+        self._expect(page, PageKind.CACHED_KV, "reuse")
+        self._move(page, PageKind.KV)
+        self._ref[page] = 1
+
+    def drop(self, page: int) -> None:
+        """Reclaim a cached block: it becomes FREE."""
+        self._expect(page, PageKind.CACHED_KV, "drop")
+        self._set_free(page)
+
+    # -- internals -------------------------------------------------------
+    def _set_free(self, page: int) -> None:
+        self._move(page, PageKind.FREE)
+        self._ref[page] = 0
+        self._free.append(page)
+
+    def _move(self, page: int, kind: PageKind) -> None:
+        self._counts[self._kind[page]] -= 1
+        self._counts[kind] += 1
+        self._kind[page] = kind
+
+    def _expect(self, page: int, kind: PageKind, op: str) -> None:
+        self._check_ids((page,))
+        if self._kind[page] != kind:
+            raise PageError(f"cannot {op} page {page}: it is {PageKind(self._kind[page]).name}, "
+                            f"not {kind.name}")
+
+    def _check_ids(self, ids) -> None:
+        n = self.num_pages
+        for page in ids:
+            if not isinstance(page, int) or not 0 <= page < n:
+                raise PageError(f"page id {page!r} is not in [0, {n})")
+
+    def check(self) -> None:
+        """Assert every invariant of the table above (O(num_pages); for tests and idle time)."""
+        counts = [0, 0, 0, 0]
+        for page in range(self.num_pages):
+            kind, ref = self._kind[page], self._ref[page]
+            counts[kind] += 1
+            if kind in (PageKind.FREE, PageKind.CACHED_KV):
+                assert ref == 0, f"page {page} is {PageKind(kind).name} with refcount {ref}"
+            elif kind == PageKind.ADAPTER:
+                assert ref == 1, f"adapter page {page} has refcount {ref}"
+            else:
+                assert ref >= 1, f"KV page {page} has refcount {ref}"
+        assert counts == self._counts, f"counters {self._counts} != recount {counts}"
+        assert sum(counts) == self.num_pages
+        assert len(self._free) == counts[PageKind.FREE], "free stack length != FREE pages"
+        assert len(set(self._free)) == len(self._free), "a page is on the free stack twice"
+        assert all(self._kind[p] == PageKind.FREE for p in self._free), "non-free page on the free stack"
