@@ -181,7 +181,7 @@ class AdapterManager:
     def _start_load(self, record: AdapterRecord, pages: list[int]) -> None:
         record.pages, record.slot = pages, self._take_slot()
         record.loaded = False
-        record.resident_since = self.reclaimer.tick()
+        record.resident_since = record.last_used = self.reclaimer.tick()
         from_host = self.host.lookup(record.name)
         cache = from_host
         if not from_host:
