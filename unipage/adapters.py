@@ -23,7 +23,7 @@ freed slots are reused lowest first so the kernels' tables stay compact.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Callable
 
@@ -32,12 +32,12 @@ from unipage.errors import (AdapterBusyError, AdapterError, AdapterExistsError, 
                             AdapterShapeError, UnknownAdapterError)
 from unipage.eviction import ADAPTER, Candidate
 from unipage.host_cache import HostCacheIndex
-from unipage.lora_layout import AdapterLayout, build_layout
+from unipage.lora_layout import AdapterLayout, cached_layout
 from unipage.pool import PageKind
 from unipage.reclaim import Reclaimer
 
 if TYPE_CHECKING:
-    from unipage.peft_io import AdapterInfo
+    from unipage.adapter_info import AdapterInfo
 
 
 class Residency(Enum):
@@ -109,6 +109,7 @@ class AdapterManager:
         self.host = HostCacheIndex(config.lora.host_cache_bytes)
         self.invalidate_kv = invalidate_kv or (lambda digest: None)
         self._adapters: dict[str, AdapterRecord] = {}
+        self._resident_digests: dict[str, int] = {}  # content digest -> resident adapters with it
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._effects: list = []
@@ -125,7 +126,7 @@ class AdapterManager:
             raise AdapterRankError(f"adapter {name!r} has rank {info.max_rank}, above the configured "
                                    f"maximum max_rank={self.config.lora.max_rank}")
         try:
-            layout = build_layout(self.config.model, list(info.layers))
+            layout = cached_layout(self.config.model, tuple(info.layers))
         except ValueError as err:
             raise AdapterShapeError(f"adapter {name!r} does not fit the base model: {err}") from None
         num_pages = layout.num_pages(self.config.page_elems)
@@ -180,6 +181,8 @@ class AdapterManager:
 
     def _start_load(self, record: AdapterRecord, pages: list[int]) -> None:
         record.pages, record.slot = pages, self._take_slot()
+        digest = record.info.digest
+        self._resident_digests[digest] = self._resident_digests.get(digest, 0) + 1
         record.loaded = False
         record.resident_since = record.last_used = self.reclaimer.tick()
         from_host = self.host.lookup(record.name)
@@ -277,11 +280,14 @@ class AdapterManager:
         self._effects.append(EvictAdapter(name, record.slot, tuple(record.pages)))
         self.stats.evictions += 1
         self._release(record)
-        digest = record.info.digest
-        if not any(r.resident and r.info.digest == digest for r in self._adapters.values()):
-            self.invalidate_kv(digest)
+        if record.info.digest not in self._resident_digests:
+            self.invalidate_kv(record.info.digest)
 
     def _release(self, record: AdapterRecord) -> None:
+        digest = record.info.digest
+        self._resident_digests[digest] -= 1
+        if not self._resident_digests[digest]:
+            del self._resident_digests[digest]
         self.pool.free(record.pages)
         heapq.heappush(self._free_slots, record.slot)
         record.pages = record.slot = None
@@ -308,4 +314,9 @@ class AdapterManager:
             seen.update(r.pages)
             slots.add(r.slot)
         assert len(seen) == self.pool.count(PageKind.ADAPTER), "an adapter page has no adapter"
+        digests: dict[str, int] = {}
+        for r in self._adapters.values():
+            if r.resident:
+                digests[r.info.digest] = digests.get(r.info.digest, 0) + 1
+        assert digests == self._resident_digests, "resident digest counts out of step"
         self.host.check()

@@ -149,8 +149,11 @@ class KVManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
+        unshared = []
         for page in reversed(seq.table):  # tail first: the tail is older under LRU
-            self._release(page, self.reclaimer.tick())
+            if not self._release(page):
+                unshared.append(page)
+        self.pool.free(unshared)
 
     def invalidate(self, salt: str) -> int:
         """Forget every cached block computed under ``salt`` (its adapter was evicted); returns pages freed."""
@@ -180,14 +183,16 @@ class KVManager:
         else:
             self.pool.share(page)
 
-    def _release(self, page: int, now: int) -> None:
+    def _release(self, page: int) -> bool:
+        """Keep the page as a cached block if it is registered and this was its last user."""
         block = self._blocks.get(page)
         if block is None or self.pool.refcount(page) > 1:
-            self.pool.free([page])
-            return
+            return False
         self.pool.cache(page)
+        now = self.reclaimer.tick()
         block.last_used = block.cached_at = now
         self.reclaimer.add(Candidate(KV_BLOCK, page, 1, now, now, block.uses, self.block_cost_s))
+        return True
 
     def _register(self, page: int, h: bytes, salt: str, now: int) -> None:
         self._by_hash[h] = page

@@ -39,6 +39,7 @@ moves the data.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from unipage.config import EXPERT_TARGETS, ModelConfig
 
@@ -174,3 +175,9 @@ def build_layout(model: ModelConfig, layers: list[tuple[TargetSpec, ...]]) -> Ad
     if len(layers) != model.num_layers:
         raise ValueError(f"adapter spec has {len(layers)} layers, model has {model.num_layers}")
     return AdapterLayout(tuple(_layer_layout(model, i, tuple(s)) for i, s in enumerate(layers)))
+
+
+@lru_cache(maxsize=1024)
+def cached_layout(model: ModelConfig, layers: tuple[tuple[TargetSpec, ...], ...]) -> AdapterLayout:
+    """`build_layout`, shared between adapters of the same shape (layouts are immutable)."""
+    return build_layout(model, list(layers))

@@ -34,7 +34,8 @@ class PageKind(IntEnum):
     ADAPTER = 3
 
 
-_OWNED = (PageKind.KV, PageKind.ADAPTER)
+_KV, _ADAPTER = PageKind.KV.value, PageKind.ADAPTER.value
+_OWNED_CODES = frozenset((_KV, _ADAPTER))
 
 
 class PagePool:
@@ -75,41 +76,65 @@ class PagePool:
     # -- transitions -----------------------------------------------------
     def alloc(self, n: int, kind: PageKind = PageKind.KV) -> list[int] | None:
         """Take ``n`` free pages for ``kind`` (KV or ADAPTER), refcount 1; ``None`` if fewer are free."""
-        if kind not in _OWNED:
+        if kind != _KV and kind != _ADAPTER:
             raise PageError(f"alloc kind must be KV or ADAPTER, got {kind!r}")
-        if not isinstance(n, int) or n < 0:
+        free = self._free
+        if n.__class__ is not int or n < 0:
             raise PageError(f"alloc count must be an integer >= 0, got {n!r}")
-        if n > len(self._free):
+        if n > len(free):
             return None
-        if n == 0:
-            return []
-        ids = self._free[-n:]
-        del self._free[-n:]
-        ids.reverse()
         kinds, refs = self._kind, self._ref
-        for page in ids:
+        if n == 1:  # the common case: one more KV block for a growing sequence
+            page = free.pop()
             kinds[page] = kind
             refs[page] = 1
-        self._counts[PageKind.FREE] -= n
-        self._counts[kind] += n
+            ids = [page]
+        else:
+            ids = free[-n:] if n else []
+            del free[len(free) - n:]
+            ids.reverse()
+            for page in ids:
+                kinds[page] = kind
+                refs[page] = 1
+        counts = self._counts
+        counts[0] -= n
+        counts[kind] += n
         return ids
 
     def free(self, ids) -> None:
         """Drop one reference to each page; a page whose last reference goes becomes FREE."""
-        ids = list(ids)
+        ids = ids if ids.__class__ is list else list(ids)
+        kinds, refs, n = self._kind, self._ref, self.num_pages
+        for page in ids:
+            if page.__class__ is not int or not 0 <= page < n or kinds[page] not in _OWNED_CODES \
+                    or refs[page] < 1:
+                self._free_error(ids)
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            self._check_repeats(ids)
+        free, counts = self._free, self._counts
+        for page in ids:
+            ref = refs[page] - 1
+            refs[page] = ref
+            if ref == 0:
+                counts[kinds[page]] -= 1
+                kinds[page] = 0
+                free.append(page)
+                counts[0] += 1
+
+    def _free_error(self, ids) -> None:
         self._check_ids(ids)
-        kinds, refs = self._kind, self._ref
+        for page in ids:
+            if self._kind[page] not in _OWNED_CODES or self._ref[page] < 1:
+                raise PageError(f"page {page} is {PageKind(self._kind[page]).name} with refcount "
+                                f"{self._ref[page]}; cannot free it")
+
+    def _check_repeats(self, ids) -> None:
         drops: dict[int, int] = {}
         for page in ids:
             drops[page] = drops.get(page, 0) + 1
         for page, times in drops.items():
-            if kinds[page] not in _OWNED or refs[page] < times:
-                raise PageError(f"page {page} is {PageKind(kinds[page]).name} with refcount "
-                                f"{refs[page]}; cannot free it {times} time(s)")
-        for page in ids:
-            refs[page] -= 1
-            if refs[page] == 0:
-                self._set_free(page)
+            if self._ref[page] < times:
+                raise PageError(f"page {page} has refcount {self._ref[page]}; cannot free it {times} times")
 
     def share(self, page: int) -> None:
         """Add a reference to an in-use KV page (a prefix block shared by one more sequence)."""
