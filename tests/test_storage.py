@@ -1,0 +1,118 @@
+"""PoolStorage: the manager's effects performed on a real pool tensor, from real PEFT files."""
+
+import os
+
+import pytest
+import torch
+
+from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
+from unipage.memory import UnifiedMemory
+from unipage.peft_io import inspect_adapter, load_adapter_weights
+from unipage.peft_write import write_random_adapter
+from unipage.storage import PoolStorage
+
+MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4,
+                    top_k=2, expert_intermediate_size=32, dtype="float32")  # page_elems = 4*2*32 = 256
+
+
+def setup(tmp_path, dtype="float32", device="cpu", pages=200, host_bytes=1 << 30):
+    model = ModelConfig(**{**MODEL.__dict__, "dtype": dtype})
+    config = UnipageConfig(model, PoolConfig(block_tokens=4, num_pages=pages),
+                           LoRAConfig(max_rank=16, host_cache_bytes=host_bytes, adapter_roots=(tmp_path,)))
+    memory, storage = UnifiedMemory(config), PoolStorage(config, device)
+    storage.pool.normal_()  # noise everywhere: a page the load misses shows
+    for index, (rank, fmt) in enumerate(((4, "per_expert"), (8, "fused"))):
+        path = write_random_adapter(tmp_path / f"a{index}", model, rank=rank, alpha=16, expert_format=fmt,
+                                    seed=index)
+        memory.adapters.register(f"a{index}", inspect_adapter(path, model, config.lora))
+    return memory, storage
+
+
+def sync_load(memory, storage, name):
+    memory.adapters.request(name)
+    result = storage.apply(memory.adapters.take_effects())
+    for done in result.done:
+        memory.adapters.load_done(done)
+    return result
+
+
+def assert_resident_equals_files(memory, storage, name):
+    record = memory.adapters.get(name)
+    expect = load_adapter_weights(record.info, memory.config.model)
+    got = storage.gather(record)
+    assert got.keys() == expect.keys()
+    for key, mats in expect.items():
+        torch.testing.assert_close(got[key].a.float().cpu(), mats.a.to(storage.dtype).float(), rtol=0, atol=0)
+        for have, want in zip(got[key].b, mats.b):
+            torch.testing.assert_close(have.float().cpu(), want.to(storage.dtype).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_load_into_scattered_pages_and_gather_back(tmp_path, dtype):
+    memory, storage = setup(tmp_path, dtype)
+    kv = memory.kv
+    for seq in range(6):  # interleave KV blocks so the adapter's pages are not contiguous
+        kv.open(seq)
+        kv.grow(seq, 4 * (seq + 1))
+    for seq in (1, 3, 5):
+        kv.free(seq)
+    assert sync_load(memory, storage, "a0").done == ["a0"]
+    pages = memory.adapters.page_table("a0")
+    assert pages != sorted(pages) or pages[-1] - pages[0] != len(pages) - 1
+    assert_resident_equals_files(memory, storage, "a0")
+    assert sync_load(memory, storage, "a1").done == ["a1"]
+    assert_resident_equals_files(memory, storage, "a0")
+    assert_resident_equals_files(memory, storage, "a1")
+    memory.check()
+
+
+def test_reload_comes_from_the_host_copy(tmp_path):
+    memory, storage = setup(tmp_path)
+    sync_load(memory, storage, "a1")
+    before = storage.gather(memory.adapters.get("a1"))
+    memory.adapters.evict("a1")
+    storage.apply(memory.adapters.take_effects())
+    storage.pool.normal_()
+    os.remove(tmp_path / "a1" / "adapter_model.safetensors")  # the disk copy is gone
+    assert storage.has_host_copy("a1")
+    assert sync_load(memory, storage, "a1").done == ["a1"]
+    assert memory.adapters.stats.loads_from_host == 1
+    after = storage.gather(memory.adapters.get("a1"))
+    assert all(torch.equal(after[k].a, before[k].a) and all(map(torch.equal, after[k].b, before[k].b))
+               for k in before)
+
+
+def test_changed_files_fail_the_load_and_return_the_pages(tmp_path):
+    memory, storage = setup(tmp_path)
+    weights = tmp_path / "a0" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # same size, other content
+    result = sync_load(memory, storage, "a0")
+    assert result.done == [] and result.failed[0][0] == "a0"
+    assert "digest" in result.failed[0][1] or "changed" in result.failed[0][1]
+    memory.adapters.load_failed("a0")
+    assert memory.occupancy()["adapter"] == 0
+    memory.check()
+
+
+def test_host_budget_drops_copies(tmp_path):
+    memory, storage = setup(tmp_path, host_bytes=memory_bytes_of_one(tmp_path))
+    sync_load(memory, storage, "a0")
+    sync_load(memory, storage, "a1")
+    assert not storage.has_host_copy("a0")  # DropHostCopy was performed
+
+
+def memory_bytes_of_one(tmp_path) -> int:
+    memory, _ = setup(tmp_path / "probe")
+    return max(memory.adapters.get(n).nbytes for n in ("a0", "a1"))
+
+
+@pytest.mark.gpu
+def test_cuda_load_runs_on_a_side_stream(tmp_path):
+    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
+    result = sync_load(memory, storage, "a0")
+    assert result.done == [] and storage.load_event("a0") is not None
+    torch.cuda.current_stream().wait_event(storage.load_event("a0"))
+    torch.cuda.synchronize()
+    assert storage.poll() == ["a0"]
+    memory.adapters.load_done("a0")
+    assert_resident_equals_files(memory, storage, "a0")
