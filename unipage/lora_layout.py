@@ -27,7 +27,9 @@ A-product.  A dense target has one slice.  ``experts.gate_up`` has one slice of
 ``[0, r_g)``) and up (columns ``[I, 2I)``, A rows ``[r_g, r_g + r_u)``) — when
 it was trained on per-expert ``gate_proj``/``up_proj`` modules; then "gate/up
 A" is gate's A stacked over up's A and "gate/up B" is gate's B rows followed
-by up's B rows.  No matrix is ever padded to a larger rank.
+by up's B rows (a slice has rank 0 when the adapter trained only one of the
+two; A then has up to ``2 · max_rank`` rows).  No matrix is ever padded to a
+larger rank.
 
 The LoRA scaling (alpha/r, or alpha/sqrt(r) with rslora) is folded into B
 when packing, so ``delta = (x @ A.T) @ B`` for every slice.
