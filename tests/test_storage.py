@@ -7,7 +7,7 @@ import torch
 
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
 from unipage.memory import UnifiedMemory
-from unipage.peft_io import inspect_adapter, load_adapter_weights
+from unipage.peft_io import load_adapter_weights
 from unipage.peft_write import write_random_adapter
 from unipage.storage import PoolStorage
 
@@ -16,6 +16,7 @@ MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, h
 
 
 def setup(tmp_path, dtype="float32", device="cpu", pages=200, host_bytes=1 << 30):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     model = ModelConfig(**{**MODEL.__dict__, "dtype": dtype})
     config = UnipageConfig(model, PoolConfig(block_tokens=4, num_pages=pages),
                            LoRAConfig(max_rank=16, host_cache_bytes=host_bytes, adapter_roots=(tmp_path,)))
@@ -24,7 +25,7 @@ def setup(tmp_path, dtype="float32", device="cpu", pages=200, host_bytes=1 << 30
     for index, (rank, fmt) in enumerate(((4, "per_expert"), (8, "fused"))):
         path = write_random_adapter(tmp_path / f"a{index}", model, rank=rank, alpha=16, expert_format=fmt,
                                     seed=index)
-        memory.adapters.register(f"a{index}", inspect_adapter(path, model, config.lora))
+        memory.register_adapter(f"a{index}", path)
     return memory, storage
 
 
@@ -116,3 +117,19 @@ def test_cuda_load_runs_on_a_side_stream(tmp_path):
     assert storage.poll() == ["a0"]
     memory.adapters.load_done("a0")
     assert_resident_equals_files(memory, storage, "a0")
+
+
+def test_bad_adapter_directories_leave_the_registry_unchanged(tmp_path):
+    memory, _ = setup(tmp_path / "ok")
+    outside = write_random_adapter(tmp_path / "outside", memory.config.model, rank=4, alpha=4)
+    (tmp_path / "ok" / "pickle").mkdir()
+    (tmp_path / "ok" / "pickle" / "adapter_config.json").write_text("{}")
+    (tmp_path / "ok" / "pickle" / "adapter_model.bin").write_bytes(b"not a pickle")
+    for name, path, error in (("x", outside, "outside the adapter roots"),
+                              ("y", tmp_path / "ok" / "pickle", "pickle"),
+                              ("z", tmp_path / "ok" / "missing", "no adapter directory"),
+                              ("a0", tmp_path / "ok" / "a1", "already registered")):
+        with pytest.raises(ValueError, match=error):
+            memory.register_adapter(name, path)
+    assert memory.adapters.names() == ["a0", "a1"]
+    memory.check()

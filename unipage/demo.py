@@ -19,7 +19,7 @@ from unipage.adapter_pack import gather_adapter
 from unipage.adapters import Residency
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
 from unipage.memory import UnifiedMemory
-from unipage.peft_io import inspect_adapter, load_adapter_weights
+from unipage.peft_io import load_adapter_weights
 from unipage.peft_write import write_random_adapter
 from unipage.storage import PoolStorage
 
@@ -42,7 +42,8 @@ def show(memory: UnifiedMemory, what: str) -> None:
           f"cached={occ['cached_kv']:>3} adapter={occ['adapter']:>3}  resident: {resident}")
 
 
-def make_resident(memory: UnifiedMemory, storage: PoolStorage, name: str) -> Residency:
+def make_resident(memory: UnifiedMemory, storage: PoolStorage, name: str) -> str:
+    """Request ``name`` and perform the resulting loads and evictions at once (CPU: synchronous)."""
     state = memory.adapters.request(name)
     result = storage.apply(memory.adapters.take_effects())
     for done in result.done:
@@ -50,7 +51,8 @@ def make_resident(memory: UnifiedMemory, storage: PoolStorage, name: str) -> Res
     for failed, reason in result.failed:
         memory.adapters.load_failed(failed)
         print(f"  load of {failed} failed: {reason}")
-    return state
+    return {Residency.READY: "already resident", Residency.LOADING: "loaded",
+            Residency.NO_SPACE: "no space"}[state]
 
 
 def register_adapters(memory: UnifiedMemory, root: str) -> None:
@@ -59,8 +61,8 @@ def register_adapters(memory: UnifiedMemory, root: str) -> None:
         if not os.path.exists(os.path.join(path, "adapter_model.safetensors")):
             write_random_adapter(path, MODEL, rank=rank, alpha=alpha, targets=targets,
                                  expert_format=fmt, seed=index)
-        info = inspect_adapter(path, MODEL, memory.config.lora)
-        record = memory.adapters.register(name, info)
+        record = memory.register_adapter(name, path)
+        info = record.info
         print(f"registered {name:<10} rank {info.max_rank:>2}  {fmt:<10} {record.num_pages:>3} pages "
               f"({record.nbytes / 2**20:.1f} MiB)  digest {info.digest[:12]}")
 
@@ -94,7 +96,7 @@ def run(root: str, num_pages: int, policy: str) -> UnifiedMemory:
         before = dict(memory.reclaimer.evictions)
         state = make_resident(memory, storage, name)
         freed = {k: memory.reclaimer.evictions[k] - before.get(k, 0) for k in before}
-        show(memory, f"make {name} resident ({state.value}; evicted {freed['adapter']} adapters, "
+        show(memory, f"make {name} resident ({state}; evicted {freed['adapter']} adapters, "
                      f"{freed['kv']} blocks)")
     memory.check()
     stats = adapters.stats

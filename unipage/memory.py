@@ -8,7 +8,7 @@ Pure Python bookkeeping; `unipage.storage.PoolStorage` holds the tensors.
 
 from __future__ import annotations
 
-from unipage.adapters import AdapterManager
+from unipage.adapters import AdapterManager, AdapterRecord
 from unipage.config import UnipageConfig
 from unipage.eviction import make_policy
 from unipage.kv import KVManager
@@ -24,6 +24,12 @@ class UnifiedMemory:
         self.kv = KVManager(self.pool, self.reclaimer, config.pool.block_tokens,
                             config.pool.prefix_caching, config.lora.recompute_s_per_token)
         self.adapters = AdapterManager(config, self.reclaimer, self.kv.invalidate)
+
+    def register_adapter(self, name: str, path) -> AdapterRecord:
+        """Inspect the PEFT directory ``path`` (checked against the allowed roots) and register it."""
+        from unipage.peft_io import inspect_adapter  # reads files: keeps this module torch-free
+
+        return self.adapters.register(name, inspect_adapter(path, self.config.model, self.config.lora))
 
     def occupancy(self) -> dict[str, int]:
         """Pages by owner kind: free, kv, cached_kv, adapter."""
