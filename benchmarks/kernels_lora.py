@@ -1,0 +1,215 @@
+"""Paged dense LoRA shrink/expand on a GPU: Llama-3.1-8B q/k/v (4096 -> 4096 / 1024 / 1024),
+rank 16, 16 adapters, bf16, tokens spread round-robin over the adapters.
+
+One JSON line per token count: kernel time (CUDA graph, L2 flushed), the HBM
+floor (distinct LoRA weights touched + x read + y read and written, over the
+copy bandwidth measured in the same run), time / floor, the same kernel on
+contiguous (unpaged) weights, the other path's time, and the error against an
+fp32 reference.  Targets: <= 10 us at 1 token, <= 3x floor at 4096 tokens,
+paged within 10 % of contiguous.  A failing row is reported and skipped.
+
+    python -m benchmarks.kernels_lora            # measure
+    python -m benchmarks.kernels_lora --tune     # tune launch configs into kernels/configs/lora_dense.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import copy_bandwidth, emit, time_graph
+from unipage.adapter_pack import pack_adapter, random_lora_weights
+from unipage.config import ModelConfig
+from unipage.kernels import lora_meta
+from unipage.kernels.lora import lora_shrink_expand, lora_shrink_expand_ref
+from unipage.kernels.lora_meta import dense_lora_meta, launch_config, plan_lora_batch
+from unipage.lora_layout import TargetSpec, build_layout
+
+log = logging.getLogger("benchmarks.kernels_lora")
+
+QKV = ("q_proj", "k_proj", "v_proj")
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+ADAPTERS, RANK, SEED = 16, 16, 0
+LLAMA_8B = ModelConfig(num_layers=1, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                       intermediate_size=14336)
+PAGE_ELEMS = 16 * 2 * 8 * 128  # one KV block of 16 tokens
+
+
+class Setup:
+    """Both pools (adapters at shuffled pages among noise, and consecutive), tables and metadata."""
+
+    def __init__(self, dtype=torch.bfloat16, adapters=ADAPTERS, rank=RANK, seed=SEED, device="cuda"):
+        gen = torch.Generator().manual_seed(seed)
+        self.dtype, self.adapters, self.device = dtype, adapters, torch.device(device)
+        layout = build_layout(LLAMA_8B, [tuple(TargetSpec(t, (rank,)) for t in QKV)])
+        pages = layout.num_pages(PAGE_ELEMS)
+        packed = [pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), PAGE_ELEMS, dtype)[0]
+                  for _ in range(adapters)]
+        total = adapters * pages + 256
+        ids = torch.randperm(total, generator=gen)[: adapters * pages].view(adapters, pages)
+        self.pool = torch.randn(total, PAGE_ELEMS, generator=gen).to(dtype)
+        self.flat_pool = torch.zeros(adapters * pages, PAGE_ELEMS, dtype=dtype)
+        for slot, buf in enumerate(packed):
+            self.pool[ids[slot]] = buf
+            self.flat_pool[slot * pages: (slot + 1) * pages] = buf
+        self.pool, self.flat_pool = self.pool.to(device), self.flat_pool.to(device)
+        self.table = ids.to(torch.int32).to(device)
+        self.flat_table = torch.arange(adapters * pages, dtype=torch.int32).view(adapters, pages).to(device)
+        self.meta = dense_lora_meta([layout] * adapters, 0, QKV, device=device)
+        self.weight_bytes = sum(layout.layers[0].targets[(t, -1)].a.rows * 4096 for t in QKV) * 2
+        self.weight_bytes += sum(s.b.rows * s.b.cols for t in QKV
+                                 for s in layout.layers[0].targets[(t, -1)].slices) * 2
+
+    def inputs(self, tokens: int, seed: int = SEED):
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        slots = (torch.arange(tokens, dtype=torch.int32) % self.adapters).to(self.device)
+        x = torch.randn(tokens, 4096, device=self.device, generator=gen).to(self.dtype)
+        y = torch.randn(tokens, self.meta.out_cols, device=self.device, generator=gen).to(self.dtype) * 0.01
+        return slots, x, y
+
+    def floor_bytes(self, tokens: int) -> int:
+        touched = min(tokens, self.adapters) * self.weight_bytes
+        return touched + tokens * 4096 * 2 + 2 * tokens * self.meta.out_cols * 2
+
+
+def timed(fn) -> tuple[float, bool]:
+    """Seconds per call from a CUDA graph; if capture fails, from eager launches (flag False)."""
+    try:
+        return time_graph(fn), True
+    except RuntimeError as exc:
+        log.warning("graph capture failed (%s); timing eager launches", exc)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        return statistics.median(times[3:]), False
+
+
+def rel_err(setup: Setup, slots, x, y0, batch) -> float:
+    """||delta - delta_ref|| / ||delta_ref|| against an fp32 reference over the same pages."""
+    meta = setup.meta
+    y = lora_shrink_expand(y0.clone(), x, setup.pool, setup.table, slots, meta, batch=batch)
+    ref = lora_shrink_expand_ref(y0.float(), x.float(), setup.pool.float(), setup.table, slots, meta)
+    delta_ref = ref - y0.float()
+    return ((y.float() - y0.float() - delta_ref).norm() / delta_ref.norm()).item()
+
+
+def measure(setup: Setup, tokens: int, grouped: bool | None = None, config: dict | None = None,
+            contiguous: bool = False) -> tuple[float, bool, object]:
+    slots, x, y = setup.inputs(tokens)
+    batch = plan_lora_batch(slots, setup.adapters, grouped=grouped)
+    pool, table = (setup.flat_pool, setup.flat_table) if contiguous else (setup.pool, setup.table)
+    seconds, graph = timed(lambda: lora_shrink_expand(y, x, pool, table, slots, setup.meta, batch=batch,
+                                                       config=config, contiguous=contiguous))
+    return seconds, graph, batch
+
+
+def row(setup: Setup, tokens: int, bandwidth: float) -> dict:
+    seconds, graph, batch = measure(setup, tokens)
+    contiguous, _, _ = measure(setup, tokens, contiguous=True)
+    other, _, _ = measure(setup, tokens, grouped=not batch.grouped)
+    floor = setup.floor_bytes(tokens) / bandwidth
+    slots, x, y = setup.inputs(tokens)
+    config = launch_config(setup.meta, batch, setup.dtype, x.device)
+    return {
+        "bench": "lora_dense_qkv", "model": "Llama-3.1-8B", "tokens": tokens, "adapters": setup.adapters,
+        "rank": RANK, "dtype": str(setup.dtype).removeprefix("torch."), "seed": SEED,
+        "path": "grouped" if batch.grouped else "gemv",
+        "block_m": batch.block_m, "us": seconds * 1e6, "floor_us": floor * 1e6, "x_floor": seconds / floor,
+        "contiguous_us": contiguous * 1e6, "paged_over_contiguous": seconds / contiguous,
+        "other_path_us": other * 1e6, "graph": graph, "rel_err": rel_err(setup, slots, x, y, batch),
+        "copy_gbps": bandwidth / 1e9, "config": config,
+        "targets_met": {"1tok_le_10us": seconds <= 10e-6 if tokens == 1 else None,
+                        "le_3x_floor": seconds <= 3 * floor, "paged_within_10pct": seconds <= 1.1 * contiguous},
+    }
+
+
+def run(out=None, tokens=TOKENS) -> None:
+    """Emit one JSON line per token count to ``out`` (stdout by default); failures become error rows."""
+    bandwidth = copy_bandwidth()
+    emit({"bench": "lora_dense_qkv", "copy_gbps": bandwidth / 1e9}, out)
+    setup = Setup()
+    for count in tokens:
+        try:
+            emit(row(setup, count, bandwidth), out)
+        except Exception as exc:  # noqa: BLE001 - one failing row must not end the run; it is reported
+            log.error("tokens=%d failed:\n%s", count, traceback.format_exc())
+            emit({"bench": "lora_dense_qkv", "tokens": count, "error": repr(exc)}, out)
+
+
+# ------------------------------------------------------------------ tuning
+
+SEARCH = {  # coordinate descent, in this order, starting from the default config
+    "block_k": (64, 128, 256, 512), "split_k": (0, 1, 2, 4, 8, 16, 32, 64), "rows": (32, 64, 128),
+    "shrink_warps": (2, 4, 8), "shrink_stages": (1, 2, 3, 4),
+    "block_n": (64, 128, 256, 512), "expand_warps": (2, 4, 8), "expand_stages": (1, 2, 3),
+}
+
+
+def tune_one(setup: Setup, tokens: int) -> tuple[str, dict, float]:
+    _, _, batch = measure(setup, tokens, config={})
+    path = "grouped" if batch.grouped else "gemv"
+    best = dict(lora_meta._load_json()["default"][path])
+    best_s = measure(setup, tokens, config=best)[0]
+    for key, values in SEARCH.items():
+        for value in values:
+            trial = {**best, key: value}
+            try:
+                seconds = measure(setup, tokens, config=trial)[0]
+            except Exception:  # noqa: BLE001 - a config that fails to compile or run is skipped
+                log.warning("tokens=%d %s=%s failed:\n%s", tokens, key, value, traceback.format_exc())
+                continue
+            if seconds < best_s:
+                best, best_s = trial, seconds
+    default = lora_meta._load_json()["default"][path]
+    return path, {k: v for k, v in best.items() if default.get(k) != v}, best_s
+
+
+def tune(out=None, tokens=TOKENS, path: Path = lora_meta.CONFIG_PATH) -> None:
+    """Tune each token count's config on this GPU and write the overrides into ``path``."""
+    setup = Setup()
+    data = json.loads(path.read_text())
+    key = lora_meta.shape_key(setup.meta, setup.dtype)
+    entry = data.setdefault("tuned", {}).setdefault(torch.cuda.get_device_name(), {}).setdefault(key, {})
+    for count in tokens:
+        try:
+            kind, overrides, seconds = tune_one(setup, count)
+        except Exception as exc:  # noqa: BLE001 - keep tuning the other token counts
+            log.error("tuning tokens=%d failed:\n%s", count, traceback.format_exc())
+            emit({"bench": "lora_dense_qkv_tune", "tokens": count, "error": repr(exc)}, out)
+            continue
+        entry.setdefault(kind, {})[str(count)] = overrides
+        emit({"bench": "lora_dense_qkv_tune", "tokens": count, "path": kind, "us": seconds * 1e6,
+              "overrides": overrides}, out)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    lora_meta._load_json.cache_clear()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tune", action="store_true", help="tune launch configs and write them to the JSON")
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS), help="token counts")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.kernels_lora needs a CUDA GPU")
+    (tune if args.tune else run)(tokens=tuple(args.tokens))
+
+
+if __name__ == "__main__":
+    main()

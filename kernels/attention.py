@@ -1,0 +1,451 @@
+"""Paged attention (GQA) over KV blocks in the unified pool: decode and prefill.
+
+Shape legend: B = sequences, H = query heads, KVH = key/value heads,
+G = H / KVH (query heads per kv head), D = head_dim, T = query tokens of a
+prefill batch, N = pages, P = page_elems, bt = block_tokens, S = splits.
+
+KV page layout — see `unipage.kernels.kv_write`: one layer's pool is
+``[N, P]``; page ``p`` viewed as ``[2, bt, KVH, D]`` holds K then V of ``bt``
+tokens, and token position ``t`` of a sequence is row ``t % bt`` of page
+``block_table[t // bt]``.  Block-table entries past a sequence's context are
+never read, so they may hold anything (e.g. -1).
+
+Math, for query head ``h`` (kv head ``h // G``) at absolute position ``i``::
+
+    out[h] = sum_{j <= i} softmax_j(scale * q[h] . K[j, h // G]) V[j, h // G]
+
+Decode: one query per sequence at position ``context_lens[b] - 1``.
+Prefill (chunked, varlen): the queries of sequence ``b`` are rows
+``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of ``q``; with ``q_len`` of them and
+``seq_lens[b]`` context tokens in all (prefix + new, all already written
+with `write_kv`), query ``i`` sits at position ``seq_lens[b] - q_len + i``.
+A sequence with no context gets zeros.
+
+Kernels: fp32 accumulation, online softmax in base 2 (``scale * log2(e)``
+folded into the scores).  One program serves all G query heads of one kv
+head, so each K/V tile is read once per group.  Decode splits a context into
+``num_splits`` ranges (flash-decoding): each program writes a normalised
+partial and its log-sum-exp, and a second kernel merges them.  Prefill tiles
+``BLOCK_M`` rows = ``BLOCK_M / G`` query tokens x the G heads of one kv head;
+keys below the tile's first query position need no causal mask, so the key
+loop runs unmasked up to there and masked over the diagonal.  Per-step
+values (lengths, block-table width, split count) are runtime arguments that
+Triton does not specialise on, so a new length never recompiles (decode has
+two compiled variants per shape: one split, several splits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from unipage.kernels.common import num_sms
+from unipage.kernels.kv_write import kv_block_tokens
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # a decode split shorter than this costs more to merge than it saves
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Launch parameters; `decode_config` / `prefill_config` pick defaults."""
+
+    block_n: int = 64  # keys per loop iteration, power of two >= 16
+    block_m: int = 128  # prefill: query rows (tokens x G heads) per program, power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _check_config(cfg: AttentionConfig) -> AttentionConfig:
+    for name in ("block_n", "block_m"):
+        value = getattr(cfg, name)
+        _check(value >= 16 and value & (value - 1) == 0, f"config {name} must be a power of two >= 16, got {value}")
+    _check(cfg.num_warps in (1, 2, 4, 8, 16) and cfg.num_stages >= 1,
+           f"config num_warps must be a power of two <= 16 and num_stages >= 1, got {cfg}")
+    return cfg
+
+
+def decode_config(head_dim: int, on_gpu: bool) -> AttentionConfig:
+    if not on_gpu:  # interpreter: small tiles keep tests fast and cross page boundaries
+        return AttentionConfig(block_n=16, block_m=16)
+    return AttentionConfig(block_n=64, num_warps=4, num_stages=3 if head_dim <= 64 else 2)
+
+
+def prefill_config(head_dim: int, on_gpu: bool) -> AttentionConfig:
+    if not on_gpu:
+        return AttentionConfig(block_n=16, block_m=16)
+    return AttentionConfig(block_n=64, block_m=128, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+# ----------------------------------------------------------------------------- shared device code
+
+
+@triton.jit
+def _kv_tile(pool_ptr, table_ptr, n0, limit, kvh, offs_n, offs_d, BT: tl.constexpr, KVH: tl.constexpr,
+             D: tl.constexpr):
+    """K and V ``[BLOCK_N, D]`` of positions ``n0 + offs_n`` (rows >= ``limit`` read as 0)."""
+    pos = n0 + offs_n
+    valid = pos < limit
+    page = tl.load(table_ptr + pos // BT, mask=valid, other=0).to(tl.int64)
+    row_off = page * (2 * BT * KVH * D) + (pos % BT) * (KVH * D) + kvh * D
+    ptrs = pool_ptr + row_off[:, None] + offs_d[None, :]
+    k = tl.load(ptrs, mask=valid[:, None], other=0.0)
+    v = tl.load(ptrs + BT * KVH * D, mask=valid[:, None], other=0.0)
+    return k, v, pos
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One online-softmax update with log2-domain scores ``s [M, BLOCK_N]`` (masked = -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _scores(q, k, scale_log2, PRECISION: tl.constexpr):
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@triton.jit(do_not_specialize=["stride_table", "num_splits"])
+def _decode_kernel(
+    q_ptr,  # [B, H, D], last stride 1
+    pool_ptr,  # [N, P] contiguous
+    table_ptr,  # [B, max_blocks] int32, last stride 1
+    ctx_ptr,  # [B] int32
+    out_ptr,  # [B, H, D] contiguous (num_splits == 1)
+    part_out_ptr,  # [B, H, S, D] fp32 (num_splits > 1)
+    part_lse_ptr,  # [B, H, S] fp32, log2 domain
+    stride_qb, stride_qh, stride_table, num_splits, scale_log2,
+    H: tl.constexpr, KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
+    BT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx)
+    offs_g = tl.arange(0, GROUP_P)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    head = kvh * GROUP + offs_g
+    head_ok = offs_g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+    table_ptr += b.to(tl.int64) * stride_table
+    m_i = tl.full([GROUP_P], -1.0e30, tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        k, v, pos = _kv_tile(pool_ptr, table_ptr, n0, hi, kvh, offs_n, offs_d, BT, KVH, D)
+        s = _scores(q, k, scale_log2, PRECISION)
+        s = tl.where((pos < hi)[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    row = b * H + head  # [GROUP_P]
+    if SPLIT:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row * num_splits + split, lse, mask=head_ok)
+        part = part_out_ptr + (row * num_splits + split)[:, None].to(tl.int64) * D + offs_d[None, :]
+        tl.store(part, out, mask=head_ok[:, None])
+    else:
+        tl.store(out_ptr + row[:, None].to(tl.int64) * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_out_ptr,  # [B, H, S, D] fp32
+    part_lse_ptr,  # [B, H, S] fp32, log2 domain
+    out_ptr,  # [B, H, D] contiguous
+    num_splits, D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * H + h
+    offs_d = tl.arange(0, D)
+    m = tl.full([D], -1.0e30, tl.float32)
+    total = tl.zeros([D], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for split in range(num_splits):
+        lse = tl.load(part_lse_ptr + row * num_splits + split)
+        part = tl.load(part_out_ptr + (row * num_splits + split) * D + offs_d)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        total = total * alpha + weight
+        acc = acc * alpha + weight * part
+        m = m_new
+    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + row * D + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads) -> None:
+    _check(q.dim() == 3, f"q must be 3-D [.., H, D], got shape {tuple(q.shape)}")
+    heads, head_dim = q.shape[1], q.shape[2]
+    _check(num_kv_heads >= 1 and heads % num_kv_heads == 0,
+           f"num_kv_heads {num_kv_heads} must divide the {heads} query heads")
+    _check(head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two >= 16")
+    _check(kv_block_tokens(pool, num_kv_heads, head_dim) == block_tokens,
+           f"pool page of {pool.shape[-1]} elements is not block_tokens {block_tokens} x 2 x "
+           f"num_kv_heads {num_kv_heads} x head_dim {head_dim}")
+    _check(q.dtype == pool.dtype, f"q dtype {q.dtype} != pool dtype {pool.dtype}")
+    _check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
+    _check(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
+           f"block_tables must be [B, max_blocks] int32, got {tuple(block_tables.shape)} {block_tables.dtype}")
+    _check(scale > 0 and math.isfinite(scale), f"scale must be a positive finite float, got {scale}")
+
+
+def _check_lengths(name: str, lengths: torch.Tensor, batch: int) -> None:
+    _check(lengths.shape == (batch,) and lengths.dtype == torch.int32,
+           f"{name} must be [B={batch}] int32, got {tuple(lengths.shape)} {lengths.dtype}")
+
+
+def _check_launch(q, pool, block_tables, *lengths) -> None:
+    devices = {t.device for t in (q, pool, block_tables, *lengths)}
+    _check(len(devices) == 1, f"tensors on different devices: {devices}")
+    _check(pool.is_contiguous(), "pool must be contiguous")
+    _check(q.stride(2) == 1, "q needs a contiguous last dim")
+    _check(block_tables.stride(1) == 1, "block_tables needs a contiguous last dim")
+    _check(all(t.is_contiguous() for t in lengths), "length tensors must be contiguous")
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head): about four programs per SM, no split under MIN_SPLIT_TOKENS."""
+    want = triton.cdiv(4 * num_sms(device), max(1, batch * num_kv_heads))
+    return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 64))
+
+
+def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, block_tokens: int, num_kv_heads: int,
+                           *, num_splits: int | None = None, config: AttentionConfig | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of attention for B sequences; returns ``out [B, H, D]`` (q's dtype).
+
+    q: [B, H, D], last dim contiguous.  pool: [N, P] one layer, contiguous, q's dtype.
+    block_tables: [B, max_blocks] int32 page ids.  context_lens: [B] int32, tokens in the
+    pool per sequence incl. the current one, <= max_blocks * block_tokens (not checked).
+    num_splits: context ranges per sequence (flash-decoding); default from
+    `default_num_splits` with ``max_blocks * block_tokens`` as the context bound (no sync).
+    out: optional [B, H, D] contiguous, q's dtype, written and returned.
+    """
+    _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
+    batch, heads, head_dim = q.shape
+    _check_lengths("context_lens", context_lens, batch)
+    _check(block_tables.shape[0] == batch, f"block_tables has {block_tables.shape[0]} rows for B={batch}")
+    _check_launch(q, pool, block_tables, context_lens)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_tokens, q.device)
+    _check(isinstance(num_splits, int) and num_splits >= 1, f"num_splits must be an int >= 1, got {num_splits}")
+    cfg = _check_config(config or decode_config(head_dim, q.is_cuda))
+    out = _output(out, q, contiguous=True)
+    if batch == 0:
+        return out
+    split = num_splits > 1
+    part_out = torch.empty((batch, heads, num_splits, head_dim) if split else (1,), dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty((batch, heads, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
+    group = heads // num_kv_heads
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, pool, block_tables, context_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1), block_tables.stride(0), num_splits, scale * LOG2E,
+        H=heads, KVH=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=head_dim,
+        BT=block_tokens, BLOCK_N=cfg.block_n, SPLIT=split, PRECISION=_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split:
+        _merge_splits_kernel[(batch * heads,)](part_out, part_lse, out, num_splits, D=head_dim, num_warps=1)
+    return out
+
+
+def _output(out: torch.Tensor | None, q: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
+           f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    _check(out.is_contiguous() if contiguous else out.stride(2) == 1,
+           "out must be contiguous" if contiguous else "out needs a contiguous last dim")
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # only fp32 inputs read it
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+@triton.jit
+def _load_query_rows(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, offs_m, offs_d,
+                     BLOCK_Q: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr):
+    """Rows ``r`` = (token ``tile * BLOCK_Q + r // GROUP_P``, head ``kvh * GROUP + r % GROUP_P``)."""
+    token = tile * BLOCK_Q + offs_m // GROUP_P
+    head = kvh * GROUP + offs_m % GROUP_P
+    row_ok = (token < q_len) & (offs_m % GROUP_P < GROUP)
+    ptrs = q_ptr + (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    return ptrs, row_ok, token
+
+
+@triton.jit(do_not_specialize=["stride_table"])
+def _prefill_kernel(
+    q_ptr,  # [T, H, D], last stride 1
+    pool_ptr,  # [N, P] contiguous
+    table_ptr,  # [B, max_blocks] int32, last stride 1
+    cu_q_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [T, H, D], last stride 1
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, scale_log2,
+    KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    BLOCK_Q = BLOCK_M // GROUP_P  # query tokens per tile
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_ptrs, row_ok, token = _load_query_rows(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, offs_m, offs_d,
+                                             BLOCK_Q, GROUP, GROUP_P)
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_pos = prefix + token  # [BLOCK_M]
+    first = tile * BLOCK_Q
+    # keys [0, full_end) precede every query of this tile: no mask needed there
+    hi = tl.where(first < q_len, prefix + tl.minimum(first + BLOCK_Q, q_len), 0)
+    full_end = tl.minimum((prefix + first) // BLOCK_N * BLOCK_N, hi // BLOCK_N * BLOCK_N)
+    table_ptr += b.to(tl.int64) * stride_table
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(0, full_end, BLOCK_N):
+        k, v, pos = _kv_tile(pool_ptr, table_ptr, n0, hi, kvh, offs_n, offs_d, BT, KVH, D)
+        m_i, l_i, acc = _softmax_step(_scores(q, k, scale_log2, PRECISION), v, m_i, l_i, acc, PRECISION)
+    for n0 in range(full_end, hi, BLOCK_N):
+        k, v, pos = _kv_tile(pool_ptr, table_ptr, n0, hi, kvh, offs_n, offs_d, BT, KVH, D)
+        causal = (pos[None, :] <= q_pos[:, None]) & (pos < hi)[None, :]
+        s = tl.where(causal, _scores(q, k, scale_log2, PRECISION), float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    head = kvh * GROUP + offs_m % GROUP_P
+    o_ptrs = out_ptr + (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_tokens: int,
+                            num_kv_heads: int, *, max_q_len: int | None = None,
+                            config: AttentionConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of new tokens over their whole context; returns ``out [T, H, D]`` (q's dtype).
+
+    q: [T, H, D], last dim contiguous, the new tokens of B sequences back to back.
+    pool: [N, P] one layer, contiguous, q's dtype; the new tokens' K/V already written.
+    block_tables: [B, max_blocks] int32.  cu_seqlens_q: [B + 1] int32, row offsets of the
+    sequences in q (cu[0] = 0, cu[B] = T).  seq_lens: [B] int32, total context per
+    sequence (prefix + new), >= its query count.  max_q_len: the largest query count
+    (sizes the grid); computed from cu_seqlens_q with a device sync when None.
+    out: optional [T, H, D], last dim contiguous, q's dtype, written and returned.
+    """
+    _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
+    batch = block_tables.shape[0]
+    _check_lengths("seq_lens", seq_lens, batch)
+    _check(cu_seqlens_q.shape == (batch + 1,) and cu_seqlens_q.dtype == torch.int32,
+           f"cu_seqlens_q must be [B+1={batch + 1}] int32, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
+    _check_launch(q, pool, block_tables, seq_lens, cu_seqlens_q)
+    tokens, heads, head_dim = q.shape
+    out = _output(out, q, contiguous=False)
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch else 0
+    if batch == 0 or tokens == 0 or max_q_len == 0:
+        return out
+    cfg = _check_config(config or prefill_config(head_dim, q.is_cuda))
+    group = heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    block_m = max(cfg.block_m, group_p, 16)
+    grid = (triton.cdiv(max_q_len, block_m // group_p), batch, num_kv_heads)
+    _prefill_kernel[grid](
+        q, pool, block_tables, cu_seqlens_q, seq_lens, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E,
+        KVH=num_kv_heads, GROUP=group, GROUP_P=group_p, D=head_dim, BT=block_tokens,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+# ----------------------------------------------------------------------------- torch references
+
+
+def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int, block_tokens: int,
+              num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[length, KVH, D]`` of one sequence, read through ``block_table [max_blocks]``."""
+    head_dim = pool.shape[1] // (2 * block_tokens * num_kv_heads)
+    pages = block_table[: triton.cdiv(length, block_tokens)].long()
+    kv = pool.view(pool.shape[0], 2, block_tokens, num_kv_heads, head_dim)[pages]  # [n, 2, bt, KVH, D]
+    k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:length]
+    v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:length]
+    return k, v
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 GQA attention of ``q [M, H, D]`` at positions ``q_pos [M]`` over ``k, v [L, KVH, D]``
+    (key j at position j, visible when j <= q_pos); returns ``[M, H, D]`` fp32, zeros when L = 0."""
+    rows, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape[0] == 0:
+        return torch.zeros(rows, heads, head_dim, dtype=torch.float32, device=q.device)
+    qg = q.float().view(rows, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.einsum("mkgd,lkd->kgml", qg, k.float()) * scale
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [M, L]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("kgml,lkd->mkgd", probs, v.float()).reshape(rows, heads, head_dim)
+
+
+def paged_attention_decode_ref(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, scale: float, block_tokens: int, num_kv_heads: int,
+                               *, num_splits: int | None = None,
+                               config: AttentionConfig | None = None,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of `paged_attention_decode` (num_splits and config are ignored)."""
+    _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
+    _check_lengths("context_lens", context_lens, q.shape[0])
+    out = _output(out, q, contiguous=True)
+    for b, length in enumerate(context_lens.tolist()):
+        k, v = gather_kv(pool, block_tables[b], length, block_tokens, num_kv_heads)
+        q_pos = torch.tensor([length - 1], device=q.device)
+        out[b] = attend_ref(q[b: b + 1], k, v, q_pos, scale)[0].to(q.dtype)
+    return out
+
+
+def paged_attention_prefill_ref(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_tokens: int,
+                                num_kv_heads: int, *, max_q_len: int | None = None,
+                                config: AttentionConfig | None = None,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of `paged_attention_prefill` (max_q_len and config are ignored)."""
+    _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
+    _check_lengths("seq_lens", seq_lens, block_tables.shape[0])
+    out = _output(out, q, contiguous=False)
+    starts = cu_seqlens_q.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        k, v = gather_kv(pool, block_tables[b], length, block_tokens, num_kv_heads)
+        q_pos = torch.arange(length - (hi - lo), length, device=q.device)
+        out[lo:hi] = attend_ref(q[lo:hi], k, v, q_pos, scale).to(q.dtype)
+    return out

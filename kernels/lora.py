@@ -1,0 +1,365 @@
+"""Paged LoRA shrink/expand for dense linear layers, reading A and B from pool pages.
+
+Shape legend: T = tokens, S = adapter slots, J = output slices of one call
+(q, k, v), N = pool pages, P = page_elems, D = d_in, C = output columns of all
+slices, RB = rank block (largest rank padded to a power of two >= 16).
+
+Math — for every token ``t`` with slot ``s = token_slots[t] >= 0`` and every
+slice ``j`` whose rank ``r = rank[s, j]`` is > 0::
+
+    h = round(x[t] @ A[s, j].T)                                  # [r]   shrink
+    y[t, c_j : c_j + n_j] = round(y[t, c_j:c_j+n_j] + scale * h @ B[s, j])   # expand
+
+with ``A[s, j]`` ``[r, D]`` and ``B[s, j]`` ``[r, n_j]`` read from the slot's
+pages (the LoRA scaling is already folded into B), products accumulated in
+fp32 and ``round`` to the model dtype (as PEFT does with its intermediate).
+Tokens with slot -1 and slices of rank 0 are left bit-identical.
+
+Two kernels, each with two paths chosen by the `LoraBatch` plan:
+
+* shrink — programs ``(row tile, K split, stacked-row block)``.  The A rows of
+  all slices are stacked (row ``j * RB + i`` = row ``i`` of slice ``j``), so
+  one pass over x serves q, k and v.  Split-K fills the GPU when the token
+  count is small; partial sums go to ``part [split, T, J*RB]`` fp32 (no
+  atomics, no zeroing).
+* expand — programs ``(row tile, column tile)``; a column tile lies inside one
+  slice.  It sums the K splits of ``h``, rounds it, multiplies by B and adds
+  into ``y`` in the epilogue.
+
+GEMV path: a row tile is one token (decode).  Grouped path: a row tile is
+``block_m`` tokens of one adapter, gathered through ``token_order``, and the
+products use ``tl.dot``.
+
+Paging: every tile is loaded in 64-column runs.  A run starts 64-aligned in
+a row whose stride is a multiple of 64, so it lies in one page: its physical
+offset is translated once per (row, run) — ``page_table[slot, v >> log2 P] * P
++ (v & (P - 1))`` — and the 64 elements follow contiguously.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from unipage.adapter_pack import gather_block
+from unipage.kernels.lora_meta import (
+    DenseLoraMeta, LoraBatch, launch_config, next_pow2, plan_lora_batch, rows_block, split_k_plan,
+)
+from unipage.lora_layout import Block, round_up
+
+RUN = 64  # elements per translated run; == unipage.lora_layout.ALIGN
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# Kernel arguments (legend above):
+#   x_ptr [T, D], y_ptr [T, C]: model dtype, rows x_stride / y_stride apart, columns contiguous
+#   pool_ptr [N, P]: model dtype;  table_ptr [S, max_pages] int32, rows table_stride apart
+#   token_slots_ptr [T] int32;  tiles_ptr [M, 3] int32 (slot, first, end);  order_ptr [T] int64
+#   rank_ptr, a_off_ptr, b_off_ptr [S, J] int32;  part_ptr [split_k, T, J*RB] fp32
+#   col_tiles_ptr [n_tiles, 4] int32 (slice, first column in slice, slice width, y column of slice)
+# On the GEMV path tiles_ptr / order_ptr are unused (token_slots is passed in their place).
+
+
+@triton.jit
+def _row_tile(pid, token_slots_ptr, tiles_ptr, order_ptr, BM: tl.constexpr, GROUPED: tl.constexpr):
+    """``(slot, token ids [BM] int64, row mask [BM])`` of row tile ``pid``."""
+    if GROUPED:
+        slot = tl.load(tiles_ptr + pid * 3)
+        first = tl.load(tiles_ptr + pid * 3 + 1)
+        end = tl.load(tiles_ptr + pid * 3 + 2)
+        m = first + tl.arange(0, BM)
+        m_ok = m < end
+        tok = tl.load(order_ptr + m, mask=m_ok, other=0)
+    else:
+        slot = tl.load(token_slots_ptr + pid)
+        tok = (pid + tl.arange(0, BM)).to(tl.int64)
+        m_ok = tok == pid
+    return slot, tok, m_ok
+
+
+@triton.jit
+def _run_starts(table, virt, ok, LOG2_P: tl.constexpr, PAGED: tl.constexpr):
+    """Pool element offsets (int64) of the 64-element runs starting at virtual elements ``virt``."""
+    if PAGED:
+        page = tl.load(table + (virt >> LOG2_P), mask=ok, other=0)
+        start = page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1))
+    else:  # the slot's buffer is contiguous from its first page
+        start = tl.load(table).to(tl.int64) * (1 << LOG2_P) + virt
+    return tl.multiple_of(start, 64)  # runs start 64-aligned: lets the loads vectorize
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _shrink_kernel(
+    x_ptr, x_stride, pool_ptr, table_ptr, table_stride,
+    token_slots_ptr, tiles_ptr, order_ptr, rank_ptr, a_off_ptr, part_ptr,
+    num_tokens, d_in, a_stride, k_per_split,
+    J: tl.constexpr, RB: tl.constexpr, ROWS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    GROUPED: tl.constexpr, EVEN_K: tl.constexpr, PAGED: tl.constexpr, LOG2_P: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
+    if slot < 0:
+        return
+    row = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # stacked row: slice * RB + i
+    piece, i = row // RB, row % RB
+    piece_ok = piece < J
+    rank = tl.load(rank_ptr + slot * J + piece, mask=piece_ok, other=0)
+    if tl.max(rank, 0) == 0:
+        return  # no slice of this block exists for the slot; expand skips it too
+    row_ok = i < rank
+    row_virt = tl.load(a_off_ptr + slot * J + piece, mask=piece_ok, other=0) + i * a_stride
+    table = table_ptr + slot.to(tl.int64) * table_stride
+    x_rows = x_ptr + tok[:, None] * x_stride
+    cols = tl.arange(0, 64)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, d_in)
+    acc = tl.zeros((BM, ROWS), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        for r in tl.static_range(BK // 64):
+            k = tl.multiple_of(k0 + r * 64, 64)
+            if EVEN_K:
+                x = tl.load(x_rows + k + cols[None, :], mask=m_ok[:, None], other=0.0)
+                start = _run_starts(table, row_virt + k, row_ok, LOG2_P, PAGED)
+                a = tl.load(pool_ptr + start[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = k + cols < d_in
+                x = tl.load(x_rows + k + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                run_ok = row_ok & (row * 0 + k < d_in)  # vector form: the interpreter rejects bool scalars here
+                start = _run_starts(table, row_virt + k, run_ok, LOG2_P, PAGED)
+                a = tl.load(pool_ptr + start[:, None] + cols[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if GROUPED:
+                if FP32:
+                    acc += tl.dot(x, tl.trans(a), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(a))
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :], axis=2)
+    part = part_ptr + (tl.program_id(1) * num_tokens + tok[:, None]) * (J * RB) + row[None, :]
+    tl.store(part, acc, mask=m_ok[:, None] & piece_ok[None, :])
+
+
+@triton.jit
+def _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS: tl.constexpr):
+    """``h [BM, RK]`` fp32: the Split-K partials of rows ``i``, summed in one vector load."""
+    split = tl.arange(0, SPLITS)
+    ptrs = part_rows[None, :, :] + split[:, None, None] * split_stride + i[None, None, :]
+    mask = (split < split_k)[:, None, None] & m_ok[None, :, None] & i_ok[None, None, :]
+    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "split_k"])
+def _expand_kernel(
+    y_ptr, y_stride, pool_ptr, table_ptr, table_stride,
+    token_slots_ptr, tiles_ptr, order_ptr, rank_ptr, b_off_ptr, part_ptr, col_tiles_ptr,
+    num_tokens, split_k, scale,
+    J: tl.constexpr, RB: tl.constexpr, RK: tl.constexpr, SPLITS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, Y_DIV: tl.constexpr, GROUPED: tl.constexpr, EVEN_N: tl.constexpr,
+    PAGED: tl.constexpr, LOG2_P: tl.constexpr, FP32: tl.constexpr,
+):
+    slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
+    if slot < 0:
+        return
+    col_tile = col_tiles_ptr + tl.program_id(1) * 4
+    piece = tl.load(col_tile)
+    rank = tl.load(rank_ptr + slot * J + piece)
+    if rank == 0:
+        return  # the slot's adapter lacks this target
+    n_lo = tl.multiple_of(tl.load(col_tile + 1), 64)
+    width = tl.load(col_tile + 2)
+    y_rows = y_ptr + tok[:, None] * y_stride + tl.multiple_of(tl.load(col_tile + 3), Y_DIV)
+    b_virt = tl.load(b_off_ptr + slot * J + piece)
+    b_stride = (width + 63) // 64 * 64
+    table = table_ptr + slot.to(tl.int64) * table_stride
+    part_rows = part_ptr + tok[:, None] * (J * RB) + piece * RB  # [BM, 1]
+    split_stride = num_tokens * (J * RB)
+    dtype = y_ptr.dtype.element_ty
+    cols = tl.arange(0, 64)
+    i0 = tl.arange(0, RK)
+    if RK == RB:  # the whole rank in one chunk: sum the splits once, not per column run
+        h_all = _sum_splits(part_rows, i0, m_ok, i0 < rank, split_k, split_stride, SPLITS).to(dtype)
+    for n in range(n_lo, tl.minimum(n_lo + BN, width), 64):
+        n = tl.multiple_of(n, 64)  # a loop variable carries no hint of its own
+        n_ok = n + cols < width
+        if EVEN_N:
+            y_mask = m_ok[:, None]
+        else:
+            y_mask = m_ok[:, None] & n_ok[None, :]
+        y = tl.load(y_rows + n + cols[None, :], mask=y_mask, other=0.0)  # issued early: overlaps the B chain
+        acc = tl.zeros((BM, 64), dtype=tl.float32)
+        for r0 in range(0, rank, RK):
+            i = r0 + i0
+            i_ok = i < rank
+            if RK == RB:
+                h = h_all
+            else:
+                h = _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS).to(dtype)
+            start = _run_starts(table, b_virt + i * b_stride + n, i_ok, LOG2_P, PAGED)
+            if EVEN_N:
+                b = tl.load(pool_ptr + start[:, None] + cols[None, :], mask=i_ok[:, None], other=0.0)
+            else:
+                b = tl.load(pool_ptr + start[:, None] + cols[None, :],
+                            mask=i_ok[:, None] & n_ok[None, :], other=0.0)
+            if GROUPED:
+                if FP32:
+                    acc += tl.dot(h, b, input_precision="ieee")
+                else:
+                    acc += tl.dot(h, b)
+            else:
+                acc += tl.sum(h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        tl.store(y_rows + n + cols[None, :], (y.to(tl.float32) + scale * acc).to(dtype), mask=y_mask)
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"lora_shrink_expand: {name} must be {expected}, got {got}")
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "a tensor", type(t).__name__)
+    if t.dim() != len(shape) or any(e is not None and e != g for e, g in zip(shape, t.shape)):
+        _fail(name, f"of shape {tuple('*' if e is None else e for e in shape)}", tuple(t.shape))
+    if t.dtype != dtype:
+        _fail(f"{name}.dtype", str(dtype), t.dtype)
+    if t.device != device:
+        _fail(f"{name}.device", str(device), t.device)
+    if t.numel() and t.stride(-1) != 1:
+        _fail(f"{name}.stride(-1)", "1 (rows contiguous)", t.stride(-1))
+
+
+def check_inputs(y, x, pool, page_table, token_slots, meta: DenseLoraMeta) -> None:
+    """Validate the arguments of `lora_shrink_expand` (shared by the reference); raise ValueError."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 2:
+        _fail("pool", "one layer of the pool, [N, P]", getattr(pool, "shape", type(pool).__name__))
+    page = pool.shape[1]
+    if pool.dtype not in DTYPES:
+        _fail("pool.dtype", f"one of {DTYPES}", pool.dtype)
+    if page < 64 or page & (page - 1) or not pool.is_contiguous():
+        _fail("pool", "contiguous with a power-of-two page_elems >= 64", (tuple(pool.shape), pool.stride()))
+    count, dev = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None, pool.device
+    _check_tensor("x", x, (None, meta.d_in), pool.dtype, dev)
+    _check_tensor("y", y, (count, meta.out_cols), pool.dtype, dev)
+    _check_tensor("token_slots", token_slots, (count,), torch.int32, dev)
+    _check_tensor("page_table", page_table, (meta.num_slots, None), torch.int32, dev)
+    if page_table.shape[1] * page < meta.buffer_elems:
+        _fail("page_table.shape[1]", f">= {-(-meta.buffer_elems // page)} pages", page_table.shape[1])
+    if meta.rank.device != dev:
+        _fail("meta device", str(dev), meta.rank.device)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
+                       token_slots: torch.Tensor, meta: DenseLoraMeta, *, batch: LoraBatch | None = None,
+                       scale: float = 1.0, config: dict | None = None, contiguous: bool = False) -> torch.Tensor:
+    """``y[t, slice j] += scale * round(x[t] @ A[s, j].T) @ B[s, j]`` for ``s = token_slots[t] >= 0``.
+
+    y: ``[T, C]`` model dtype, updated in place and returned (row stride free, columns contiguous).
+    x: ``[T, D]`` model dtype.
+    pool: ``[N, P]`` one layer of the pool (model dtype, contiguous, P a power of two >= 64).
+    page_table: ``[S, max_pages]`` int32, page ids of each slot's buffer.
+    token_slots: ``[T]`` int32, the slot of each token, -1 for none (must be < S).
+    meta: `DenseLoraMeta` of this layer and these targets, on the pool's device.
+    batch: `LoraBatch` from `plan_lora_batch` (built once per step); None plans here.
+    scale: extra factor (the adapters' scaling is already folded into B).
+    config: launch-config overrides (tile sizes, Split-K, warps); default from configs/lora_dense.json.
+    contiguous: read each slot's buffer as contiguous from its first page (no per-run
+        translation) — only for benchmarking against unpaged weights.
+    """
+    check_inputs(y, x, pool, page_table, token_slots, meta)
+    if x.shape[0] == 0 or meta.max_rank == 0:
+        return y
+    if batch is None:
+        batch = plan_lora_batch(token_slots, meta.num_slots)
+    if batch.num_tokens != x.shape[0]:
+        _fail("batch.num_tokens", f"T = {x.shape[0]}", batch.num_tokens)
+    cfg = launch_config(meta, batch, pool.dtype, pool.device) | (config or {})
+    part, split_k = _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous)
+    _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part, split_k, scale)
+    return y
+
+
+def _common(pool, page_table, token_slots, meta, batch, contiguous) -> tuple[list, dict]:
+    args = [pool, page_table, page_table.stride(0), token_slots,
+            batch.tiles if batch.grouped else token_slots,
+            batch.token_order if batch.grouped else token_slots, meta.rank]
+    consts = dict(J=meta.num_slices, RB=meta.rank_block, BM=batch.block_m, GROUPED=batch.grouped,
+                  PAGED=not contiguous, LOG2_P=pool.shape[1].bit_length() - 1,
+                  FP32=pool.dtype == torch.float32)
+    return args, consts
+
+
+def _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous) -> tuple[torch.Tensor, int]:
+    if batch.grouped and meta.rank_block > RUN:
+        cfg = {**cfg, "split_k": 1}  # the expand sums splits of [BM, 64]-rank chunks: keep it in registers
+    rows = rows_block(meta, cfg)
+    row_blocks = -(-(meta.num_slices * meta.rank_block) // rows)
+    programs = batch.num_row_tiles * row_blocks
+    block_k, split_k, k_per_split = split_k_plan(meta.d_in, cfg["block_k"], programs, cfg, x.device)
+    count = x.shape[0]
+    part = torch.empty(split_k, count, meta.num_slices * meta.rank_block, dtype=torch.float32, device=x.device)
+    args, consts = _common(pool, page_table, token_slots, meta, batch, contiguous)
+    grid = (batch.num_row_tiles, split_k, row_blocks)
+    _shrink_kernel[grid](
+        x, x.stride(0), *args, meta.a_offset, part,
+        count, meta.d_in, round_up(meta.d_in), k_per_split,
+        ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, **consts,
+        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
+    return part, split_k
+
+
+def _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part, split_k, scale) -> None:
+    block_n = cfg["block_n"]
+    if block_n < RUN or block_n % RUN:
+        _fail("config block_n", "a multiple of 64", block_n)
+    col_tiles = meta.col_tile_table(block_n)
+    args, consts = _common(pool, page_table, token_slots, meta, batch, contiguous)
+    grid = (batch.num_row_tiles, col_tiles.shape[0])
+    _expand_kernel[grid](
+        y, y.stride(0), *args, meta.b_offset, part, col_tiles,
+        y.shape[0], split_k, float(scale),
+        RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,
+        Y_DIV=math.gcd(RUN, *meta.slice_starts),
+        EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), **consts,
+        num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
+
+
+# --------------------------------------------------------------- reference
+
+
+def lora_shrink_expand_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
+                           token_slots: torch.Tensor, meta: DenseLoraMeta, *, batch: LoraBatch | None = None,
+                           scale: float = 1.0, config: dict | None = None,
+                           contiguous: bool = False) -> torch.Tensor:
+    """Torch reference of `lora_shrink_expand`, same signature and math; reads through the page
+    table like the kernels (``batch``, ``config`` and ``contiguous`` only shape the launch there).
+
+    Used by the engine on CPU and as the test oracle.  Syncs with the device (reads ``token_slots``).
+    """
+    check_inputs(y, x, pool, page_table, token_slots, meta)
+    slots = token_slots.tolist()
+    bad = sorted({s for s in slots if not -1 <= s < meta.num_slots})
+    if bad:
+        _fail("token_slots", f"in [-1, {meta.num_slots})", bad)
+    for slot in sorted(set(slots) - {-1}):
+        rows = torch.tensor([t for t, s in enumerate(slots) if s == slot], device=x.device)
+        _slot_delta(y, x[rows].float(), rows, pool, page_table[slot].long(), meta, slot, scale)
+    return y
+
+
+def _slot_delta(y, x_rows, rows, pool, table, meta: DenseLoraMeta, slot: int, scale: float) -> None:
+    for j, rank in enumerate(meta.ranks[slot]):
+        if rank == 0:
+            continue
+        a = gather_block(pool, table, Block(meta.a_offsets[slot][j], rank, meta.d_in)).float()
+        b = gather_block(pool, table, Block(meta.b_offsets[slot][j], rank, meta.slice_cols[j])).float()
+        h = (x_rows @ a.T).to(y.dtype).float()
+        cols = slice(meta.slice_starts[j], meta.slice_starts[j] + meta.slice_cols[j])
+        y[rows, cols] = (y[rows, cols].float() + scale * (h @ b)).to(y.dtype)

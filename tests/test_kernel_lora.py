@@ -1,0 +1,381 @@
+"""Paged dense LoRA shrink/expand: Triton (interpreter on CPU) vs the torch reference,
+the reference vs a plain dense computation, the metadata, the plan and the launcher's checks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from unipage.adapter_pack import pack_adapter, random_lora_weights
+from unipage.config import ModelConfig
+from unipage.kernels import lora_meta
+from unipage.kernels.lora import lora_shrink_expand, lora_shrink_expand_ref
+from unipage.kernels.lora_meta import dense_lora_meta, launch_config, plan_lora_batch, split_k_plan
+from unipage.lora_layout import TargetSpec, build_layout
+
+QKV = ("q_proj", "k_proj", "v_proj")
+MIXES = ("identical", "distinct", "uniform", "zipf", "skewed")
+# slot -> ranks per target (None: empty slot); slot 3 lacks k_proj, ranks differ
+SLOTS = [{"q_proj": 8, "k_proj": 8, "v_proj": 8}, {"q_proj": 4, "k_proj": 16, "v_proj": 4}, None,
+         {"q_proj": 16, "v_proj": 8}, {"q_proj": 4, "k_proj": 4, "v_proj": 4}]
+
+
+def tiny_model(d_in: int = 64) -> ModelConfig:
+    """q_proj d_in -> 64, k_proj and v_proj d_in -> 32."""
+    return ModelConfig(num_layers=2, hidden_size=d_in, num_heads=2, num_kv_heads=1, head_dim=32,
+                       intermediate_size=64, dtype="float32")
+
+
+@dataclass
+class World:
+    model: ModelConfig
+    layouts: list
+    weights: list  # per slot: LoraWeights or None
+    pool: torch.Tensor  # [L, N, P]
+    page_table: torch.Tensor  # [S, max_pages] int32
+
+
+def build_world(slots=SLOTS, d_in=64, page=64, dtype=torch.float32, seed=0, layer1_drop="v_proj") -> World:
+    """Adapters packed with pack_adapter at shuffled page ids; every other page (and every
+    unused page-table entry) is random noise, so a wrong page read shows up in the result."""
+    gen = torch.Generator().manual_seed(seed)
+    model = tiny_model(d_in)
+    layouts, weights, packed = [], [], []
+    for ranks in slots:
+        if ranks is None:
+            layouts.append(None), weights.append(None), packed.append(None)
+            continue
+        layer0 = tuple(TargetSpec(t, (r,)) for t, r in ranks.items())
+        layer1 = tuple(s for s in layer0 if s.target != layer1_drop)
+        layout = build_layout(model, [layer0, layer1])
+        lw = random_lora_weights(layout, gen)
+        layouts.append(layout), weights.append(lw), packed.append(pack_adapter(layout, lw, page, dtype))
+    used = sum(p.shape[1] for p in packed if p is not None)
+    num_pages = used + 9
+    pool = torch.randn(2, num_pages, page, generator=gen).to(dtype)
+    ids = torch.randperm(num_pages, generator=gen)
+    noise_ids = ids[used:]
+    width = max(p.shape[1] for p in packed if p is not None) + 2
+    table = noise_ids[torch.randint(len(noise_ids), (len(slots), width), generator=gen)].to(torch.int32)
+    cursor = 0
+    for slot, pages in enumerate(packed):
+        if pages is None:
+            continue
+        mine = ids[cursor: cursor + pages.shape[1]]
+        cursor += pages.shape[1]
+        pool[:, mine] = pages
+        table[slot, : len(mine)] = mine.to(torch.int32)
+    return World(model, layouts, weights, pool, table)
+
+
+def token_mix(kind: str, count: int, slots: list[int], gen: torch.Generator, none_frac=0.2) -> torch.Tensor:
+    """Slot per token for one adapter-popularity mix; about ``none_frac`` of tokens get -1."""
+    choice = torch.tensor(slots)
+    if kind == "identical":
+        out = choice[:1].repeat(count)
+    elif kind == "distinct":
+        out = choice[torch.arange(count) % len(slots)]
+    elif kind == "uniform":
+        out = choice[torch.randint(len(slots), (count,), generator=gen)]
+    elif kind == "zipf":
+        weights = 1.0 / torch.arange(1, len(slots) + 1).double() ** 1.5
+        out = choice[torch.multinomial(weights, count, replacement=True, generator=gen)]
+    else:  # skewed: most tokens on one adapter, a few on the rest
+        weights = torch.tensor([8.0] + [0.25] * (len(slots) - 1))
+        out = choice[torch.multinomial(weights, count, replacement=True, generator=gen)]
+    none = torch.rand(count, generator=gen) < none_frac
+    none[0] = False  # keep at least one LoRA token
+    return torch.where(none, -1, out).to(torch.int32)
+
+
+def run_both(world: World, slots: torch.Tensor, layer=0, targets=QKV, seed=1, scale=1.0, **kwargs):
+    """(meta, y before, y after the reference, y after the kernel) for random x and random y."""
+    device = world.pool.device
+    meta = dense_lora_meta(world.layouts, layer, targets, device=device, model=world.model)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = world.pool.dtype
+    x = torch.randn(len(slots), meta.d_in, generator=gen).to(dtype).to(device)
+    y0 = torch.randn(len(slots), meta.out_cols, generator=gen).to(dtype).to(device)
+    args = (x, world.pool[layer], world.page_table, slots, meta)
+    y_ref = lora_shrink_expand_ref(y0.clone(), *args, scale=scale)
+    y_out = lora_shrink_expand(y0.clone(), *args, scale=scale, **kwargs)
+    return meta, y0, y_ref, y_out
+
+
+def assert_close(y_out, y_ref, y0):
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[y_out.dtype]
+    torch.testing.assert_close(y_out.float(), y_ref.float(), rtol=tol, atol=tol)
+    assert not torch.equal(y_ref, y0)  # the test did exercise some LoRA
+
+
+def assert_untouched(y_out, y0, slots, meta):
+    """Tokens without adapter, and columns of targets a slot lacks, are bit-identical."""
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            assert torch.equal(y_out[t], y0[t])
+            continue
+        for j, rank in enumerate(meta.ranks[slot]):
+            if rank == 0:
+                cols = slice(meta.slice_starts[j], meta.slice_starts[j] + meta.slice_cols[j])
+                assert torch.equal(y_out[t, cols], y0[t, cols])
+
+
+def plan(slots, world, grouped, block_m=None):
+    return plan_lora_batch(slots, len(world.layouts), grouped=grouped, block_m=block_m)
+
+
+# ------------------------------------------------------------ reference oracle
+
+
+def test_reference_matches_dense_per_token_product():
+    world = build_world()
+    gen = torch.Generator().manual_seed(3)
+    slots = token_mix("uniform", 17, [0, 1, 3, 4], gen)
+    meta = dense_lora_meta(world.layouts, 0, QKV, model=world.model)
+    x = torch.randn(17, meta.d_in, generator=gen)
+    y0 = torch.randn(17, meta.out_cols, generator=gen)
+    y_ref = lora_shrink_expand_ref(y0.clone(), x, world.pool[0], world.page_table, slots, meta, scale=0.5)
+    expected = y0.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        col = 0
+        for target, width in zip(QKV, (64, 32, 32)):
+            mats = world.weights[slot].get((0, target, -1))
+            if mats is not None:
+                expected[t, col: col + width] += 0.5 * (x[t] @ mats.a.T) @ mats.b[0]
+            col += width
+    torch.testing.assert_close(y_ref, expected, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------ kernel vs reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("count", [1, 5, 33])
+def test_kernel_matches_reference_on_both_paths(dtype, mix, count):
+    world = build_world(dtype=dtype, seed=count)
+    slots = token_mix(mix, count, [0, 1, 3, 4], torch.Generator().manual_seed(7))
+    for grouped in (False, True):
+        meta, y0, y_ref, y_out = run_both(world, slots, batch=plan(slots, world, grouped))
+        assert_close(y_out, y_ref, y0)
+        assert_untouched(y_out, y0, slots, meta)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_uneven_d_in_split_k_row_blocks_and_wide_column_tiles(grouped):
+    """d_in 160 (K masks on), 3-way Split-K, 16-row shrink blocks (several per slot), block_n 128
+    over slices of width 64/32/32 (N masks on), a larger page, and scale != 1."""
+    world = build_world(d_in=160, page=128, seed=5)
+    slots = token_mix("zipf", 33, [0, 1, 3, 4], torch.Generator().manual_seed(2))
+    config = {"block_k": 64, "split_k": 3, "rows": 16, "block_n": 128}
+    meta, y0, y_ref, y_out = run_both(world, slots, scale=0.75, config=config,
+                                      batch=plan(slots, world, grouped, block_m=16))
+    assert_close(y_out, y_ref, y0)
+    assert_untouched(y_out, y0, slots, meta)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_rank_above_64_takes_rank_chunks(grouped):
+    """Rank 80 (rank block 128): several stacked-row blocks in the shrink, two rank chunks in the expand."""
+    world = build_world(slots=[{"q_proj": 80, "k_proj": 4, "v_proj": 8}, None, {"v_proj": 16}], seed=9)
+    slots = token_mix("uniform", 20, [0, 2], torch.Generator().manual_seed(5))
+    meta, y0, y_ref, y_out = run_both(world, slots, batch=plan(slots, world, grouped))
+    assert meta.rank_block == 128
+    assert_close(y_out, y_ref, y0)
+    assert_untouched(y_out, y0, slots, meta)
+
+
+def test_layer_one_without_a_target_and_all_tokens_without_adapter():
+    world = build_world(seed=11)
+    slots = token_mix("uniform", 9, [0, 1, 3, 4], torch.Generator().manual_seed(4))
+    meta, y0, y_ref, y_out = run_both(world, slots, layer=1, batch=plan(slots, world, True))
+    assert all(row[2] == 0 for row in meta.ranks)  # layer 1 has no v_proj
+    assert_close(y_out, y_ref, y0)
+    assert_untouched(y_out, y0, slots, meta)
+    none = torch.full((5,), -1, dtype=torch.int32)
+    for grouped in (False, True):
+        _, y0, y_ref, y_out = run_both(world, none, batch=plan(none, world, grouped))
+        assert torch.equal(y_out, y0) and torch.equal(y_ref, y0)
+
+
+def test_gate_up_pair_and_contiguous_flag():
+    """Two targets of another layer group, and `contiguous=True` on a pool whose adapter pages are
+    consecutive (the unpaged comparison of the benchmark)."""
+    model = tiny_model(64)
+    layout = build_layout(model, [(TargetSpec("gate_proj", (8,)), TargetSpec("up_proj", (4,))), ()])
+    lw = random_lora_weights(layout, torch.Generator().manual_seed(0))
+    pages = pack_adapter(layout, lw, 64, torch.float32)
+    n = pages.shape[1]
+    pool = torch.randn(2, 3 + n, 64)
+    pool[:, 3: 3 + n] = pages
+    table = torch.arange(3, 3 + n, dtype=torch.int32)[None, :]
+    world = World(model, [layout], [lw], pool, table)
+    slots = torch.tensor([0, -1, 0, 0], dtype=torch.int32)
+    for contiguous in (False, True):
+        _, y0, y_ref, y_out = run_both(world, slots, targets=("gate_proj", "up_proj"),
+                                       contiguous=contiguous, batch=plan(slots, world, contiguous))
+        assert_close(y_out, y_ref, y0)
+
+
+# ------------------------------------------------------------ metadata and plan
+
+
+def test_meta_offsets_come_from_the_layout():
+    world = build_world()
+    meta = dense_lora_meta(world.layouts, 0, QKV, model=world.model)
+    assert meta.slice_cols == (64, 32, 32) and meta.slice_starts == (0, 64, 96)
+    assert meta.ranks == ((8, 8, 8), (4, 16, 4), (0, 0, 0), (16, 0, 8), (4, 4, 4))
+    entry = world.layouts[3].layers[0].targets[("v_proj", -1)]
+    assert meta.a_offsets[3][2] == entry.a.offset and meta.b_offsets[3][2] == entry.slices[0].b.offset
+    assert meta.rank.tolist() == [list(r) for r in meta.ranks] and meta.rank.dtype == torch.int32
+    assert meta.rank_block == 16 and meta.d_in == 64
+
+
+def test_meta_rejects_targets_of_different_widths_and_unsized_targets():
+    world = build_world(d_in=96)  # hidden 96, MLP width 64
+    with pytest.raises(ValueError, match="input width"):
+        dense_lora_meta(world.layouts, 0, ("q_proj", "down_proj"), model=world.model)
+    with pytest.raises(ValueError, match="pass model="):
+        dense_lora_meta(world.layouts, 0, ("q_proj", "o_proj"))
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_plan_tiles_cover_each_adapters_tokens_once(block_m):
+    slots = token_mix("skewed", 70, [0, 1, 2, 5], torch.Generator().manual_seed(1))
+    batch = plan_lora_batch(slots, 6, grouped=True, block_m=block_m)
+    seen = []
+    for slot, first, end in batch.tiles.tolist():
+        if slot < 0:
+            continue
+        assert 0 < end - first <= block_m
+        tokens = batch.token_order[first:end].tolist()
+        assert all(slots[t] == slot for t in tokens)
+        seen += tokens
+    assert sorted(seen) == [t for t, s in enumerate(slots.tolist()) if s >= 0]
+    assert batch.tiles.shape[0] == -(-70 // block_m) + 6  # grid depends on T, S, block_m only
+
+
+def test_plan_picks_gemv_for_decode_and_tile_height_from_group_size():
+    slots = torch.arange(16, dtype=torch.int32)
+    assert not plan_lora_batch(slots, 16).grouped  # one token per adapter
+    many = torch.arange(4096, dtype=torch.int32) % 16
+    assert plan_lora_batch(many, 16).block_m == 64
+    assert plan_lora_batch(many[:256], 16).block_m == 16  # 16 tokens per adapter, not 256
+    assert plan_lora_batch(many[:256], 16, group_tokens=40).block_m == 64
+
+
+def test_split_k_plan_keeps_whole_steps_and_even_k():
+    config = {"split_k": 0, "max_split_k": 64, "waves": 2}
+    block_k, split, per = split_k_plan(4096, 256, 1, config, torch.device("cpu"))
+    assert (block_k, per % block_k, split * per >= 4096) == (256, 0, True)
+    assert split_k_plan(96, 256, 100, config, torch.device("cpu"))[0] == 64  # 96 % 128 != 0
+    assert split_k_plan(4096, 128, 10**6, config, torch.device("cpu"))[1] == 1
+
+
+def test_launch_config_uses_tuned_bucket(monkeypatch):
+    world = build_world()
+    meta = dense_lora_meta(world.layouts, 0, QKV, model=world.model)
+    data = json.loads(lora_meta.CONFIG_PATH.read_text())
+    key = lora_meta.shape_key(meta, torch.float32)
+    data["tuned"] = {"cpu": {key: {"grouped": {"64": {"block_n": 64}, "512": {"block_n": 512}}}}}
+    monkeypatch.setattr(lora_meta, "_load_json", lambda: data)
+    slots = torch.zeros(100, dtype=torch.int32)
+    config = launch_config(meta, plan_lora_batch(slots, 5), torch.float32, torch.device("cpu"))
+    assert config["block_n"] == 64 and config["block_k"] == data["default"]["grouped"]["block_k"]
+    small = launch_config(meta, plan_lora_batch(slots[:40], 5), torch.float32, torch.device("cpu"))
+    assert small["block_n"] == data["default"]["grouped"]["block_n"]
+
+
+# ------------------------------------------------------------ launcher checks
+
+
+@pytest.mark.parametrize("fn", [lora_shrink_expand, lora_shrink_expand_ref])
+def test_bad_arguments_raise_value_errors_with_the_cause(fn):
+    world = build_world()
+    meta = dense_lora_meta(world.layouts, 0, QKV, model=world.model)
+    x, y = torch.randn(3, 64), torch.randn(3, 128)
+    slots = torch.tensor([0, 1, -1], dtype=torch.int32)
+    pool, table = world.pool[0], world.page_table
+    cases = [
+        ((y, x.half(), pool, table, slots), "x.dtype"),
+        ((y[:, :100], x, pool, table, slots), "y must be of shape"),
+        ((y, x[:, :32], pool, table, slots), "x must be of shape"),
+        ((y, x, pool, table, slots.long()), "token_slots.dtype"),
+        ((y, x, pool, table[:, :1], slots), "page_table.shape"),
+        ((y, x, pool, table[:2], slots), "page_table must be of shape"),
+        ((y, x, pool.t(), table, slots), "pool"),
+        ((y, x, pool[:, :48], table, slots), "page_elems"),
+        ((y.t().contiguous().t(), x, pool, table, slots), "y.stride"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fn(*args, meta)
+    with pytest.raises(ValueError, match="token_slots"):
+        lora_shrink_expand_ref(y, x, pool, table, torch.tensor([0, 5, -1], dtype=torch.int32), meta)
+
+
+# ------------------------------------------------------------ GPU, real shapes
+
+
+def llama8b_world(num_adapters=16, rank=16, dtype=torch.bfloat16):
+    """Llama-3.1-8B q/k/v (4096 -> 4096/1024/1024), page_elems 16*2*8*128, pages shuffled."""
+    model = ModelConfig(num_layers=1, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                        intermediate_size=14336)
+    gen = torch.Generator().manual_seed(0)
+    page = 16 * 2 * 8 * 128
+    layout = build_layout(model, [tuple(TargetSpec(t, (rank,)) for t in QKV)])
+    n = layout.num_pages(page)
+    pool = torch.randn(1, num_adapters * n + 64, page, generator=gen).to(dtype)
+    ids = torch.randperm(pool.shape[1], generator=gen)[: num_adapters * n].view(num_adapters, n)
+    weights = []
+    for slot in range(num_adapters):
+        lw = random_lora_weights(layout, gen, std=0.02)
+        pool[:, ids[slot]] = pack_adapter(layout, lw, page, dtype)
+        weights.append(lw)
+    world = World(model, [layout] * num_adapters, weights, pool.cuda(), ids.to(torch.int32).cuda())
+    return world
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 16, 64, 256, 1024, 4096])
+def test_gpu_llama8b_qkv_bf16_matches_fp32_reference(count):
+    world = llama8b_world()
+    meta = dense_lora_meta(world.layouts, 0, QKV, device="cuda")
+    slots = (torch.arange(count, dtype=torch.int32) % 16).cuda()
+    slots[3::7] = -1
+    x = torch.randn(count, 4096, device="cuda").bfloat16()
+    y0 = (torch.randn(count, 6144, device="cuda") * 0.01).bfloat16()  # small: delta dominates y's rounding
+    pool32 = world.pool[0].float()
+    y_ref = lora_shrink_expand_ref(y0.float(), x.float(), pool32, world.page_table, slots,
+                                   dense_lora_meta(world.layouts, 0, QKV, device="cuda"))
+    for grouped in (False, True):
+        batch = plan_lora_batch(slots, 16, grouped=grouped)
+        y = lora_shrink_expand(y0.clone(), x, world.pool[0], world.page_table, slots, meta, batch=batch)
+        delta, delta_ref = (y.float() - y0.float()), (y_ref - y0.float())
+        err = (delta - delta_ref).norm() / delta_ref.norm()
+        assert err <= 1e-2, (grouped, err.item())
+        assert torch.equal(y[3::7], y0[3::7])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_compiled_kernels_on_the_small_cases(dtype):
+    """The interpreter cases, compiled: odd widths (alignment hints), K/N masks, rank 80, Split-K."""
+    cases = [(SLOTS, 64, {}), (SLOTS, 160, {"block_k": 64, "split_k": 3, "rows": 16, "block_n": 128}),
+             ([{"q_proj": 80, "k_proj": 4, "v_proj": 8}, None, {"v_proj": 16}], 64, {})]
+    for slot_ranks, d_in, config in cases:
+        world = build_world(slots=slot_ranks, d_in=d_in, dtype=dtype, seed=d_in)
+        world.pool, world.page_table = world.pool.cuda(), world.page_table.cuda()
+        used = [s for s, ranks in enumerate(slot_ranks) if ranks]
+        for mix in MIXES:
+            slots = token_mix(mix, 70, used, torch.Generator().manual_seed(3)).cuda()
+            for grouped in (False, True):
+                meta, y0, y_ref, y_out = run_both(world, slots, config=config,
+                                                  batch=plan(slots, world, grouped))
+                assert_close(y_out, y_ref, y0)
+                assert_untouched(y_out, y0, slots, meta)
