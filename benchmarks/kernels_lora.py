@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.timing import copy_bandwidth, emit, time_graph
+try:
+    from benchmarks.timing import copy_bandwidth, emit, time_graph
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from timing import copy_bandwidth, emit, time_graph
 from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
 from unipage.kernels import lora_meta
