@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from unipage.kernels.common import num_sms
+from unipage.kernels.common import device_key, num_sms
 from unipage.lora_layout import ALIGN, AdapterLayout
 
 CONFIG_PATH = Path(__file__).with_name("configs") / "lora_dense.json"
@@ -246,10 +246,6 @@ def shape_key(meta: DenseLoraMeta, dtype: torch.dtype) -> str:
     """Key of a tuned entry: dtype, d_in, slice widths and rank block."""
     name = str(dtype).removeprefix("torch.")
     return f"{name}/{meta.d_in}/{'+'.join(map(str, meta.slice_cols))}/r{meta.rank_block}"
-
-
-def device_key(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def launch_config(meta: DenseLoraMeta, batch: LoraBatch, dtype: torch.dtype,

@@ -1,0 +1,305 @@
+"""GPU benchmark of the MoE kernels: the base fused MoE and the paged fused_moe_lora.
+
+    python benchmarks/kernels_moe.py [--out FILE]            # the benchmark (JSON lines)
+    python benchmarks/kernels_moe.py --tune [--tokens 1 256]  # tune launch configs, write
+                                                             # kernels/configs/moe_<device>.json
+
+Shapes: a GPT-OSS-20B layer (H 2880, I 2880, 32 experts, top-4, rank 32) and a
+Qwen3-30B-A3B layer (H 2048, I 768, 128 experts, top-8, rank 16), bf16, 8 adapters
+(fused gate/up format) in scattered pool pages, tokens round-robin over the
+adapters, random routing.  Per row:
+
+- ``base_us`` / ``base_tflops``: `fused_moe` (routing, alignment, both GEMMs, the
+  sum); FLOPs = 6·T·K·H·I.
+- ``lora_us``: `plan_moe_lora` (its alignment) + `moe_lora_gate_up` + `moe_lora_down`.
+- ``lora_floor_us``: bytes over the copy bandwidth measured in this run; bytes =
+  the distinct (adapter, expert) pairs' LoRA weights + the activations the LoRA
+  pass must touch (x in, raw gate/up in, act out, y in and out).
+- ``moe_lora_us``: `fused_moe` with LoRA end to end (its excess over ``base_us`` is
+  the LoRA cost as the engine sees it).
+Targets: LoRA <= 15 us at 1 token, <= 3 x floor + 10 us from 16 to 256 tokens,
+<= 0.30 x base everywhere.  One failing row is recorded with its error and the run
+goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    from benchmarks.timing import copy_bandwidth, emit, time_graph
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from timing import copy_bandwidth, emit, time_graph
+from unipage.adapter_pack import pack_adapter, random_lora_weights  # noqa: E402
+from unipage.config import ModelConfig  # noqa: E402
+from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, route_topk  # noqa: E402
+from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
+                                            moe_lora_gate_up, moe_lora_meta, plan_moe_lora)
+from unipage.kernels.moe_align import CONFIG_DIR, device_key, shape_key  # noqa: E402
+from unipage.lora_layout import TargetSpec, build_layout  # noqa: E402
+
+log = logging.getLogger("kernels_moe")
+
+SHAPES = {"gpt-oss-20b": {"hidden": 2880, "inter": 2880, "experts": 32, "top_k": 4, "rank": 32},
+          "qwen3-30b-a3b": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8, "rank": 16}}
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+ADAPTERS = 8
+PAGE_ELEMS = 16 * 2 * 8 * 64  # one KV block of 16 tokens, 8 KV heads of 64
+SEED = 0
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup
+
+
+def _pool(shape: dict, gen: torch.Generator):
+    """8 adapters packed at shuffled page ids of a pool whose other pages are noise."""
+    model = ModelConfig(num_layers=1, hidden_size=shape["hidden"], num_heads=32, num_kv_heads=8, head_dim=64,
+                        num_experts=shape["experts"], top_k=shape["top_k"],
+                        expert_intermediate_size=shape["inter"], dtype="bfloat16")
+    spec = [(TargetSpec("experts.gate_up", (shape["rank"],)), TargetSpec("experts.down", (shape["rank"],)))]
+    layouts = [build_layout(model, spec) for _ in range(ADAPTERS)]
+    pages = [layout.num_pages(PAGE_ELEMS) for layout in layouts]
+    total = sum(pages) + 64
+    pool = torch.randn(total, PAGE_ELEMS, device=DEVICE, dtype=DTYPE)
+    table = torch.zeros(ADAPTERS, max(pages), dtype=torch.int32)
+    order = torch.randperm(total, generator=gen).tolist()
+    std = 2.0 / math.sqrt(shape["hidden"])
+    for slot, layout in enumerate(layouts):
+        ids = [order.pop() for _ in range(pages[slot])]
+        packed = pack_adapter(layout, random_lora_weights(layout, gen, std=std), PAGE_ELEMS, DTYPE)
+        pool[torch.tensor(ids, device=DEVICE)] = packed[0].to(DEVICE)
+        table[slot, : pages[slot]] = torch.tensor(ids, dtype=torch.int32)
+    return layouts, pool, table.to(DEVICE)
+
+
+def setup(name: str) -> dict:
+    shape = SHAPES[name]
+    gen = torch.Generator().manual_seed(SEED)
+    torch.manual_seed(SEED)
+    h, i, e = shape["hidden"], shape["inter"], shape["experts"]
+    layouts, pool, table = _pool(shape, gen)
+    return {"name": name, **shape, "layouts": layouts, "pool": pool, "page_table": table,
+            "meta": moe_lora_meta(layouts, 0, DEVICE),
+            "w_gate_up": torch.randn(e, 2 * i, h, device=DEVICE, dtype=DTYPE) / math.sqrt(h),
+            "w_down": torch.randn(e, h, i, device=DEVICE, dtype=DTYPE) / math.sqrt(i)}
+
+
+def batch(s: dict, num_tokens: int) -> dict:
+    """Inputs of one step: tokens round-robin over the adapters, random routing."""
+    h, i, k = s["hidden"], s["inter"], s["top_k"]
+    x = torch.randn(num_tokens, h, device=DEVICE, dtype=DTYPE)
+    logits = torch.randn(num_tokens, s["experts"], device=DEVICE)
+    topk_weights, topk_ids = route_topk(logits, k, True)
+    slots = (torch.arange(num_tokens, device=DEVICE) % ADAPTERS).int()
+    lora = MoeLora(s["pool"], s["page_table"], slots, s["meta"], active_slots=min(num_tokens, ADAPTERS))
+    pairs = num_tokens * k
+    return {"x": x, "logits": logits, "topk_weights": topk_weights, "topk_ids": topk_ids, "lora": lora,
+            "raw": torch.randn(pairs, 2 * i, device=DEVICE, dtype=DTYPE),
+            "act": torch.empty(pairs, i, device=DEVICE, dtype=DTYPE),
+            "y": torch.randn(pairs, h, device=DEVICE, dtype=DTYPE)}
+
+
+# ---------------------------------------------------------------------------------------------
+# One row
+
+
+def lora_step(s: dict, b: dict, config: dict | None = None) -> None:
+    """The whole LoRA work of one layer and step (what ``lora_us`` times)."""
+    plan = plan_moe_lora(b["lora"], b["topk_ids"], config)
+    moe_lora_gate_up(plan, b["x"], b["raw"], b["act"])
+    moe_lora_down(plan, b["act"], b["y"], b["topk_weights"])
+
+
+def floor_bytes(s: dict, b: dict) -> int:
+    """Distinct (adapter, expert) pairs' LoRA weights + the activations the LoRA pass touches."""
+    h, i, r, k = s["hidden"], s["inter"], s["rank"], s["top_k"]
+    slots = b["lora"].token_slots.long().repeat_interleave(k)
+    groups = torch.unique(slots * s["experts"] + b["topk_ids"].reshape(-1).long()).numel()
+    weight_elems = r * (h + 2 * i + i + h)  # gate/up A and B, down A and B
+    pairs = b["topk_ids"].numel()
+    act_elems = b["x"].numel() + pairs * (2 * i + i + 2 * h)
+    return (groups * weight_elems + act_elems) * b["x"].element_size()
+
+
+def measure(s: dict, num_tokens: int, bandwidth: float) -> dict:
+    b = batch(s, num_tokens)
+    k, e = s["top_k"], s["experts"]
+    args = (b["x"], b["logits"], s["w_gate_up"], s["w_down"], k, True)
+    base_s = time_graph(lambda: fused_moe(*args), iters=20)
+    lora_s = time_graph(lambda: lora_step(s, b), iters=20)
+    moe_lora_s = time_graph(lambda: fused_moe(*args, lora=b["lora"]), iters=20)
+    floor_s = floor_bytes(s, b) / bandwidth
+    flops = 6 * num_tokens * k * s["hidden"] * s["inter"]
+    lora_us, base_us = lora_s * 1e6, base_s * 1e6
+    return {
+        "base_us": round(base_us, 2), "base_tflops": round(flops / base_s / 1e12, 1),
+        "lora_us": round(lora_us, 2), "lora_floor_us": round(floor_s * 1e6, 2),
+        "lora_over_floor": round(lora_s / floor_s, 2), "lora_over_base": round(lora_s / base_s, 3),
+        "moe_lora_us": round(moe_lora_s * 1e6, 2),
+        "meets_target": _meets(num_tokens, lora_us, floor_s * 1e6, base_us),
+        "base_block_m": base_config(e, s["hidden"], s["inter"], b["topk_ids"], None)["block_m"],
+        "lora_block_m": lora_config(b["lora"], b["topk_ids"])["block_m"],
+        "groups_per_expert_load": round(expected_load(num_tokens * k, min(num_tokens, ADAPTERS) * e), 2),
+    }
+
+
+def _meets(num_tokens: int, lora_us: float, floor_us: float, base_us: float) -> bool:
+    ok = lora_us <= 0.30 * base_us
+    if num_tokens == 1:
+        ok = ok and lora_us <= 15.0
+    if 16 <= num_tokens <= 256:
+        ok = ok and lora_us <= 3 * floor_us + 10.0
+    return ok
+
+
+def run(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
+    """Benchmark every shape and token count; emit one JSON line per row to ``out``; return the rows."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("kernels_moe needs a CUDA device")
+    bandwidth = copy_bandwidth()
+    rows = []
+    for name in shapes:
+        try:
+            s = setup(name)
+        except Exception as exc:  # a broken shape is one error row, not a dead run
+            log.exception("setup of %s failed", name)
+            rows.append(_emit({"shape": name, "error": repr(exc)}, out))
+            continue
+        for num_tokens in tokens:
+            record = {"shape": name, "tokens": num_tokens}
+            try:
+                record.update(measure(s, num_tokens, bandwidth))
+            except Exception as exc:
+                log.exception("%s at %d tokens failed", name, num_tokens)
+                record["error"] = repr(exc)
+            rows.append(_emit(record, out, bandwidth))
+        del s
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _emit(record: dict, out, bandwidth: float | None = None) -> dict:
+    full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "seed": SEED,
+            "copy_gbps": round(bandwidth / 1e9, 1) if bandwidth else None, **record}
+    emit(full, out)
+    return full
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning: coordinate descent over launch-config fields, per shape and token count
+
+BASE_SPACE = [("block_m", [16, 32, 64, 128])] + [
+    (f"{stage}.{field}", values) for stage in ("gate_up", "down") for field, values in (
+        ("block_n", [32, 64, 128, 256]), ("block_k", [64, 128]), ("num_warps", [4, 8]),
+        ("num_stages", [2, 3, 4, 5]), ("group_m", [1, 8, 16]), ("tma", [False, True]))]
+LORA_SPACE = [("block_m", [1, 16, 32, 64]), ("split_k", [1, 2, 4, 8, 16]), ("shrink.num_warps", [4, 8]),
+              ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256]),
+              ("gate_up.num_warps", [4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("down.block_n", [64, 128, 256, 512]),
+              ("down.num_warps", [4, 8]), ("down.num_stages", [1, 2, 3]), ("pdl", [False, True])]
+
+
+def _with(entry: dict, path: str, value) -> dict:
+    new = copy.deepcopy(entry)
+    *parents, leaf = path.split(".")
+    node = new
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return new
+
+
+def _time_or_inf(fn) -> float:
+    try:
+        return time_graph(fn, iters=10)
+    except Exception:  # an invalid config (e.g. out of shared memory) just loses
+        log.debug("config failed", exc_info=True)
+        torch.cuda.synchronize()
+        return math.inf
+
+
+def descend(entry: dict, space, time_fn) -> tuple[dict, float]:
+    """One pass of coordinate descent: each field in turn takes its fastest value."""
+    best, best_s = entry, _time_or_inf(lambda: time_fn(entry))
+    for path, values in space:
+        for value in values:
+            candidate = _with(best, path, value)
+            seconds = _time_or_inf(functools.partial(time_fn, candidate))
+            if seconds < best_s:
+                best, best_s = candidate, seconds
+    return best, best_s
+
+
+def _base_step(args: tuple, config: dict) -> None:
+    fused_experts(*args, config=config)
+
+
+def _tune_shape(s: dict, tokens) -> dict:
+    base, lora = [], []
+    for num_tokens in tokens:
+        b = batch(s, num_tokens)
+        args = (b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"])
+        start = base_config(s["experts"], s["hidden"], s["inter"], b["topk_ids"], None)
+        entry, secs = descend(start, BASE_SPACE, functools.partial(_base_step, args))
+        base.append((b["topk_ids"].numel() / s["experts"], entry))
+        log.info("%s T=%d base %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
+        start = lora_config(b["lora"], b["topk_ids"])
+        entry, secs = descend(start, LORA_SPACE, functools.partial(lora_step, s, b))
+        lora.append((expected_load(b["topk_ids"].numel(), min(num_tokens, ADAPTERS) * s["experts"]), entry))
+        log.info("%s T=%d lora %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
+    return {"base": _bucketed(base), "lora": _bucketed(lora)}
+
+
+def _bucketed(tuned: list[tuple[float, dict]]) -> list[dict]:
+    """Entries ordered by load; each serves loads up to the geometric midpoint to the next."""
+    tuned = sorted(tuned, key=lambda item: item[0])
+    out = []
+    for index, (load, entry) in enumerate(tuned):
+        nxt = tuned[index + 1][0] if index + 1 < len(tuned) else None
+        out.append({**entry, "max_load": math.sqrt(load * nxt) if nxt else 1e12})
+    return out
+
+
+def tune(shapes=tuple(SHAPES), tokens=TOKENS) -> Path:
+    path = CONFIG_DIR / f"moe_{device_key()}.json"
+    table = json.loads(path.read_text()) if path.exists() else {}
+    for name in shapes:
+        s = setup(name)
+        table[shape_key(s["hidden"], s["inter"], s["experts"], s["top_k"])] = _tune_shape(s, tokens)
+        path.write_text(json.dumps(table, indent=1) + "\n")  # keep what is done if a later shape fails
+        del s
+        torch.cuda.empty_cache()
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="append JSON lines to this file (default: stdout)")
+    parser.add_argument("--tune", action="store_true", help="tune launch configs instead of benchmarking")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    start = time.time()
+    if args.tune:
+        log.info("wrote %s", tune(args.shapes, args.tokens))
+    else:
+        with open(args.out, "a") if args.out else open(sys.stdout.fileno(), "w", closefd=False) as out:
+            run(out, args.shapes, args.tokens)
+    log.info("done in %.0f s", time.time() - start)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,414 @@
+"""Fused MoE of the base model: top-k routing, token-to-expert alignment, grouped
+gate/up GEMM with the SiLU-gated activation in its epilogue, grouped down GEMM
+with the routing weight in its epilogue, and the sum over the K choices.
+
+Shape legend: T = tokens, H = hidden, I = expert intermediate, E = experts,
+K = top_k, TK = T·K routed pairs (pair ``p`` = token ``p // K``, choice ``p % K``).
+
+Weights in transformers' layout (``Qwen3MoeExperts``)::
+
+    w_gate_up [E, 2I, H]   gate rows [0, I), then up rows [I, 2I);  h = x @ w_gate_up[e].T
+    w_down    [E, H, I]
+
+Math, for token ``t`` routed to experts ``e_j`` with weights ``w_j`` (j < K)::
+
+    g_j, u_j = x[t] @ w_gate_up[e_j, :I].T,  x[t] @ w_gate_up[e_j, I:].T      # [I] each
+    act_j    = silu(g_j) · u_j                      silu(g) = g · sigmoid(g)
+    out[t]   = Σ_j w_j · (act_j @ w_down[e_j].T)                                # [H]
+
+With LoRA (`unipage.kernels.fused_moe_lora`) ``g_j, u_j`` get their LoRA deltas
+before the activation and the down output its delta before the routing weight:
+pairs of tokens with LoRA leave the gate/up GEMM un-activated (``raw``) and the
+LoRA gate/up pass adds the delta and applies the activation.
+
+Each launcher has a torch reference with the same signature (``*_ref``): the
+engine's CPU path and the tests' oracle.  Intermediates are rounded to the
+model dtype at the same points in both.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from unipage.kernels import fused_moe_lora as lora_ops
+from unipage.kernels.moe_align import (Alignment, device_key, launch_config, lora_pairs, moe_align, moe_align_ref,
+                                       shape_key, swizzle)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                  E_PAD: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < num_tokens
+    col_ok = cols[None, :] < num_experts
+    logits = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=row_ok[:, None] & col_ok,
+                     other=0.0).to(tl.float32)
+    logits = tl.where(col_ok, logits, float("-inf"))  # rows past T stay finite: no NaN
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]
+    scale = tl.full([BLOCK_T], 1.0, tl.float32)
+    if RENORMALIZE:  # first pass: the sum of the top-k probabilities
+        left, total = probs, tl.zeros([BLOCK_T], tl.float32)
+        for _ in tl.static_range(TOP_K):
+            total += tl.max(left, axis=1)
+            left = tl.where(cols[None, :] == tl.argmax(left, axis=1)[:, None], -1.0, left)
+        scale = 1.0 / total
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, axis=1)
+        tl.store(weights_ptr + rows * TOP_K + j, tl.max(probs, axis=1) * scale, mask=row_ok)
+        tl.store(ids_ptr + rows * TOP_K + j, best.to(tl.int32), mask=row_ok)
+        probs = tl.where(cols[None, :] == best[:, None], -1.0, probs)
+
+
+def _check_route_args(router_logits: torch.Tensor, top_k: int) -> None:
+    if router_logits.dim() != 2 or router_logits.dtype not in _DTYPES or router_logits.stride(1) != 1:
+        raise ValueError(f"router_logits must be [T, E] float with unit column stride, got "
+                         f"{tuple(router_logits.shape)} {router_logits.dtype}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, E={router_logits.shape[1]}], got {top_k}")
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts, the ``top_k`` largest (descending), optionally renormalised to sum 1.
+
+    ``router_logits`` [T, E] float.  Returns ``topk_weights`` [T, K] float32 and
+    ``topk_ids`` [T, K] int32.
+    """
+    _check_route_args(router_logits, top_k)
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    block_t = 16
+    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+        router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, E_PAD=triton.next_power_of_2(num_experts))
+    return weights, ids
+
+
+def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch version of `route_topk` (the Qwen3-MoE / Mixtral router)."""
+    _check_route_args(router_logits, top_k)
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.int()
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMM
+
+
+@triton.jit
+def _load_w(w_src, ptrs, row, col, k_ok, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr):
+    """A ``[BK, BN]`` tile of ``W[e].T``: by TMA from a descriptor over ``[E·rows, K]``
+    (rows ``row..row+BN``, columns ``col..col+BK``; out of bounds reads 0), or by pointers."""
+    if USE_TMA:
+        w = tl.trans(w_src.load([row, col]))
+    elif EVEN_K:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=k_ok[:, None], other=0.0)
+    return w
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(
+    a_ptr,  # [rows, K_dim]: x [T, H] (gate/up, row = pair // a_div) or act [TK, I] (down, row = pair)
+    w_src,  # [E, W_rows, K_dim], unit stride along K_dim (W_rows = 2N gate/up, N down); a TMA
+    #         descriptor over its [E·W_rows, K_dim] view when USE_TMA
+    out_ptr,  # [TK, N]: act (gate/up) or y (down), rows = pairs
+    raw_ptr,  # [TK, 2N] un-activated gate|up of LoRA pairs (HAS_LORA)
+    topk_weights_ptr,  # [TK] float32 (MUL_WEIGHT)
+    sorted_ptr, block_expert_ptr, num_blocks_ptr,  # the `Alignment` (groups = experts)
+    slots_ptr, flags_ptr,  # [T] int32 token slots, [S] int32 slot has expert LoRA (HAS_LORA)
+    num_pairs, N, K_dim, a_div, w_rows,
+    stride_am, stride_we, stride_wn, stride_om, stride_rm,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_m = tl.load(num_blocks_ptr)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    if pid >= num_m * num_n:
+        return
+    pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    a_rows = tl.where(pair_ok, pairs // a_div, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_row = expert * w_rows + pid_n * BLOCK_N  # TMA: a tile past N reads the next rows, never stored
+    if USE_TMA:
+        w_ptrs, up_ptrs = w_src, w_src
+    else:
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped: loads need no column mask
+        w_ptrs = w_src + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        up_ptrs = w_ptrs + N * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(tl.cdiv(K_dim, BLOCK_K)):
+        k_ok = offs_k < K_dim - k * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=pair_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _load_w(w_src, w_ptrs, w_row, k * BLOCK_K, k_ok, USE_TMA, EVEN_K)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w_up = _load_w(w_src, up_ptrs, w_row + N, k * BLOCK_K, k_ok, USE_TMA, EVEN_K)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        if not USE_TMA:
+            w_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = pair_ok[:, None] & (cols[None, :] < N)
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
+    if GATED:
+        if HAS_LORA:
+            slot = tl.load(slots_ptr + a_rows, mask=pair_ok, other=-1)
+            lora = tl.load(flags_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0) != 0
+            raw_ptrs = raw_ptr + pairs[:, None].to(tl.int64) * stride_rm + cols[None, :]
+            tl.store(raw_ptrs, acc.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
+            tl.store(raw_ptrs + N, acc_up.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
+            mask = mask & ~lora[:, None]
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _weight_source(w: torch.Tensor, cfg: dict):
+    """``w`` itself, or (config ``"tma"`` on Hopper+) a TMA descriptor over its ``[E·rows, K]`` view."""
+    if not cfg.get("tma") or (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9):
+        return w, False  # (on CPU only the interpreter runs kernels: it emulates TMA)
+    if not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16:
+        raise ValueError(f"TMA needs contiguous weights with 16-byte rows, got {list(w.shape)} {w.stride()}")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = w.view(-1, w.shape[2])
+    return TensorDescriptor.from_tensor(flat, block_shape=[cfg["block_n"], cfg["block_k"]]), True
+
+
+def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, gated: bool,
+                 weights=None, raw=None, token_slots=None, slot_flags=None) -> None:
+    k_dim, has_lora = a.shape[1], raw is not None
+    w_src, tma = _weight_source(w, cfg)
+    grid = (align.max_blocks * triton.cdiv(n, cfg["block_n"]),)
+    _moe_gemm_kernel[grid](
+        a, w_src, out, raw if has_lora else out, weights if weights is not None else out,
+        align.sorted_pairs, align.block_group, align.num_blocks,
+        token_slots if has_lora else align.sorted_pairs, slot_flags if has_lora else align.sorted_pairs,
+        align.num_pairs, n, k_dim, a_div, w.shape[1], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        raw.stride(0) if has_lora else 0,
+        GATED=gated, MUL_WEIGHT=weights is not None, HAS_LORA=has_lora,
+        EVEN_K=k_dim % cfg["block_k"] == 0, USE_TMA=tma, DOT_PRECISION=_dot_precision(a.dtype),
+        BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} must be {list(shape)} {dtype} on {device}, got "
+                         f"{list(t.shape)} {t.dtype} on {t.device}")
+    if t.dim() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+
+
+def check_experts_args(x, w_gate_up, w_down, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+    """Validate the fused-MoE inputs; return ``(T, H, I, E, K)``."""
+    if x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be [T, H] float16/bfloat16/float32, got {list(x.shape)} {x.dtype}")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must be [E, 2I, H], got {list(w_gate_up.shape)}")
+    num_tokens, hidden = x.shape
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    top_k = topk_ids.shape[-1] if topk_ids.dim() == 2 else -1
+    _check_tensor("x", x, (num_tokens, hidden), x.dtype, x.device)
+    _check_tensor("w_gate_up", w_gate_up, (num_experts, 2 * inter, hidden), x.dtype, x.device)
+    _check_tensor("w_down", w_down, (num_experts, hidden, inter), x.dtype, x.device)
+    _check_tensor("topk_ids", topk_ids, (num_tokens, top_k), torch.int32, x.device)
+    _check_tensor("topk_weights", topk_weights, (num_tokens, top_k), torch.float32, x.device)
+    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("topk_ids and topk_weights must be contiguous")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
+    return num_tokens, hidden, inter, num_experts, top_k
+
+
+def base_config(num_experts: int, hidden: int, inter: int, topk_ids: torch.Tensor, config: dict | None) -> dict:
+    """The launch config: ``config`` if given, else the tuned entry for the pairs per expert."""
+    if config is not None:
+        return config
+    return launch_config("base", shape_key(hidden, inter, num_experts, topk_ids.shape[-1]),
+                         topk_ids.numel() / num_experts, device_key(topk_ids.device))
+
+
+def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
+    _check_tensor("output", act_or_y, (rows, cols), x.dtype, x.device)
+    if w.dtype != x.dtype or w.stride(-1) != 1:
+        raise ValueError(f"weights must be {x.dtype} with unit stride along K, got {w.dtype} {w.stride()}")
+    if topk_ids.dtype != torch.int32 or topk_ids.numel() != rows:
+        raise ValueError(f"topk_ids must be int32 with {rows} pairs, got {topk_ids.dtype} {topk_ids.numel()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages (launcher + reference each)
+
+
+def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
+                slot_flags=None, config: dict | None = None) -> None:
+    """``act[p] = silu(x[t] @ Wg[e].T) · (x[t] @ Wu[e].T)`` for every pair ``p = (t, e)``.
+
+    ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``topk_ids`` [T, K] int32; ``align`` from
+    `moe_align` (groups = experts); ``act`` [TK, I] (written).  With ``raw`` [TK, 2I],
+    ``token_slots`` [T] int32 and ``slot_flags`` [S] int32: pairs whose token's slot has
+    expert LoRA get ``raw[p] = x[t] @ W[e].T`` (gate | up, un-activated) instead and
+    their ``act`` row is left for the LoRA pass.  ``config``: base launch config entry.
+    """
+    num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
+    _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
+    if raw is not None:
+        _check_tensor("raw", raw, (num_pairs, 2 * inter), x.dtype, x.device)
+    cfg = base_config(w_gate_up.shape[0], x.shape[1], inter, topk_ids, config)
+    _launch_gemm(x, w_gate_up, act, align, cfg["gate_up"], n=inter, a_div=topk_ids.shape[-1], gated=True,
+                 raw=raw, token_slots=token_slots, slot_flags=slot_flags)
+
+
+def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
+                    slot_flags=None, config: dict | None = None) -> None:
+    """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused)."""
+    num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
+    _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
+    h = _per_expert(x.float(), w_gate_up, topk_ids, topk_ids.shape[-1])
+    a = (F.silu(h[:, :inter]) * h[:, inter:]).to(act.dtype)
+    if raw is None:
+        act.copy_(a)
+        return
+    lora = lora_pairs(token_slots, slot_flags, topk_ids.shape[-1])
+    act[~lora] = a[~lora]
+    raw[lora] = h[lora].to(raw.dtype)
+
+
+def moe_down(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None) -> None:
+    """``y[p] = w[p] · (act[p] @ w_down[e].T)`` for every pair ``p`` routed to expert ``e``.
+
+    ``act`` [TK, I]; ``w_down`` [E, H, I]; ``topk_ids`` [T, K] int32; ``topk_weights``
+    [T, K] float32; ``align`` as for `moe_gate_up`; ``y`` [TK, H] (written).
+    """
+    num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
+    _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
+    cfg = base_config(w_down.shape[0], hidden, act.shape[1], topk_ids, config)
+    _launch_gemm(act, w_down, y, align, cfg["down"], n=hidden, a_div=1, gated=False,
+                 weights=topk_weights)
+
+
+def moe_down_ref(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None) -> None:
+    """Torch version of `moe_down` (``align`` and ``config`` unused)."""
+    num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
+    _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
+    out = _per_expert(act.float(), w_down, topk_ids, 1) * topk_weights.reshape(-1, 1)
+    y.copy_(out)
+
+
+def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div: int) -> torch.Tensor:
+    """``out[p] = a[p // a_div] @ w[e_p].T`` in float32, one matmul per expert present."""
+    experts = topk_ids.reshape(-1).long()
+    rows = torch.arange(experts.numel(), device=a.device) // a_div
+    out = torch.empty(experts.numel(), w.shape[1], dtype=torch.float32, device=a.device)
+    for expert in torch.unique(experts).tolist():
+        pairs = torch.nonzero(experts == expert).squeeze(1)
+        out[pairs] = a[rows[pairs]] @ w[expert].float().T
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole MoE
+
+
+_TRITON = SimpleNamespace(align=moe_align, gate_up=moe_gate_up, down=moe_down, plan=lora_ops.plan_moe_lora,
+                          lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down)
+_TORCH = SimpleNamespace(align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_down_ref,
+                         plan=lora_ops.plan_moe_lora_ref, lora_gate_up=lora_ops.moe_lora_gate_up_ref,
+                         lora_down=lora_ops.moe_lora_down_ref)
+
+
+def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config):
+    num_tokens, hidden, inter, num_experts, top_k = check_experts_args(x, w_gate_up, w_down, topk_weights,
+                                                                       topk_ids)
+    cfg = base_config(num_experts, hidden, inter, topk_ids, config)
+    if lora is not None and lora.meta.any_lora and (lora.meta.hidden, lora.meta.inter, lora.meta.num_experts) \
+            != (hidden, inter, num_experts):
+        raise ValueError(f"LoRA metadata is for H={lora.meta.hidden}, I={lora.meta.inter}, "
+                         f"{lora.meta.num_experts} experts; the MoE has H={hidden}, I={inter}, {num_experts} experts")
+    align = ops.align(topk_ids, num_experts, cfg["block_m"])
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    plan = ops.plan(lora, topk_ids, lora_config) if lora is not None and lora.meta.any_lora else None
+    if plan is None:
+        ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg)
+    else:
+        raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
+        ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg)
+        ops.lora_gate_up(plan, x, raw, act)
+    y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg)
+    if plan is not None:
+        ops.lora_down(plan, act, y, topk_weights)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora: lora_ops.MoeLora | None = None,
+                  config: dict | None = None, lora_config: dict | None = None) -> torch.Tensor:
+    """The routed experts: ``out[t] = Σ_j w_j · expert_{e_j}(x[t])`` (module docstring).
+
+    ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``w_down`` [E, H, I] (all the model dtype);
+    ``topk_weights`` [T, K] float32; ``topk_ids`` [T, K] int32; ``lora``: the layer's
+    `MoeLora` or None; ``config`` / ``lora_config``: launch config entries (default:
+    tuned by load).  Returns ``out`` [T, H] in the model dtype.
+    """
+    return _experts(_TRITON, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config)
+
+
+def fused_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora: lora_ops.MoeLora | None = None,
+                      config: dict | None = None, lora_config: dict | None = None) -> torch.Tensor:
+    """Torch version of `fused_experts` (the CPU engine path)."""
+    return _experts(_TORCH, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config)
+
+
+def fused_moe(x, router_logits, w_gate_up, w_down, top_k: int, renormalize: bool,
+              lora: lora_ops.MoeLora | None = None, config: dict | None = None,
+              lora_config: dict | None = None) -> torch.Tensor:
+    """Route (`route_topk`) then run the experts (`fused_experts`).  ``router_logits`` [T, E]."""
+    topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
+    return fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config)
+
+
+def fused_moe_ref(x, router_logits, w_gate_up, w_down, top_k: int, renormalize: bool,
+                  lora: lora_ops.MoeLora | None = None, config: dict | None = None,
+                  lora_config: dict | None = None) -> torch.Tensor:
+    """Torch version of `fused_moe`."""
+    topk_weights, topk_ids = route_topk_ref(router_logits, top_k, renormalize)
+    return fused_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config)

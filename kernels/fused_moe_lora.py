@@ -1,0 +1,559 @@
+"""Paged fused_moe_lora: the LoRA deltas of the routed experts of many adapters,
+read straight from the unified pool's pages.
+
+Shape legend: T, H, I, E, K, TK = T·K pairs as in `fused_moe`; S = adapter slots;
+N = pool pages, P = page_elems; R = rows of an expert's gate/up A; r = a rank.
+
+Math, for pair ``p`` = (token ``t``, expert ``e``) whose token has adapter slot
+``s = token_slots[t] >= 0`` (gate/up B slice ``j`` covers output columns
+``[col_j, col_j + ncols_j)`` and reads A-product entries ``[a_row_j, a_row_j + r_j)``;
+scaling is folded into B)::
+
+    z        = x[t] @ A_gu[s, e].T                                              [R]
+    h        = raw[p] + Σ_j place_j(z[a_row_j : a_row_j + r_j] @ B_gu_j[s, e])  [2I]
+    act[p]   = silu(h[:I]) · h[I:]                                              [I]
+    y[p]    += w[p] · (act[p] @ A_d[s, e].T) @ B_d[s, e]                        [H]
+
+where ``raw[p] = x[t] @ W_gu[e].T`` and ``y[p] = w[p] · act[p] @ W_d[e].T`` come
+from the base MoE (`fused_moe.moe_gate_up` / `moe_down`).  Pairs without an
+adapter (or whose adapter has no expert target in this layer) are untouched.
+
+Paging (contract of `unipage.lora_layout`): slot ``s``'s expert ``e`` group starts
+at virtual offset ``expert_base + e·expert_stride``; virtual ``v`` lives at
+``pool.view(-1)[page_table[s, v >> log2 P]·P + (v & (P-1))]``.  Every matrix row
+starts 64-aligned, so a tile is loaded as runs of CHUNK (a power of two <= 64)
+elements starting at CHUNK-aligned offsets of a row: each run lies in one page,
+and costs one page-table lookup per row — contiguous, vectorised loads.
+
+Kernels (one launch each):
+
+- `_shrink_kernel`: split-K partials of ``z``; zeroes the down accumulator.
+- `_expand_gate_up_kernel`: ``raw + delta`` -> activation -> ``act`` (the add and the
+  activation fused into the expand epilogue), and the down shrink
+  ``act @ A_d.T`` accumulated per column tile (atomics) — no extra pass over ``act``.
+- `_expand_down_kernel`: ``y += w · z_d @ B_d`` (the add fused into the epilogue).
+
+With launch config ``"pdl": true`` on Hopper+, the gate/up expand is a programmatic
+dependent launch of the shrink (its prologue overlaps the shrink's tail).
+
+Tiles: *pair mode* (``block_m`` 1) gives each pair its own program with no
+alignment pass (decode: groups hold about one pair); *group mode* (``block_m``
+>= 16) aligns pairs by group ``slot·E + expert`` (`moe_align`) and runs
+tensor-core tiles that share the group's A/B.  The mode and the tile height come
+from the expected pairs per (adapter, expert) group, not from the token count.
+Per-step sizes are ``do_not_specialize``: one compile serves every batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from unipage.adapter_pack import gather_block
+from unipage.kernels.moe_align import (F_BASE, F_DOWN_A, F_DOWN_B, F_DOWN_RANK, F_GU_A, F_GU_ROWS,
+                                       F_GU_SLICES, F_SLICE0, F_STRIDE, FIELDS, NUM_FIELDS, SLICE_FIELDS,
+                                       Alignment, MoeLoraMeta, device_key, expected_load, launch_config,
+                                       lora_pairs, moe_align, moe_align_ref, moe_lora_meta, shape_key, swizzle)
+from unipage.lora_layout import Block
+
+__all__ = ["MoeLora", "MoeLoraMeta", "MoeLoraPlan", "expected_load", "lora_config", "lora_pairs", "moe_lora_down",
+           "moe_lora_down_ref", "moe_lora_gate_up", "moe_lora_gate_up_ref", "moe_lora_meta", "plan_moe_lora",
+           "plan_moe_lora_ref"]
+
+try:  # programmatic dependent launch (Hopper+): optional
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
+
+
+@dataclass(frozen=True)
+class MoeLora:
+    """The LoRA inputs of one MoE layer for one step."""
+
+    pool: torch.Tensor  # [N, P] model dtype: this layer of the unified pool
+    page_table: torch.Tensor  # [S, max_pages] int32: page ids of each slot's buffer
+    token_slots: torch.Tensor  # [T] int32: adapter slot of each token, -1 = none
+    meta: MoeLoraMeta  # this layer's offsets and ranks (`moe_lora_meta`)
+    active_slots: int | None = None  # distinct adapters among the tokens (tile-height hint)
+
+
+@dataclass(frozen=True)
+class MoeLoraPlan:
+    """Per-step, per-layer launch state: routing-side work and scratch (`plan_moe_lora`)."""
+
+    lora: MoeLora
+    topk_ids: torch.Tensor  # [T, K] int32
+    config: dict  # the "lora" launch config entry
+    align: Alignment | None  # group mode: pairs by slot·E + expert; None in pair mode
+    gate_up_z: torch.Tensor  # [split_k, TK, R_PAD] float32: split-K partials of x @ A_gu.T
+    down_z: torch.Tensor  # [TK, RD_PAD] float32: act @ A_d.T, summed by the gate/up pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan: checks, config, alignment, scratch
+
+
+def _check_lora(lora: MoeLora, topk_ids: torch.Tensor) -> None:
+    meta, pool = lora.meta, lora.pool
+    page_elems = pool.shape[-1] if pool.dim() == 2 else 0
+    if pool.dim() != 2 or page_elems < 64 or page_elems & (page_elems - 1) or not pool.is_contiguous():
+        raise ValueError(f"pool must be one contiguous layer [N, P], P a power of two >= 64, got "
+                         f"{list(pool.shape)}")
+    slots = meta.table.shape[0]
+    pt = lora.page_table
+    if pt.dim() != 2 or pt.shape[0] != slots or pt.dtype != torch.int32 or pt.stride(1) != 1:
+        raise ValueError(f"page_table must be [S={slots}, max_pages] int32 with unit column stride, got "
+                         f"{list(pt.shape)} {pt.dtype}")
+    if topk_ids.dim() != 2 or lora.token_slots.shape != (topk_ids.shape[0],) \
+            or lora.token_slots.dtype != torch.int32:
+        raise ValueError(f"token_slots must be [T={topk_ids.shape[0]}] int32, got "
+                         f"{list(lora.token_slots.shape)} {lora.token_slots.dtype}")
+    devices = {t.device for t in (pool, pt, lora.token_slots, topk_ids, meta.table, meta.slot_flags)}
+    if len(devices) != 1:
+        raise ValueError(f"LoRA tensors must share one device, got {sorted(map(str, devices))}")
+
+
+def lora_config(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> dict:
+    """``config`` if given, else the tuned entry for the expected pairs per (adapter, expert) group."""
+    if config is not None:
+        return config
+    meta = lora.meta
+    load = expected_load(topk_ids.numel(), (lora.active_slots or meta.num_lora_slots) * meta.num_experts)
+    return launch_config("lora", shape_key(meta.hidden, meta.inter, meta.num_experts, topk_ids.shape[1]),
+                         load, device_key(topk_ids.device))
+
+
+def _pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
+    """Power-of-two widths (>= 16, the tensor-core minimum) of z, of a slice rank, of the down rank."""
+    return tuple(max(16, triton.next_power_of_2(max(n, 1)))
+                 for n in (meta.max_gate_up_rows, meta.max_gate_up_rank, meta.max_down_rank))
+
+
+def _split_k(hidden: int, split_k: int) -> tuple[int, int]:
+    """``(splits, elements per split)``: K cut into whole 64-runs, no split left empty."""
+    runs = triton.cdiv(hidden, 64)
+    per = triton.cdiv(runs, max(1, split_k))
+    return triton.cdiv(runs, per), per * 64
+
+
+def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) -> MoeLoraPlan:
+    _check_lora(lora, topk_ids)
+    cfg, meta = lora_config(lora, topk_ids, config), lora.meta
+    align = None
+    if cfg["block_m"] > 1:
+        align = align_fn(topk_ids, meta.num_experts, cfg["block_m"], lora.token_slots, meta.slot_flags)
+    r_pad, _, rd_pad = _pads(meta)
+    splits, _ = _split_k(meta.hidden, cfg["split_k"])
+    num_pairs, device = topk_ids.numel(), topk_ids.device
+    return MoeLoraPlan(lora, topk_ids, cfg, align,
+                       torch.empty(splits, num_pairs, r_pad, dtype=torch.float32, device=device),
+                       torch.empty(num_pairs, rd_pad, dtype=torch.float32, device=device))
+
+
+def plan_moe_lora(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> MoeLoraPlan:
+    """Check the inputs, pick the launch config, align pairs by (slot, expert) in group mode
+    (`moe_align`, on the device, no host sync) and allocate scratch.
+
+    ``lora``: the layer's `MoeLora`; ``topk_ids`` [T, K] int32; ``config``: a "lora"
+    launch-config entry (default: tuned by the expected pairs per group).
+    """
+    return _plan(lora, topk_ids, config, moe_align)
+
+
+def plan_moe_lora_ref(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> MoeLoraPlan:
+    """`plan_moe_lora` with the torch alignment (CPU engine path)."""
+    return _plan(lora, topk_ids, config, moe_align_ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
+          num_pairs, top_k, num_experts, BLOCK_M: tl.constexpr):
+    """Pairs of tile ``pid_m``, their validity, and the tile's (slot, expert); slot -1 = no work."""
+    if BLOCK_M == 1:  # pair mode: tile m is pair m
+        pairs = pid_m + tl.arange(0, 1)
+        slot = tl.load(slots_ptr + pid_m // top_k)
+        expert = tl.load(topk_ids_ptr + pid_m)
+        slot = tl.where(tl.load(flags_ptr + tl.maximum(slot, 0)) != 0, slot, -1)
+    else:
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        group = tl.load(block_group_ptr + pid_m)
+        slot = group // num_experts
+        expert = group % num_experts
+    return pairs, pairs < num_pairs, slot, expert
+
+
+@triton.jit
+def _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    if BLOCK_M == 1:
+        n = num_pairs
+    else:
+        n = tl.load(num_blocks_ptr)
+    return n
+
+
+@triton.jit
+def _load_paged(pool_ptr, pt_ptr, row_virt, row_ok, col0, col_ok, PAGE_SHIFT: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """``[rows, CHUNK]``: row i = the pool elements at virtual ``row_virt[i] + col0 + [0, CHUNK)``.
+
+    ``row_virt + col0`` is CHUNK-aligned and CHUNK <= 64, so each run is inside one page.
+    """
+    virt = row_virt + col0
+    page = tl.load(pt_ptr + (virt >> PAGE_SHIFT), mask=row_ok, other=0)
+    base = page.to(tl.int64) * (1 << PAGE_SHIFT) + (virt & ((1 << PAGE_SHIFT) - 1))
+    base = tl.multiple_of(base, CHUNK)
+    ptrs = pool_ptr + base[:, None] + tl.arange(0, CHUNK)[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _mm(a, b, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``a [M, R] @ b [R, C]`` in float32: a broadcast-reduce for one pair, a tensor-core dot for tiles."""
+    if PAIR:
+        out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        out = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
+def _col_mask(cols, limit, EVEN: tl.constexpr):
+    if EVEN:
+        ok = tl.full(cols.shape, 1, tl.int1)
+    else:
+        ok = cols < limit
+    return ok
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _shrink_kernel(
+    x_ptr,  # [T, H] model dtype
+    z_ptr,  # [SPLIT_K, TK, R_PAD] float32: written for LoRA pairs of slots with gate/up LoRA
+    down_z_ptr,  # [TK, RD_PAD] float32: zeroed for LoRA pairs
+    pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
+    num_blocks_ptr, num_pairs, top_k, num_experts, hidden, stride_x, stride_pt,
+    R_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PAGE_SHIFT: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        gdc_launch_dependents()
+    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
+    pid = tl.program_id(0)
+    if pid >= num_m * SPLIT_K:
+        return
+    pid_m, split = swizzle(pid, num_m, SPLIT_K, GROUP_M)
+    pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
+                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
+    if slot < 0:
+        return
+    meta = meta_ptr + slot * NUM_FIELDS
+    if split == 0:
+        zero = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
+        tl.store(down_z_ptr + pairs[:, None] * RD_PAD + tl.arange(0, RD_PAD)[None, :], zero,
+                 mask=pair_ok[:, None])
+    rows_a = tl.load(meta + F_GU_ROWS)
+    if rows_a == 0:
+        return
+    group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
+    offs_r = tl.arange(0, R_PAD)
+    a_virt = group_off + tl.load(meta + F_GU_A) + offs_r * ((hidden + 63) // 64 * 64)
+    r_ok = offs_r < rows_a
+    pt = pt_ptr + slot * stride_pt
+    x_rows = tl.where(pair_ok, pairs // top_k, 0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
+    k_lo = split * K_PER_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, hidden), 64):
+        offs_k = k0 + tl.arange(0, 64)
+        k_ok = _col_mask(offs_k, hidden, EVEN_K)
+        x = tl.load(x_ptr + x_rows[:, None] * stride_x + offs_k[None, :],
+                    mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        a = _load_paged(pool_ptr, pt, a_virt, r_ok, k0, k_ok, PAGE_SHIFT, 64)
+        acc += _mm(x, tl.trans(a), BLOCK_M == 1, DOT_PRECISION)
+    z = z_ptr + (split * num_pairs + pairs[:, None]).to(tl.int64) * R_PAD + offs_r[None, :]
+    tl.store(z, acc, mask=pair_ok[:, None])
+
+
+@triton.jit
+def _slice_z(z_ptr, pairs, pair_ok, field, num_pairs, R_PAD: tl.constexpr, RK_PAD: tl.constexpr,
+             SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``z[:, a_row : a_row + rank]`` of one gate/up slice (summed over the split-K partials)."""
+    a_row = tl.load(field)
+    offs = tl.arange(0, RK_PAD)
+    ok = pair_ok[:, None] & (offs < tl.load(field + 1))[None, :]
+    out = tl.zeros((BLOCK_M, RK_PAD), tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        ptrs = z_ptr + (split * num_pairs + pairs[:, None]).to(tl.int64) * R_PAD + a_row + offs[None, :]
+        out += tl.load(ptrs, mask=ok, other=0.0)
+    return out
+
+
+@triton.jit
+def _slice_rows(field, group_off, RK_PAD: tl.constexpr):
+    """Virtual start and validity of each B row of one gate/up slice."""
+    offs = tl.arange(0, RK_PAD)
+    stride = (tl.load(field + 4) + 63) // 64 * 64
+    return group_off + tl.load(field + 2) + offs * stride, offs < tl.load(field + 1)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expand_gate_up_kernel(
+    raw_ptr,  # [TK, 2I] model dtype: un-activated gate | up of LoRA pairs (from the base GEMM)
+    act_ptr,  # [TK, I] model dtype: written for LoRA pairs
+    z_ptr,  # [SPLIT_K, TK, R_PAD] float32 from `_shrink_kernel`
+    down_z_ptr,  # [TK, RD_PAD] float32: += act @ A_d.T
+    pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
+    num_blocks_ptr, num_pairs, top_k, num_experts, inter, stride_raw, stride_act, stride_pt,
+    R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, GROUP_M: tl.constexpr,
+    PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
+    num_n = tl.cdiv(inter, BLOCK_N)
+    pid = tl.program_id(0)
+    if USE_PDL:
+        gdc_wait()
+    if pid >= num_m * num_n:
+        return
+    pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
+    pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
+                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
+    if slot < 0:
+        return
+    meta = meta_ptr + slot * NUM_FIELDS
+    group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
+    pt = pt_ptr + slot * stride_pt
+    gate = meta + F_SLICE0  # slice 0 feeds the gate columns; the last slice the up columns
+    up = gate + (tl.maximum(tl.load(meta + F_GU_SLICES), 1) - 1) * SLICE_FIELDS
+    up_shift = inter - tl.load(up + 3)  # up column c is local column c + up_shift of its slice
+    dtype = pool_ptr.dtype.element_ty
+    z_gate = _slice_z(z_ptr, pairs, pair_ok, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
+    z_up = _slice_z(z_ptr, pairs, pair_ok, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
+    gate_virt, gate_ok = _slice_rows(gate, group_off, RK_PAD)
+    up_virt, up_ok = _slice_rows(up, group_off, RK_PAD)
+    offs_d = tl.arange(0, RD_PAD)
+    down_rank = tl.load(meta + F_DOWN_RANK)
+    down_ok = offs_d < down_rank
+    down_virt = group_off + tl.load(meta + F_DOWN_A) + offs_d * ((inter + 63) // 64 * 64)
+    acc_down = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
+    rows = pairs[:, None].to(tl.int64)
+    last = (inter - 1) // CHUNK * CHUNK
+    for sub in tl.static_range(BLOCK_N // CHUNK):
+        c0 = pid_n * BLOCK_N + sub * CHUNK
+        cols = c0 + tl.arange(0, CHUNK)
+        col_ok = _col_mask(cols, inter, EVEN_N)
+        c_in = tl.minimum(c0, last)  # a run past the end still looks up an in-buffer page
+        d_gate = _mm(z_gate, _load_paged(pool_ptr, pt, gate_virt, gate_ok, c_in, col_ok, PAGE_SHIFT, CHUNK),
+                     BLOCK_M == 1, DOT_PRECISION)
+        d_up = _mm(z_up, _load_paged(pool_ptr, pt, up_virt, up_ok, c_in + up_shift, col_ok, PAGE_SHIFT, CHUNK),
+                   BLOCK_M == 1, DOT_PRECISION)
+        mask = pair_ok[:, None] & col_ok[None, :]
+        raw = raw_ptr + rows * stride_raw + cols[None, :]
+        g = tl.load(raw, mask=mask, other=0.0).to(tl.float32) + d_gate
+        u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32) + d_up
+        act = (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty)
+        tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
+        a_down = _load_paged(pool_ptr, pt, down_virt, down_ok, c_in, col_ok, PAGE_SHIFT, CHUNK)
+        acc_down += _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
+    if down_rank > 0:
+        tl.atomic_add(down_z_ptr + rows * RD_PAD + offs_d[None, :], acc_down,
+                      mask=pair_ok[:, None] & down_ok[None, :], sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expand_down_kernel(
+    y_ptr,  # [TK, H] model dtype: += w · delta for LoRA pairs
+    down_z_ptr,  # [TK, RD_PAD] float32: act @ A_d.T
+    topk_weights_ptr,  # [TK] float32
+    pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
+    num_blocks_ptr, num_pairs, top_k, num_experts, hidden, stride_y, stride_pt,
+    RD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    pid = tl.program_id(0)
+    if pid >= num_m * num_n:
+        return
+    pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
+    pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
+                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
+    if slot < 0:
+        return
+    meta = meta_ptr + slot * NUM_FIELDS
+    rank = tl.load(meta + F_DOWN_RANK)
+    if rank == 0:
+        return
+    group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
+    pt = pt_ptr + slot * stride_pt
+    offs_r = tl.arange(0, RD_PAD)
+    r_ok = offs_r < rank
+    rows = pairs[:, None].to(tl.int64)
+    z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
+    z = z.to(pool_ptr.dtype.element_ty)
+    weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
+    b_virt = group_off + tl.load(meta + F_DOWN_B) + offs_r * ((hidden + 63) // 64 * 64)
+    for sub in tl.static_range(BLOCK_N // 64):
+        c0 = pid_n * BLOCK_N + sub * 64
+        cols = c0 + tl.arange(0, 64)
+        col_ok = _col_mask(cols, hidden, EVEN_N)
+        b = _load_paged(pool_ptr, pt, b_virt, r_ok, tl.minimum(c0, (hidden - 1) // 64 * 64), col_ok,
+                        PAGE_SHIFT, 64)
+        delta = _mm(z, b, BLOCK_M == 1, DOT_PRECISION)
+        mask = pair_ok[:, None] & col_ok[None, :]
+        ptrs = y_ptr + rows * stride_y + cols[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + weight[:, None] * delta
+        tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _check_phase(plan: MoeLoraPlan, **tensors: tuple[torch.Tensor, int, int]) -> None:
+    """Each ``name=(tensor, rows, cols)``: that shape, the pool's dtype and device, unit column stride."""
+    pool = plan.lora.pool
+    for name, (t, rows, cols) in tensors.items():
+        if t.shape != (rows, cols) or t.dtype != pool.dtype or t.device != pool.device or t.stride(1) != 1:
+            raise ValueError(f"{name} must be [{rows}, {cols}] {pool.dtype} on {pool.device} with unit column "
+                             f"stride, got {list(t.shape)} {t.dtype} on {t.device} strides {t.stride()}")
+    if plan.lora.meta.inter % 16:
+        raise ValueError(f"the Triton kernels need I % 16 == 0, got I={plan.lora.meta.inter} (use the *_ref path)")
+
+
+def _chunk(inter: int) -> int:
+    """Widest power-of-two run <= 64 dividing I: where the fused format's up columns start."""
+    return min(64, inter & -inter)
+
+
+def _tile_args(plan: MoeLoraPlan) -> tuple:
+    lora, align, ids = plan.lora, plan.align, plan.topk_ids
+    return (lora.pool, lora.page_table, lora.meta.table, lora.token_slots, lora.meta.slot_flags, ids,
+            align.sorted_pairs if align else ids, align.block_group if align else ids,
+            align.num_blocks if align else ids, ids.numel(), ids.shape[1], lora.meta.num_experts)
+
+
+def _num_tile_bound(plan: MoeLoraPlan) -> int:
+    return plan.align.max_blocks if plan.align is not None else plan.topk_ids.numel()
+
+
+def _launch_opts(cfg: dict) -> dict:
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def _use_pdl(plan: MoeLoraPlan) -> bool:
+    device = plan.topk_ids.device
+    return (bool(plan.config.get("pdl")) and device.type == "cuda" and gdc_wait is not None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
+    """For every LoRA pair ``p = (t, e)``: ``act[p] = silu(h[:I]) · h[I:]``, ``h = raw[p] + delta_gu``.
+
+    ``x`` [T, H] and ``raw`` [TK, 2I] (from `fused_moe.moe_gate_up`) and ``act`` [TK, I]
+    (written for LoRA pairs only), all the model dtype.  Also leaves ``act[p] @ A_d.T``
+    in ``plan.down_z`` for `moe_lora_down`.
+    """
+    meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
+    _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden), raw=(raw, num_pairs, 2 * meta.inter),
+                 act=(act, num_pairs, meta.inter))
+    cfg, tiles, page_shift = plan.config, _num_tile_bound(plan), plan.lora.pool.shape[1].bit_length() - 1
+    r_pad, rk_pad, rd_pad = _pads(meta)
+    splits, per_split = _split_k(meta.hidden, cfg["split_k"])
+    pdl, precision = _use_pdl(plan), "ieee" if x.dtype == torch.float32 else "tf32"
+    stride_pt = plan.lora.page_table.stride(0)
+    _shrink_kernel[(tiles * splits,)](
+        x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), stride_pt,
+        R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split, BLOCK_M=cfg["block_m"],
+        GROUP_M=cfg["shrink"]["group_m"], PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0,
+        DOT_PRECISION=precision, USE_PDL=pdl, **_launch_opts(cfg["shrink"]))
+    chunk = _chunk(meta.inter)
+    block_n = max(chunk, min(cfg["gate_up"]["block_n"], triton.next_power_of_2(meta.inter)))
+    extra = {"launch_pdl": True} if pdl else {}
+    _expand_gate_up_kernel[(tiles * triton.cdiv(meta.inter, block_n),)](
+        raw, act, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.inter, raw.stride(0), act.stride(0),
+        stride_pt, R_PAD=r_pad, RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"],
+        BLOCK_N=block_n, CHUNK=chunk, GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift,
+        EVEN_N=meta.inter % block_n == 0, DOT_PRECISION=precision, USE_PDL=pdl,
+        **_launch_opts(cfg["gate_up"]), **extra)
+
+
+def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """For every LoRA pair ``p``: ``y[p] += w[p] · (act[p] @ A_d.T) @ B_d``.
+
+    ``act`` [TK, I] (its A-product was taken by `moe_lora_gate_up`, which must run
+    first on the same plan); ``y`` [TK, H] model dtype, updated in place;
+    ``topk_weights`` [T, K] float32.
+    """
+    meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
+    _check_phase(plan, act=(act, num_pairs, meta.inter), y=(y, num_pairs, meta.hidden))
+    if topk_weights.shape != plan.topk_ids.shape or topk_weights.dtype != torch.float32 \
+            or not topk_weights.is_contiguous():
+        raise ValueError(f"topk_weights must be contiguous {list(plan.topk_ids.shape)} float32, got "
+                         f"{list(topk_weights.shape)} {topk_weights.dtype}")
+    cfg = plan.config
+    block_n = max(64, min(cfg["down"]["block_n"], triton.next_power_of_2(meta.hidden)))
+    _expand_down_kernel[(_num_tile_bound(plan) * triton.cdiv(meta.hidden, block_n),)](
+        y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
+        plan.lora.page_table.stride(0), RD_PAD=_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
+        GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,
+        EVEN_N=meta.hidden % block_n == 0, DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        **_launch_opts(cfg["down"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# References (same signatures): per (slot, expert) group, weights gathered through the page table
+
+
+def _groups(plan: MoeLoraPlan):
+    """Yield ``(pairs [n] int64, slot, slot's fields, virtual start of the expert group)`` per group."""
+    lora, top_k = plan.lora, plan.topk_ids.shape[1]
+    has = lora_pairs(lora.token_slots, lora.meta.slot_flags, top_k)
+    slot = lora.token_slots.long().repeat_interleave(top_k)
+    key = slot * lora.meta.num_experts + plan.topk_ids.reshape(-1).long()
+    table = lora.meta.table.tolist()
+    for group in torch.unique(key[has]).tolist():
+        s, e = divmod(group, lora.meta.num_experts)
+        fields = dict(zip(FIELDS, table[s]))
+        start = fields["expert_base"] + e * fields["expert_stride"]
+        yield torch.nonzero(has & (key == group)).squeeze(1), s, fields, start
+
+
+def _read(plan: MoeLoraPlan, slot: int, offset: int, rows: int, cols: int) -> torch.Tensor:
+    """A ``[rows, cols]`` matrix of ``slot`` at virtual ``offset``, read through the page table, float32."""
+    table = plan.lora.page_table[slot].long()
+    return gather_block(plan.lora.pool, table, Block(offset, rows, cols)).float()
+
+
+def moe_lora_gate_up_ref(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
+    """Torch version of `moe_lora_gate_up` (float32 math; does not fill ``plan.down_z``)."""
+    meta, top_k = plan.lora.meta, plan.topk_ids.shape[1]
+    inter = meta.inter
+    for pairs, slot, f, start in _groups(plan):
+        h = raw[pairs].float()
+        if f["gu_rows"]:
+            z = x[pairs // top_k].float() @ _read(plan, slot, start + f["gu_a"], f["gu_rows"], meta.hidden).T
+            for j in range(f["gu_slices"]):
+                a_row, rank, col, ncols = (f[f"s{j}_{n}"] for n in ("a_row", "rank", "col", "ncols"))
+                b = _read(plan, slot, start + f[f"s{j}_b"], rank, ncols)
+                h[:, col: col + ncols] += z[:, a_row: a_row + rank] @ b
+        act[pairs] = (F.silu(h[:, :inter]) * h[:, inter:]).to(act.dtype)
+
+
+def moe_lora_down_ref(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """Torch version of `moe_lora_down` (float32 math, from ``act``)."""
+    meta, weights = plan.lora.meta, topk_weights.reshape(-1)
+    for pairs, slot, f, start in _groups(plan):
+        rank = f["down_rank"]
+        if rank:
+            z = act[pairs].float() @ _read(plan, slot, start + f["down_a"], rank, meta.inter).T
+            delta = z @ _read(plan, slot, start + f["down_b"], rank, meta.hidden)
+            y[pairs] = (y[pairs].float() + weights[pairs, None] * delta).to(y.dtype)

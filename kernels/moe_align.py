@@ -1,0 +1,443 @@
+"""Planning shared by the MoE kernels: token-to-group alignment, the expert-LoRA
+metadata of a layer (from the paged layout), and tuned launch configs.
+
+Shape legend: T = tokens, K = top_k, TK = T·K routed *pairs* (pair ``p`` is token
+``p // K``'s ``p % K``-th expert choice), E = experts, S = adapter slots,
+G = groups, BM = tile height (``block_m``).
+
+A grouped MoE GEMM runs tiles of BM pairs that share one *group* — the expert
+for the base MoE, the (adapter slot, expert) pair for the LoRA deltas.
+Alignment lists each group's pairs contiguously, padded to a multiple of BM::
+
+    sorted_pairs  [max_blocks·BM] int32   group 0's pairs, padding, group 1's pairs, ...
+                                          padding entries hold TK (out of range)
+    block_group   [max_blocks]    int32   group of tile b; -1 for b >= num_blocks
+    num_blocks    [1]             int32   tiles in use (device value: no host sync)
+
+Pairs without a group (LoRA: token without adapter, or an adapter without
+expert targets in this layer) appear nowhere.  The order of pairs inside a
+group is unspecified.  Sizes are bounded without looking at the data: at most
+``n = min(G, TK)`` groups are non-empty, each wastes at most BM-1 padding
+entries, so ``max_blocks = cdiv(TK + n·(BM-1), BM)`` — the grids are sized
+by it and tiles past ``num_blocks`` exit at once.
+
+Expert-LoRA metadata (`moe_lora_meta`) is one int32 row per adapter slot
+(fields `FIELDS`): the slot's expert-group base and stride and, relative to the
+group start, the offsets, rows and ranks of gate/up A, of each gate/up B slice
+(at most two: fused format, or gate and up) and of down A/B.  Rank 0 = the
+adapter lacks that target in this layer.
+
+Launch configs are JSON (``configs/moe_default.json`` and, when present,
+``configs/moe_<device>.json`` written by ``benchmarks/kernels_moe.py --tune``),
+keyed by shape, each a list of entries ordered by ``max_load`` — the tokens
+per group (per expert for the base MoE, per (adapter, expert) for LoRA) the
+entry is tuned for.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from unipage.kernels.common import device_key  # noqa: F401  (re-exported for the tuner)
+from unipage.lora_layout import AdapterLayout
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class Alignment:
+    sorted_pairs: torch.Tensor  # [max_blocks * block_m] int32; padding = num_pairs
+    block_group: torch.Tensor  # [max_blocks] int32; -1 past the last tile
+    num_blocks: torch.Tensor  # [1] int32
+    block_m: int
+    max_blocks: int
+    num_pairs: int
+
+
+@triton.jit
+def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile ``(m, n)`` of program ``pid``: GROUP_M consecutive m-tiles sweep n together (L2 reuse)."""
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
+    return triton.cdiv(num_pairs + min(num_groups, num_pairs) * (block_m - 1), block_m)
+
+
+def _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags) -> None:
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be a contiguous [T, K] int32 tensor, got "
+                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"num_experts and block_m must be >= 1, got {num_experts}, {block_m}")
+    if (token_slots is None) != (slot_flags is None):
+        raise ValueError("token_slots and slot_flags go together (LoRA grouping) or not at all")
+    if token_slots is not None:
+        if token_slots.shape != (topk_ids.shape[0],) or token_slots.dtype != torch.int32:
+            raise ValueError(f"token_slots must be [T={topk_ids.shape[0]}] int32, got "
+                             f"{tuple(token_slots.shape)} {token_slots.dtype}")
+        if slot_flags.dim() != 1 or slot_flags.dtype != torch.int32:
+            raise ValueError(f"slot_flags must be [S] int32, got {tuple(slot_flags.shape)} {slot_flags.dtype}")
+
+
+def _num_groups(num_experts: int, slot_flags: torch.Tensor | None) -> int:
+    return num_experts if slot_flags is None else num_experts * slot_flags.shape[0]
+
+
+@triton.jit
+def _pair_groups(offs, topk_ids_ptr, slots_ptr, flags_ptr, num_pairs, top_k, num_experts,
+                 LORA: tl.constexpr):
+    """Group of each pair in ``offs`` and whether it has one."""
+    valid = offs < num_pairs
+    expert = tl.load(topk_ids_ptr + offs, mask=valid, other=0)
+    if LORA:
+        slot = tl.load(slots_ptr + offs // top_k, mask=valid, other=-1)
+        flag = tl.load(flags_ptr + tl.maximum(slot, 0), mask=valid & (slot >= 0), other=0)
+        valid = valid & (flag != 0)
+        group = tl.where(valid, slot * num_experts + expert, 0)
+    else:
+        group = expert
+    return group, valid
+
+
+@triton.jit
+def _tile_groups(tiles, ends_ptr, total, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                 LOG2_G_PAD: tl.constexpr):
+    """Group of each tile: the first g with ends[g] > tile·BM (binary search); -1 past the end."""
+    start = tiles * BLOCK_M
+    lo = tl.zeros_like(tiles)
+    hi = lo + G_PAD
+    for _ in tl.static_range(LOG2_G_PAD + 1):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        end = tl.load(ends_ptr + tl.minimum(mid, G_PAD - 1), volatile=True)
+        right = active & (end <= start)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (end > start), mid, hi)
+    return tl.where(start < total, lo, -1)
+
+
+@triton.jit
+def _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    for start in range(0, max_blocks * BLOCK_M, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=offs < max_blocks * BLOCK_M)
+
+
+@triton.jit
+def _plan_groups(counts, ends_ptr, num_blocks_ptr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr):
+    """Pad each group's count to BM; store the padded ends and the tile count; return starts and total."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(ends_ptr + tl.arange(0, G_PAD), ends)
+    tl.store(num_blocks_ptr, total // BLOCK_M)
+    return ends - padded, total
+
+
+@triton.jit
+def _write_tile_groups(block_group_ptr, ends_ptr, total, max_blocks, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                       LOG2_G_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    for start in range(0, max_blocks, CHUNK):
+        tiles = start + tl.arange(0, CHUNK)
+        groups = _tile_groups(tiles, ends_ptr, total, BLOCK_M, G_PAD, LOG2_G_PAD)
+        tl.store(block_group_ptr + tiles, groups, mask=tiles < max_blocks)
+
+
+@triton.jit
+def _scatter_chunk(offs, cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_ptr, num_pairs, top_k,
+                   num_experts, LORA: tl.constexpr):
+    """Each pair of the chunk takes the next free slot of its group."""
+    group, valid = _pair_groups(offs, topk_ids_ptr, slots_ptr, flags_ptr, num_pairs, top_k, num_experts, LORA)
+    pos = tl.atomic_add(cursor_ptr + group, 1, mask=valid, sem="relaxed")
+    tl.store(sorted_ptr + pos, offs, mask=valid)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _align_kernel(
+    topk_ids_ptr,  # [TK] int32 expert of each pair
+    slots_ptr, flags_ptr,  # LORA: [T] int32 token slots (-1 none), [S] int32 slot has expert LoRA
+    counts_ptr, ends_ptr, cursor_ptr,  # [G_PAD] int32 scratch each
+    sorted_ptr, block_group_ptr, num_blocks_ptr,  # outputs: see `Alignment`
+    num_pairs, max_blocks, top_k, num_experts,
+    LORA: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr, LOG2_G_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # Small TK, one program: histogram -> padded prefix sums -> tile groups -> scatter.
+    # Phases talk through global scratch, separated by CTA barriers.
+    offs_g = tl.arange(0, G_PAD)
+    tl.store(counts_ptr + offs_g, tl.zeros([G_PAD], tl.int32))
+    _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M, CHUNK)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        group, valid = _pair_groups(start + tl.arange(0, CHUNK), topk_ids_ptr, slots_ptr, flags_ptr,
+                                    num_pairs, top_k, num_experts, LORA)
+        tl.atomic_add(counts_ptr + group, 1, mask=valid, sem="relaxed")
+    tl.debug_barrier()
+    starts, total = _plan_groups(tl.load(counts_ptr + offs_g, volatile=True), ends_ptr, num_blocks_ptr,
+                                 BLOCK_M, G_PAD)
+    tl.store(cursor_ptr + offs_g, starts)
+    tl.debug_barrier()
+    _write_tile_groups(block_group_ptr, ends_ptr, total, max_blocks, BLOCK_M, G_PAD, LOG2_G_PAD, CHUNK)
+    for start in range(0, num_pairs, CHUNK):
+        _scatter_chunk(start + tl.arange(0, CHUNK), cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_ptr,
+                       num_pairs, top_k, num_experts, LORA)
+
+
+# Large TK: the same phases over three launches, one program per chunk for the atomics
+# (each chunk counts and scatters through its own row of the [chunks, G_PAD] scratch).
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, counts_ptr, num_pairs, top_k, num_experts,
+                        LORA: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    chunk = tl.program_id(0)
+    row = counts_ptr + chunk * G_PAD
+    tl.store(row + tl.arange(0, G_PAD), tl.zeros([G_PAD], tl.int32))
+    tl.debug_barrier()
+    group, valid = _pair_groups(chunk * CHUNK + tl.arange(0, CHUNK), topk_ids_ptr, slots_ptr, flags_ptr,
+                                num_pairs, top_k, num_experts, LORA)
+    tl.atomic_add(row + group, 1, mask=valid, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "num_chunks"])
+def _align_plan_kernel(counts_ptr, cursor_ptr, ends_ptr, sorted_ptr, block_group_ptr, num_blocks_ptr,
+                       num_pairs, max_blocks, num_chunks, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                       LOG2_G_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    offs_g = tl.arange(0, G_PAD)
+    totals = tl.zeros([G_PAD], tl.int32)
+    for chunk in range(0, num_chunks):
+        totals += tl.load(counts_ptr + chunk * G_PAD + offs_g)
+    running, total = _plan_groups(totals, ends_ptr, num_blocks_ptr, BLOCK_M, G_PAD)
+    for chunk in range(0, num_chunks):  # chunk c starts after the earlier chunks' pairs of each group
+        tl.store(cursor_ptr + chunk * G_PAD + offs_g, running)
+        running += tl.load(counts_ptr + chunk * G_PAD + offs_g)
+    _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M, CHUNK)
+    tl.debug_barrier()
+    _write_tile_groups(block_group_ptr, ends_ptr, total, max_blocks, BLOCK_M, G_PAD, LOG2_G_PAD, CHUNK)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_scatter_kernel(topk_ids_ptr, slots_ptr, flags_ptr, cursor_ptr, sorted_ptr, num_pairs, top_k,
+                          num_experts, LORA: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    chunk = tl.program_id(0)
+    _scatter_chunk(chunk * CHUNK + tl.arange(0, CHUNK), cursor_ptr + chunk * G_PAD, sorted_ptr, topk_ids_ptr,
+                   slots_ptr, flags_ptr, num_pairs, top_k, num_experts, LORA)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              token_slots: torch.Tensor | None = None, slot_flags: torch.Tensor | None = None, *,
+              chunk: int = 1024, one_program_max: int = 4096) -> Alignment:
+    """Group the routed pairs into tiles of ``block_m`` (see the module docstring).
+
+    ``topk_ids``    [T, K] int32  expert of each pair.
+    ``token_slots`` [T] int32     adapter slot of each token, -1 = none (LoRA grouping only).
+    ``slot_flags``  [S] int32     non-zero where the slot has expert LoRA in this layer.
+    Without ``token_slots`` the group is the expert; with it, ``slot·E + expert``.
+    Up to ``one_program_max`` pairs run as one launch; more as three launches with
+    one program per ``chunk`` pairs (a power of two).
+    """
+    _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags)
+    num_pairs, top_k, device = topk_ids.numel(), topk_ids.shape[1], topk_ids.device
+    groups = _num_groups(num_experts, slot_flags)
+    blocks = max_blocks(num_pairs, groups, block_m)
+    g_pad = triton.next_power_of_2(groups)
+    out = Alignment(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+                    torch.empty(blocks, dtype=torch.int32, device=device),
+                    torch.empty(1, dtype=torch.int32, device=device), block_m, blocks, num_pairs)
+    lora = token_slots is not None
+    routing = (topk_ids, token_slots if lora else topk_ids, slot_flags if lora else topk_ids)
+    shapes = {"G_PAD": g_pad, "CHUNK": chunk}
+    tiles = {"BLOCK_M": block_m, "LOG2_G_PAD": int(math.log2(g_pad)), **shapes}
+    if num_pairs <= one_program_max:
+        scratch = torch.empty(3, g_pad, dtype=torch.int32, device=device)
+        _align_kernel[(1,)](*routing, scratch[0], scratch[1], scratch[2], out.sorted_pairs, out.block_group,
+                            out.num_blocks, num_pairs, blocks, top_k, num_experts, LORA=lora, **tiles, num_warps=8)
+        return out
+    chunks = triton.cdiv(num_pairs, chunk)
+    counts, cursor = torch.empty(2, chunks, g_pad, dtype=torch.int32, device=device)
+    ends = torch.empty(g_pad, dtype=torch.int32, device=device)
+    _align_count_kernel[(chunks,)](*routing, counts, num_pairs, top_k, num_experts, LORA=lora, **shapes,
+                                   num_warps=4)
+    _align_plan_kernel[(1,)](counts, cursor, ends, out.sorted_pairs, out.block_group, out.num_blocks, num_pairs,
+                             blocks, chunks, **tiles, num_warps=8)
+    _align_scatter_kernel[(chunks,)](*routing, cursor, out.sorted_pairs, num_pairs, top_k, num_experts, LORA=lora,
+                                     **shapes, num_warps=4)
+    return out
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                  token_slots: torch.Tensor | None = None, slot_flags: torch.Tensor | None = None) -> Alignment:
+    """Torch version of `moe_align` (pairs in ascending order inside each group); no host sync."""
+    _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags)
+    num_pairs, device = topk_ids.numel(), topk_ids.device
+    groups = _num_groups(num_experts, slot_flags)
+    blocks = max_blocks(num_pairs, groups, block_m)
+    group = topk_ids.reshape(-1).long()
+    if token_slots is not None:
+        slot = token_slots.long().repeat_interleave(topk_ids.shape[1])
+        has = (slot >= 0) & (slot_flags.long()[slot.clamp(min=0)] != 0)
+        group = torch.where(has, slot * num_experts + group, groups)
+    counts = torch.zeros(groups + 1, dtype=torch.long, device=device).scatter_add_(
+        0, group, torch.ones_like(group))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[groups] = 0
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(group, stable=True)
+    sorted_group = group[order]
+    first = torch.cumsum(counts, 0) - counts
+    dest = (ends - padded)[sorted_group] + torch.arange(num_pairs, device=device) - first[sorted_group]
+    dest = torch.where(sorted_group < groups, dest, blocks * block_m)
+    sorted_pairs = torch.full((blocks * block_m + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[dest] = order.int()
+    starts = torch.arange(blocks, device=device) * block_m
+    block_group = torch.searchsorted(ends[:groups], starts, right=True)
+    block_group = torch.where(starts < ends[-1], block_group, -1).int()
+    return Alignment(sorted_pairs[:-1], block_group, (ends[-1:] // block_m).int(), block_m, blocks, num_pairs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert-LoRA metadata: where each slot's expert LoRA lives in one layer
+
+# Per-slot fields of `MoeLoraMeta.table` (int32).  Offsets are relative to the
+# slot's expert-0 group start; rank 0 = the adapter lacks the target here.
+FIELDS = ("expert_base", "expert_stride", "gu_a", "gu_rows", "gu_slices",
+           "s0_a_row", "s0_rank", "s0_b", "s0_col", "s0_ncols",
+           "s1_a_row", "s1_rank", "s1_b", "s1_col", "s1_ncols",
+           "down_a", "down_rank", "down_b")
+_FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
+NUM_FIELDS = tl.constexpr(len(FIELDS))
+F_BASE = tl.constexpr(_FIELD_INDEX["expert_base"])
+F_STRIDE = tl.constexpr(_FIELD_INDEX["expert_stride"])
+F_GU_A = tl.constexpr(_FIELD_INDEX["gu_a"])
+F_GU_ROWS = tl.constexpr(_FIELD_INDEX["gu_rows"])
+F_GU_SLICES = tl.constexpr(_FIELD_INDEX["gu_slices"])
+F_SLICE0 = tl.constexpr(_FIELD_INDEX["s0_a_row"])
+SLICE_FIELDS = tl.constexpr(5)  # a_row, rank, b, col, ncols
+F_DOWN_A = tl.constexpr(_FIELD_INDEX["down_a"])
+F_DOWN_RANK = tl.constexpr(_FIELD_INDEX["down_rank"])
+F_DOWN_B = tl.constexpr(_FIELD_INDEX["down_b"])
+
+
+@dataclass(frozen=True)
+class MoeLoraMeta:
+    """Where every slot's expert LoRA lives in one layer (built by `moe_lora_meta`)."""
+
+    table: torch.Tensor  # [S, NUM_FIELDS] int32, fields `FIELDS`
+    slot_flags: torch.Tensor  # [S] int32: 1 where the slot has an expert target in this layer
+    hidden: int  # H (0 when no slot has expert LoRA)
+    inter: int  # I
+    num_experts: int  # E
+    max_gate_up_rows: int  # largest R
+    max_gate_up_rank: int  # largest gate/up slice rank
+    max_down_rank: int
+    num_lora_slots: int  # slots with expert LoRA in this layer
+
+    @property
+    def any_lora(self) -> bool:
+        return self.num_lora_slots > 0
+
+
+def _slot_fields(layer_layout) -> list[int] | None:
+    gate_up = layer_layout.targets.get(("experts.gate_up", 0))
+    down = layer_layout.targets.get(("experts.down", 0))
+    if gate_up is None and down is None:
+        return None
+    start = layer_layout.expert_base
+    row = dict.fromkeys(FIELDS, 0)
+    row.update(expert_base=start, expert_stride=layer_layout.expert_stride)
+    if gate_up is not None:
+        if len(gate_up.slices) > 2:
+            raise ValueError(f"experts.gate_up has {len(gate_up.slices)} B slices; at most 2 are supported")
+        row.update(gu_a=gate_up.a.offset - start, gu_rows=gate_up.a.rows, gu_slices=len(gate_up.slices))
+        for j, piece in enumerate(gate_up.slices):
+            row.update({f"s{j}_a_row": piece.a_row, f"s{j}_rank": piece.rank, f"s{j}_b": piece.b.offset - start,
+                        f"s{j}_col": piece.col, f"s{j}_ncols": piece.b.cols})
+    if down is not None:
+        row.update(down_a=down.a.offset - start, down_rank=down.a.rows, down_b=down.slices[0].b.offset - start)
+    return [row[name] for name in FIELDS]
+
+
+def _layer_dims(layouts, layer: int) -> tuple[int, int, int]:
+    """``(H, I, E)`` from the first slot with expert LoRA in ``layer``; zeros if none."""
+    for layout in layouts:
+        targets = layout.layers[layer].targets if layout is not None else {}
+        experts = 1 + max((e for (_, e) in targets), default=-1)
+        if ("experts.gate_up", 0) in targets:
+            entry = targets[("experts.gate_up", 0)]
+            return entry.a.cols, sum(s.b.cols for s in entry.slices) // 2, experts
+        if ("experts.down", 0) in targets:
+            entry = targets[("experts.down", 0)]
+            return entry.slices[0].b.cols, entry.a.cols, experts
+    return 0, 0, 0
+
+
+def moe_lora_meta(layouts: list[AdapterLayout | None], layer: int,
+                  device: torch.device | str = "cpu") -> MoeLoraMeta:
+    """Per-slot offsets and ranks of the expert LoRA of ``layer`` (``layouts[s]``: slot ``s``'s adapter)."""
+    rows = []
+    for layout in layouts:
+        fields = _slot_fields(layout.layers[layer]) if layout is not None else None
+        rows.append(dict(zip(FIELDS, fields or [0] * len(FIELDS))))
+    flags = [int(r["gu_rows"] > 0 or r["down_rank"] > 0) for r in rows]
+    table = torch.tensor([list(r.values()) for r in rows], dtype=torch.int32).reshape(len(rows), len(FIELDS))
+    hidden, inter, experts = _layer_dims(layouts, layer)
+    return MoeLoraMeta(table.to(device), torch.tensor(flags, dtype=torch.int32, device=device),
+                       hidden, inter, experts,
+                       max((r["gu_rows"] for r in rows), default=0),
+                       max((max(r["s0_rank"], r["s1_rank"]) for r in rows), default=0),
+                       max((r["down_rank"] for r in rows), default=0), sum(flags))
+
+
+def lora_pairs(token_slots: torch.Tensor, slot_flags: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[TK]`` bool: the pairs whose token's slot has expert LoRA in this layer."""
+    slot = token_slots.long().repeat_interleave(top_k)
+    return (slot >= 0) & (slot_flags.long()[slot.clamp(min=0)] != 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configs
+
+
+def shape_key(hidden: int, inter: int, num_experts: int, top_k: int) -> str:
+    return f"H{hidden}_I{inter}_E{num_experts}_K{top_k}"
+
+
+@functools.cache
+def _config_file(name: str) -> dict:
+    path = CONFIG_DIR / name
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def launch_config(kind: str, shape: str, load: float, device: str) -> dict:
+    """The ``kind`` ("base" or "lora") entry for ``shape`` tuned for ``load`` tokens per group.
+
+    Looks in ``moe_<device>.json`` for ``shape``, else uses ``moe_default.json``;
+    returns the first entry whose ``max_load`` is >= ``load`` (else the last).
+    """
+    table = _config_file(f"moe_{device}.json").get(shape, {}).get(kind)
+    if not table:
+        table = _config_file("moe_default.json")["default"][kind]
+    for entry in table:
+        if load <= entry["max_load"]:
+            return entry
+    return table[-1]
+
+
+def expected_load(num_pairs: int, groups: int) -> float:
+    """Expected pairs per non-empty group when ``num_pairs`` fall uniformly into ``groups``."""
+    if groups <= 1:
+        return float(num_pairs)
+    occupied = groups * -math.expm1(num_pairs * math.log1p(-1.0 / groups))
+    return num_pairs / max(occupied, 1.0)

@@ -1,0 +1,287 @@
+"""Fused MoE of the base model: routing, alignment, the grouped GEMMs, the whole block.
+
+CPU runs the Triton kernels under the interpreter at tiny shapes (fp16/fp32);
+`-m gpu` runs real shapes in bf16 against a float32 reference.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from unipage.kernels.fused_moe import (fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
+                                       moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
+from unipage.kernels.moe_align import Alignment, launch_config, moe_align, moe_align_ref
+
+H, I, E, K = 64, 32, 8, 2
+TOKENS = (1, 7, 40)
+# block_k 32 divides H (two K steps); "ragged" takes the masked-K and wrapped-N paths; "tma" loads
+# the weights through tensor descriptors (out-of-bounds rows and columns read as zero).
+CONFIGS = {
+    "even": {"block_m": 16, "gate_up": {"block_n": 16, "block_k": 32, "group_m": 2, "num_warps": 4, "num_stages": 2},
+             "down": {"block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 2}},
+    "ragged": {"block_m": 16, "gate_up": {"block_n": 64, "block_k": 128, "group_m": 1, "num_warps": 4,
+                                          "num_stages": 2},
+               "down": {"block_n": 128, "block_k": 64, "group_m": 1, "num_warps": 4, "num_stages": 2}},
+    "tma": {"block_m": 16, "gate_up": {"block_n": 64, "block_k": 128, "group_m": 2, "num_warps": 4,
+                                       "num_stages": 2, "tma": True},
+            "down": {"block_n": 32, "block_k": 16, "group_m": 2, "num_warps": 4, "num_stages": 2, "tma": True}},
+}
+
+
+def _weights(dtype, seed=0, hidden=H, inter=I, experts=E, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w_down = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+    return w_gate_up.to(device, dtype), w_down.to(device, dtype)
+
+
+def _inputs(num_tokens, dtype, seed=0, hidden=H, experts=E, device="cpu"):
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    logits = torch.randn(num_tokens, experts, generator=g)
+    return x.to(device, dtype), logits.to(device)
+
+
+def _loop_moe(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """One token and one expert at a time, float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w_down.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = w_gate_up[e].float() @ x[t].float()
+            out[t] += float(topk_weights[t, j]) * (w_down[e].float() @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+def _rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# --- routing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_route_topk_matches_reference(num_tokens, renormalize):
+    _, logits = _inputs(num_tokens, torch.float32, seed=num_tokens)
+    weights, ids = route_topk(logits, K, renormalize)
+    ref_weights, ref_ids = route_topk_ref(logits, K, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_reference_matches_transformers_router(renormalize):
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = Qwen3MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=K, norm_topk_prob=renormalize)
+    router = Qwen3MoeTopKRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.3)
+    x, _ = _inputs(40, torch.float32)
+    _, scores, indices = router(x)
+    weights, ids = route_topk_ref(F.linear(x, router.weight), K, renormalize)
+    assert torch.equal(ids, indices.int())
+    torch.testing.assert_close(weights, scores)
+
+
+# --- alignment ----------------------------------------------------------------------------------
+
+
+def _groups_of(align: Alignment) -> dict:
+    """group -> sorted pair ids, after checking the alignment's own invariants."""
+    used = int(align.num_blocks)
+    assert 0 <= used <= align.max_blocks
+    assert (align.block_group[used:] == -1).all()
+    groups = {}
+    for b in range(used):
+        tile = align.sorted_pairs[b * align.block_m:(b + 1) * align.block_m].tolist()
+        groups.setdefault(int(align.block_group[b]), []).extend(tile)
+    assert (align.sorted_pairs[used * align.block_m:] == align.num_pairs).all()
+    padding = {g: tile.count(align.num_pairs) for g, tile in groups.items()}
+    real = {g: sorted(p for p in tile if p != align.num_pairs) for g, tile in groups.items()}
+    assert all(padding[g] < align.block_m and len(tile) % align.block_m == 0 for g, tile in groups.items())
+    assert list(align.block_group[:used]) == sorted(align.block_group[:used].tolist())
+    return real
+
+
+@pytest.mark.parametrize("launches", ["one", "three"])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("num_tokens", TOKENS + (300,))
+def test_align_matches_reference(num_tokens, block_m, lora, launches):
+    g = torch.Generator().manual_seed(num_tokens * 7 + block_m)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(num_tokens)]).int()
+    extra = {}
+    if lora:
+        extra = {"token_slots": torch.randint(-1, 3, (num_tokens,), generator=g, dtype=torch.int32),
+                 "slot_flags": torch.tensor([1, 0, 1], dtype=torch.int32)}
+    split = {"one": {}, "three": {"chunk": 64, "one_program_max": 0}}[launches]  # 300 tokens: 10 chunks
+    got, want = moe_align(ids, E, block_m, **extra, **split), moe_align_ref(ids, E, block_m, **extra)
+    groups = _groups_of(want)
+    assert _groups_of(got) == groups
+    assert torch.equal(got.num_blocks, want.num_blocks) and torch.equal(got.block_group, want.block_group)
+    expected = {}
+    for p, e in enumerate(ids.reshape(-1).tolist()):
+        slot = int(extra["token_slots"][p // K]) if lora else 0
+        if not lora or (slot >= 0 and int(extra["slot_flags"][slot])):
+            expected.setdefault(slot * E + e if lora else e, []).append(p)
+    assert groups == expected
+
+
+def test_align_rejects_bad_arguments():
+    ids = torch.zeros(3, K, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_align(ids.long(), E, 16)
+    with pytest.raises(ValueError, match="together"):
+        moe_align(ids, E, 16, token_slots=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="token_slots"):
+        moe_align(ids, E, 16, torch.zeros(4, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+
+
+def test_launch_config_buckets_by_load():
+    small, large = launch_config("base", "none", 1, "cpu"), launch_config("base", "none", 1e6, "cpu")
+    assert small["block_m"] < large["block_m"]
+    assert launch_config("lora", "none", 1, "cpu")["block_m"] == 1  # pair mode for about one pair per group
+
+
+# --- references -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_reference_matches_per_token_loop(num_tokens):
+    w_gate_up, w_down = _weights(torch.float32)
+    x, logits = _inputs(num_tokens, torch.float32)
+    weights, ids = route_topk_ref(logits, K, True)
+    want = _loop_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(fused_experts_ref(x, w_gate_up, w_down, weights, ids), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_reference_matches_transformers_block(norm_topk_prob):
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+                            norm_topk_prob=norm_topk_prob, hidden_act="silu")
+    block = Qwen3MoeSparseMoeBlock(config)
+    w_gate_up, w_down = _weights(torch.float32, seed=3)
+    with torch.no_grad():
+        block.experts.gate_up_proj.copy_(w_gate_up)
+        block.experts.down_proj.copy_(w_down)
+        torch.nn.init.normal_(block.gate.weight, std=0.3)
+        x, _ = _inputs(40, torch.float32, seed=3)
+        want = block(x[None])[0]
+        got = fused_moe_ref(x, F.linear(x, block.gate.weight), w_gate_up, w_down, K, norm_topk_prob)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- Triton vs reference --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_fused_moe_matches_reference(num_tokens, dtype, config):
+    w_gate_up, w_down = _weights(dtype, seed=num_tokens)
+    x, logits = _inputs(num_tokens, dtype, seed=num_tokens)
+    got = fused_moe(x, logits, w_gate_up, w_down, K, True, config=CONFIGS[config])
+    want = fused_moe_ref(x, logits, w_gate_up, w_down, K, True, config=CONFIGS[config])
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def _stage_inputs(num_tokens, dtype, config):
+    w_gate_up, w_down = _weights(dtype, seed=5)
+    x, logits = _inputs(num_tokens, dtype, seed=5)
+    weights, ids = route_topk_ref(logits, K, False)
+    return x, w_gate_up, w_down, weights, ids, moe_align(ids, E, config["block_m"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_stages_write_every_pair(dtype):
+    """Outputs start as NaN: every routed pair must be written, and match the reference."""
+    config = CONFIGS["even"]
+    x, w_gate_up, w_down, weights, ids, align = _stage_inputs(40, dtype, config)
+    act, act_ref = (torch.full((ids.numel(), I), float("nan"), dtype=dtype) for _ in range(2))
+    moe_gate_up(x, w_gate_up, ids, align, act, config=config)
+    moe_gate_up_ref(x, w_gate_up, ids, align, act_ref, config=config)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(act, act_ref, rtol=tol, atol=tol)
+    y, y_ref = (torch.full((ids.numel(), H), float("nan"), dtype=dtype) for _ in range(2))
+    moe_down(act, w_down, ids, weights, align, y, config)
+    moe_down_ref(act, w_down, ids, weights, align, y_ref, config)
+    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
+
+
+def test_gate_up_leaves_lora_pairs_raw():
+    """Pairs whose slot has expert LoRA go to ``raw`` un-activated; the rest to ``act``."""
+    config = CONFIGS["even"]
+    x, w_gate_up, _, _, ids, align = _stage_inputs(40, torch.float32, config)
+    slots = torch.tensor([-1, 0, 1, 2] * 10, dtype=torch.int32)
+    flags = torch.tensor([1, 0, 1], dtype=torch.int32)
+    outs = []
+    for fn in (moe_gate_up, moe_gate_up_ref):
+        act = torch.full((ids.numel(), I), float("nan"))
+        raw = torch.full((ids.numel(), 2 * I), float("nan"))
+        fn(x, w_gate_up, ids, align, act, raw, slots, flags, config)
+        outs.append((act, raw))
+    lora = torch.tensor([s in (0, 2) for s in slots.tolist()]).repeat_interleave(K)
+    for act, raw in outs:
+        assert act[lora].isnan().all() and not act[~lora].isnan().any()
+        assert raw[~lora].isnan().all() and not raw[lora].isnan().any()
+    torch.testing.assert_close(outs[0][0], outs[1][0], equal_nan=True, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], equal_nan=True, rtol=1e-5, atol=1e-5)
+    h = torch.stack([w_gate_up[e] @ x[p // K] for p, e in enumerate(ids.reshape(-1).tolist())])
+    torch.testing.assert_close(outs[0][1][lora], h[lora], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_rejects_bad_arguments():
+    w_gate_up, w_down = _weights(torch.float32)
+    x, logits = _inputs(4, torch.float32)
+    weights, ids = route_topk_ref(logits, K, True)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_experts(x, w_gate_up, w_down, weights, ids.long())
+    with pytest.raises(ValueError, match="topk_weights"):
+        fused_experts(x, w_gate_up, w_down, weights.half(), ids)
+    with pytest.raises(ValueError, match="w_down"):
+        fused_experts(x, w_gate_up, w_down.half(), weights, ids)
+    with pytest.raises(ValueError, match="w_gate_up"):
+        fused_experts(x, w_gate_up[:, :-1], w_down, weights, ids)
+    with pytest.raises(ValueError, match="unit stride"):
+        fused_experts(x, w_gate_up.transpose(1, 2).contiguous().transpose(1, 2), w_down, weights, ids)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(logits, E + 1, True)
+
+
+# --- GPU: real shapes in bf16 -------------------------------------------------------------------
+
+GPU_SHAPES = {"gpt-oss-20b": (2880, 2880, 32, 4), "qwen3-30b-a3b": (2048, 768, 128, 8)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 1024])
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_fused_moe_bf16(shape, num_tokens):
+    hidden, inter, experts, top_k = GPU_SHAPES[shape]
+    w_gate_up, w_down = _weights(torch.bfloat16, hidden=hidden, inter=inter, experts=experts, device="cuda")
+    x, logits = _inputs(num_tokens, torch.bfloat16, hidden=hidden, experts=experts, device="cuda")
+    got = fused_moe(x, logits, w_gate_up, w_down, top_k, True)
+    want = fused_moe_ref(x.float(), logits, w_gate_up.float(), w_down.float(), top_k, True)
+    assert _rel_err(got, want) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_compiles_once_across_token_counts():
+    from unipage.kernels.fused_moe import _moe_gemm_kernel
+
+    hidden, inter, experts, top_k = GPU_SHAPES["gpt-oss-20b"]
+    w_gate_up, w_down = _weights(torch.bfloat16, hidden=hidden, inter=inter, experts=experts, device="cuda")
+    config = launch_config("base", "none", 1, "cpu")
+    sizes = []
+    for num_tokens in (1, 2, 3, 5, 16, 17):
+        x, logits = _inputs(num_tokens, torch.bfloat16, hidden=hidden, experts=experts, device="cuda")
+        fused_moe(x, logits, w_gate_up, w_down, top_k, True, config=config)
+        sizes.append(len(_moe_gemm_kernel.device_caches[torch.cuda.current_device()][0]))
+    assert sizes[-1] == sizes[0]  # the first call compiled gate/up and down; no length recompiles

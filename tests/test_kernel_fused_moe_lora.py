@@ -1,0 +1,380 @@
+"""Paged fused_moe_lora: expert LoRA deltas of many adapters read from scattered pool pages.
+
+Adapters are packed with `pack_adapter` into pages placed at shuffled ids of a
+pool whose other pages hold noise.  CPU runs the Triton kernels under the
+interpreter at tiny shapes; `-m gpu` runs GPT-OSS-20B and Qwen3-30B-A3B layers.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from unipage.adapter_pack import pack_adapter, random_lora_weights
+from unipage.config import ModelConfig
+from unipage.kernels.fused_moe import fused_experts, fused_experts_ref, moe_gate_up_ref, route_topk_ref
+from unipage.kernels.fused_moe_lora import (MoeLora, lora_pairs, moe_lora_down, moe_lora_down_ref,
+                                            moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, plan_moe_lora,
+                                            plan_moe_lora_ref)
+from unipage.kernels.moe_align import moe_align_ref
+from unipage.lora_layout import TargetSpec, build_layout
+
+H, I, E, K, LAYER = 64, 32, 8, 2, 1
+BASE_CONFIG = {"block_m": 16,
+               "gate_up": {"block_n": 32, "block_k": 64, "group_m": 2, "num_warps": 4, "num_stages": 2},
+               "down": {"block_n": 64, "block_k": 32, "group_m": 2, "num_warps": 4, "num_stages": 2}}
+
+
+def _lora_config(block_m, split_k=1, block_n=64):
+    launch = {"group_m": 2, "num_warps": 4, "num_stages": 2}
+    return {"block_m": block_m, "split_k": split_k, "shrink": launch,
+            "gate_up": {"block_n": block_n, **launch}, "down": {"block_n": block_n, **launch}}
+
+
+PAIR, GROUP = _lora_config(1, split_k=2), _lora_config(16)
+
+
+def _model(hidden=H, inter=I, experts=E, top_k=K, layers=2):
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_heads=2, num_kv_heads=1, head_dim=32,
+                       num_experts=experts, top_k=top_k, expert_intermediate_size=inter, dtype="float32")
+
+
+def _specs(kind: str, rank: int):
+    """One adapter's targets per layer; ``kind`` picks the expert targets of layer 1."""
+    attention = TargetSpec("q_proj", (4,))
+    fused = TargetSpec("experts.gate_up", (rank,))
+    split = TargetSpec("experts.gate_up", (rank, max(rank // 2, 1)))
+    down = TargetSpec("experts.down", (2 * rank,))
+    gate_only = TargetSpec("experts.gate_up", (rank, 0))  # a zero-rank slice: up was not trained
+    up_only = TargetSpec("experts.gate_up", (0, rank))
+    expert = {"fused": (fused, down), "split": (split, down), "gate_only": (gate_only,),
+              "up_only": (up_only, down), "down_only": (down,), "attention_only": ()}[kind]
+    return [(attention, fused, down), (attention,) + expert]
+
+
+# slot -> adapter kind and rank; None = empty slot.  Mixed ranks, both gate/up formats, zero-rank slices.
+SLOTS = [("fused", 8), ("split", 4), None, ("attention_only", 4), ("gate_only", 4), ("down_only", 8)]
+
+
+@torch.no_grad()
+def _pool(model, slots, dtype, page_elems, seed=0, device="cpu", std=0.1):
+    """Pack every slot's adapter at shuffled page ids of a noisy pool; return layouts, weights, pool, page table."""
+    g = torch.Generator().manual_seed(seed)
+    layouts = [build_layout(model, _specs(*s)) if s else None for s in slots]
+    weights = [random_lora_weights(lay, g, std=std) if lay else None for lay in layouts]
+    pages = [lay.num_pages(page_elems) if lay else 0 for lay in layouts]
+    total = sum(pages) + 7
+    pool = torch.randn(model.num_layers, total, page_elems, generator=g).to(dtype)
+    order = torch.randperm(total, generator=g).tolist()
+    table = torch.full((len(slots), max(pages)), total - 1, dtype=torch.int32)
+    for s, lay in enumerate(layouts):
+        if lay is not None:
+            ids = [order.pop() for _ in range(pages[s])]
+            pool[:, ids] = pack_adapter(lay, weights[s], page_elems, dtype)
+            table[s, : pages[s]] = torch.tensor(ids, dtype=torch.int32)
+    return layouts, weights, pool.to(device), table.to(device)
+
+
+def _mix(name: str, num_tokens: int, num_slots: int, g: torch.Generator) -> torch.Tensor:
+    """Adapter slot of each token (-1 = none) for a popularity mix."""
+    if name == "identical":
+        slots = torch.zeros(num_tokens, dtype=torch.long)
+    elif name == "distinct":
+        slots = torch.arange(num_tokens) % num_slots
+    elif name == "none":
+        slots = torch.full((num_tokens,), -1)
+    else:
+        p = {"uniform": torch.ones(num_slots + 1),
+             "zipf": 1.0 / torch.arange(1, num_slots + 2),
+             "skewed": torch.tensor([0.05, 0.05, 0.9] + [0.05] * (num_slots - 2))}[name]
+        slots = torch.multinomial(p, num_tokens, replacement=True, generator=g) - 1
+    return slots.int()
+
+
+def _case(num_tokens, dtype, mix="uniform", page_elems=128, seed=0, slots=SLOTS, hidden=H):
+    model = _model(hidden=hidden)
+    layouts, weights, pool, table = _pool(model, slots, dtype, page_elems, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    w_gate_up = (torch.randn(E, 2 * I, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    w_down = (torch.randn(E, hidden, I, generator=g) / I ** 0.5).to(dtype)
+    topk_weights, topk_ids = route_topk_ref(torch.randn(num_tokens, E, generator=g), K, True)
+    lora = MoeLora(pool[LAYER].contiguous(), table, _mix(mix, num_tokens, len(slots), g),
+                   moe_lora_meta(layouts, LAYER))
+    return {"x": x, "w_gate_up": w_gate_up, "w_down": w_down, "topk_weights": topk_weights,
+            "topk_ids": topk_ids, "lora": lora, "layouts": layouts, "weights": weights}
+
+
+def _loop_moe(c, dtype):
+    """Per token and expert, float32, from the unpacked matrices (no pool, no page table)."""
+    x, slots = c["x"].float(), c["lora"].token_slots.tolist()
+    out = torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            e, s = int(c["topk_ids"][t, j]), slots[t]
+            h = c["w_gate_up"][e].float() @ x[t]
+            targets = c["layouts"][s].layers[LAYER].targets if s >= 0 and c["layouts"][s] else {}
+            mats = c["weights"][s] if s >= 0 else None
+            if ("experts.gate_up", e) in targets:
+                entry, m = targets[("experts.gate_up", e)], mats[(LAYER, "experts.gate_up", e)]
+                z = m.a.to(dtype).float() @ x[t]
+                for piece, b in zip(entry.slices, m.b):
+                    h[piece.col: piece.col + piece.b.cols] += z[piece.a_row: piece.a_row + piece.rank] @ \
+                        b.to(dtype).float()
+            act = F.silu(h[:I]) * h[I:]
+            y = c["w_down"][e].float() @ act
+            if ("experts.down", e) in targets:
+                m = mats[(LAYER, "experts.down", e)]
+                y += (m.a.to(dtype).float() @ act) @ m.b[0].to(dtype).float()
+            out[t] += float(c["topk_weights"][t, j]) * y
+    return out
+
+
+def _run(fn, c, lora_config):
+    return fn(c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"], c["lora"],
+              BASE_CONFIG, lora_config)
+
+
+def _close(got, want, dtype):
+    tol = 1e-4 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+# --- metadata -------------------------------------------------------------------------------------
+
+
+def test_meta_matches_layout():
+    model = _model()
+    layouts = [build_layout(model, _specs(*s)) if s else None for s in SLOTS]
+    meta = moe_lora_meta(layouts, LAYER)
+    rows = meta.table.tolist()
+    assert meta.slot_flags.tolist() == [1, 1, 0, 0, 1, 1]
+    assert (meta.hidden, meta.inter, meta.num_experts, meta.num_lora_slots) == (H, I, E, 4)
+    assert (meta.max_gate_up_rows, meta.max_gate_up_rank, meta.max_down_rank) == (8, 8, 16)
+    for slot in (0, 1, 4, 5):
+        layer = layouts[slot].layers[LAYER]
+        f = dict(zip(_field_names(), rows[slot]))
+        for e in (0, E - 1):
+            start = f["expert_base"] + e * f["expert_stride"]
+            gate_up = layer.targets.get(("experts.gate_up", e))
+            if gate_up is None:
+                assert f["gu_rows"] == 0 and f["s0_rank"] == 0
+            else:
+                assert (start + f["gu_a"], f["gu_rows"], f["gu_slices"]) == (
+                    gate_up.a.offset, gate_up.a.rows, len(gate_up.slices))
+                for j, piece in enumerate(gate_up.slices):
+                    assert [f[f"s{j}_{n}"] for n in ("a_row", "rank", "col", "ncols")] == [
+                        piece.a_row, piece.rank, piece.col, piece.b.cols]
+                    assert start + f[f"s{j}_b"] == piece.b.offset
+            down = layer.targets.get(("experts.down", e))
+            if down is None:
+                assert f["down_rank"] == 0
+            else:
+                assert (start + f["down_a"], f["down_rank"], start + f["down_b"]) == (
+                    down.a.offset, down.a.rows, down.slices[0].b.offset)
+    split = dict(zip(_field_names(), rows[1]))
+    assert (split["s1_a_row"], split["s1_col"], split["s1_ncols"]) == (4, I, I)  # up reads A rows after gate's
+    assert moe_lora_meta(layouts, 0).slot_flags.tolist() == [1, 1, 0, 1, 1, 1]
+
+
+def _field_names():
+    from unipage.kernels.moe_align import FIELDS
+    return FIELDS
+
+
+# --- references -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mix", ["identical", "distinct", "uniform", "zipf", "skewed"])
+def test_reference_matches_per_token_loop(mix):
+    c = _case(40, torch.float32, mix, seed=3)
+    _close(_run(fused_experts_ref, c, GROUP), _loop_moe(c, torch.float32), torch.float32)
+
+
+def test_reference_lora_changes_the_output():
+    c = _case(40, torch.float32, "uniform")
+    with_lora = _run(fused_experts_ref, c, GROUP)
+    base = fused_experts_ref(c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"])
+    has = lora_pairs(c["lora"].token_slots, c["lora"].meta.slot_flags, K).view(-1, K).any(1)
+    assert has.any() and (~has).any()
+    assert ((with_lora - base).abs().amax(1) > 1e-2)[has].all()
+    assert torch.equal(with_lora[~has], base[~has])
+
+
+# --- Triton vs reference --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mode, num_tokens", [("pair", 1), ("pair", 7), ("group", 7), ("group", 40)])
+def test_fused_experts_with_lora_matches_reference(mode, num_tokens, dtype):
+    c = _case(num_tokens, dtype, "uniform", seed=num_tokens)
+    config = PAIR if mode == "pair" else GROUP
+    _close(_run(fused_experts, c, config), _run(fused_experts_ref, c, config), dtype)
+
+
+@pytest.mark.parametrize("mix", ["identical", "distinct", "zipf", "skewed", "none"])
+def test_mixes_match_reference(mix):
+    c = _case(40, torch.float16, mix, seed=11)
+    _close(_run(fused_experts, c, GROUP), _run(fused_experts_ref, c, GROUP), torch.float16)
+
+
+@pytest.mark.parametrize("page_elems", [64, 1024])
+def test_page_sizes_split_k_and_ragged_hidden(page_elems):
+    """H = 96: two 64-runs per A row (split-K of 2), the second half masked."""
+    c = _case(7, torch.float32, "uniform", page_elems=page_elems, seed=5, hidden=96)
+    for config in (_lora_config(1, split_k=2, block_n=128), _lora_config(16, split_k=2, block_n=64)):
+        _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
+
+
+def test_without_lora_tokens_or_layers_equals_base():
+    c = _case(7, torch.float32, "none")
+    base = fused_experts(c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"], None, BASE_CONFIG)
+    assert torch.equal(_run(fused_experts, c, GROUP), base)
+    c = _case(7, torch.float32, "uniform", slots=[("attention_only", 4), None])
+    assert not c["lora"].meta.any_lora
+    assert torch.equal(_run(fused_experts, c, GROUP), base)
+
+
+@pytest.mark.parametrize("mode", ["pair", "group"])
+def test_phases_write_only_lora_pairs(mode):
+    """``act`` starts as NaN: LoRA pairs must be written, others left alone; ``y`` likewise."""
+    dtype, config = torch.float32, (PAIR if mode == "pair" else GROUP)
+    c = _case(40, dtype, "zipf", seed=2)
+    lora, ids, num_pairs = c["lora"], c["topk_ids"], c["topk_ids"].numel()
+    has = lora_pairs(lora.token_slots, lora.meta.slot_flags, K)
+    raw = torch.full((num_pairs, 2 * I), float("nan"))
+    moe_gate_up_ref(c["x"], c["w_gate_up"], ids, moe_align_ref(ids, E, 16), torch.empty(num_pairs, I), raw,
+                    lora.token_slots, lora.meta.slot_flags)
+    y0 = torch.randn(num_pairs, H)
+    results = []
+    for plan_fn, gate_up, down in ((plan_moe_lora, moe_lora_gate_up, moe_lora_down),
+                                   (plan_moe_lora_ref, moe_lora_gate_up_ref, moe_lora_down_ref)):
+        plan = plan_fn(lora, ids, config)
+        plan.gate_up_z.fill_(float("nan"))  # scratch too: the kernels must write what they read
+        plan.down_z.fill_(float("nan"))
+        act, y = torch.full((num_pairs, I), float("nan")), y0.clone()
+        gate_up(plan, c["x"], raw, act)
+        down(plan, act, y, c["topk_weights"])
+        results.append((act, y))
+    (act, y), (act_ref, y_ref) = results
+    assert has.any() and (~has).any()
+    assert act[~has].isnan().all() and not act[has].isnan().any()
+    assert torch.equal(y[~has], y0[~has])
+    _close(act[has], act_ref[has], dtype)
+    _close(y, y_ref, dtype)
+
+
+def test_ranks_above_sixteen_and_up_only():
+    slots = [("split", 24), ("fused", 16), ("up_only", 8)]
+    c = _case(7, torch.float32, "uniform", seed=9, slots=slots)
+    assert c["lora"].meta.max_gate_up_rows == 36
+    _close(_run(fused_experts, c, GROUP), _loop_moe(c, torch.float32), torch.float32)
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+def test_launchers_reject_bad_arguments():
+    c = _case(7, torch.float32)
+    lora, ids = c["lora"], c["topk_ids"]
+    bad = {
+        "pool": MoeLora(lora.pool.half(), lora.page_table, lora.token_slots, lora.meta),
+        "page_table": MoeLora(lora.pool, lora.page_table.long(), lora.token_slots, lora.meta),
+        "token_slots": MoeLora(lora.pool, lora.page_table, lora.token_slots[:-1], lora.meta),
+    }
+    with pytest.raises(ValueError, match="page_table"):
+        plan_moe_lora(bad["page_table"], ids, GROUP)
+    with pytest.raises(ValueError, match="token_slots"):
+        plan_moe_lora(bad["token_slots"], ids, GROUP)
+    with pytest.raises(ValueError, match="pool"):
+        plan_moe_lora(MoeLora(lora.pool[:, :48].contiguous(), lora.page_table, lora.token_slots, lora.meta), ids)
+    plan = plan_moe_lora(bad["pool"], ids, GROUP)
+    num_pairs = ids.numel()
+    with pytest.raises(ValueError, match="x must be"):
+        moe_lora_gate_up(plan, c["x"], torch.empty(num_pairs, 2 * I), torch.empty(num_pairs, I))
+    plan = plan_moe_lora(lora, ids, GROUP)
+    with pytest.raises(ValueError, match="raw"):
+        moe_lora_gate_up(plan, c["x"], torch.empty(num_pairs, I), torch.empty(num_pairs, I))
+    with pytest.raises(ValueError, match="topk_weights"):
+        moe_lora_down(plan, torch.empty(num_pairs, I), torch.empty(num_pairs, H), c["topk_weights"].double())
+    with pytest.raises(ValueError, match="experts"):
+        fused_experts(c["x"], c["w_gate_up"][:4], c["w_down"][:4], c["topk_weights"], ids % 4, lora)
+
+
+def test_triton_needs_intermediate_multiple_of_16():
+    model = _model(inter=24)
+    layouts, _, pool, table = _pool(model, [("fused", 4)], torch.float32, 128)
+    lora = MoeLora(pool[LAYER].contiguous(), table, torch.zeros(3, dtype=torch.int32),
+                   moe_lora_meta(layouts, LAYER))
+    ids = torch.zeros(3, K, dtype=torch.int32)
+    plan = plan_moe_lora_ref(lora, ids, GROUP)
+    with pytest.raises(ValueError, match="I % 16"):
+        moe_lora_gate_up(plan, torch.zeros(3, H), torch.zeros(6, 48), torch.zeros(6, 24))
+
+
+# --- GPU: real layers in bf16 ---------------------------------------------------------------------
+
+GPU_SHAPES = {"gpt-oss-20b": (2880, 2880, 32, 4, 32), "qwen3-30b-a3b": (2048, 768, 128, 8, 16)}
+
+
+def _gpu_case(shape, num_tokens, adapters=8):
+    hidden, inter, experts, top_k, rank = GPU_SHAPES[shape]
+    model = ModelConfig(num_layers=1, hidden_size=hidden, num_heads=32, num_kv_heads=8, head_dim=64,
+                        num_experts=experts, top_k=top_k, expert_intermediate_size=inter, dtype="bfloat16")
+    specs = [[(TargetSpec("experts.gate_up", (rank,)) if a % 2 else TargetSpec("experts.gate_up", (rank, rank)),
+               TargetSpec("experts.down", (rank,)))] for a in range(adapters)]
+    g = torch.Generator().manual_seed(0)
+    layouts = [build_layout(model, s) for s in specs]
+    page_elems = 16 * 2 * 8 * 64
+    pages = [lay.num_pages(page_elems) for lay in layouts]
+    order = torch.randperm(sum(pages) + 16, generator=g).tolist()
+    pool = torch.randn(sum(pages) + 16, page_elems, generator=g).to(torch.bfloat16)
+    table = torch.zeros(adapters, max(pages), dtype=torch.int32)
+    std = 0.5 / math.sqrt(hidden)
+    for s, lay in enumerate(layouts):
+        ids = [order.pop() for _ in range(pages[s])]
+        pool[ids] = pack_adapter(lay, random_lora_weights(lay, g, std=std * 10), page_elems, torch.bfloat16)[0]
+        table[s, : pages[s]] = torch.tensor(ids, dtype=torch.int32)
+    slots = (torch.arange(num_tokens) % adapters).int()
+    lora = MoeLora(pool.cuda(), table.cuda(), slots.cuda(), moe_lora_meta(layouts, 0, "cuda"))
+    x = torch.randn(num_tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to("cuda", torch.bfloat16)
+    w_down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to("cuda", torch.bfloat16)
+    topk_weights, topk_ids = route_topk_ref(torch.randn(num_tokens, experts, generator=g).cuda(), top_k, True)
+    return x, w_gate_up, w_down, topk_weights, topk_ids, lora
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_fused_moe_lora_bf16(shape, num_tokens):
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case(shape, num_tokens)
+    got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora)
+    lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
+    want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
+    base = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids)
+    assert ((want - base).norm() / base.norm()).item() > 0.1  # the LoRA delta is not negligible
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+
+
+def _compiled(kernel) -> int:
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load", [1, 1e9])  # pair mode, group mode
+def test_gpu_lora_compiles_once_across_token_counts(load):
+    from unipage.kernels import fused_moe_lora as fl
+    from unipage.kernels.moe_align import launch_config
+
+    kernels = (fl._shrink_kernel, fl._expand_gate_up_kernel, fl._expand_down_kernel)
+    config = launch_config("lora", "none", load, "cpu")
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case("qwen3-30b-a3b", 64)
+    counts = []
+    for num_tokens in (1, 2, 3, 5, 17, 64):
+        part = MoeLora(lora.pool, lora.page_table, lora.token_slots[:num_tokens].contiguous(), lora.meta)
+        fused_experts(x[:num_tokens], w_gate_up, w_down, topk_weights[:num_tokens].contiguous(),
+                      topk_ids[:num_tokens].contiguous(), part, lora_config=config)
+        counts.append([_compiled(k) for k in kernels])
+    assert counts[-1] == counts[0]
