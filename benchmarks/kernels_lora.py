@@ -31,6 +31,7 @@ except ImportError:  # run as a script: benchmarks/ itself is on sys.path
 from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
 from unipage.kernels import lora_meta
+from unipage.kernels.common import device_key
 from unipage.kernels.lora import lora_shrink_expand, lora_shrink_expand_ref
 from unipage.kernels.lora_meta import dense_lora_meta, launch_config, plan_lora_batch
 from unipage.lora_layout import TargetSpec, build_layout
@@ -185,7 +186,7 @@ def tune(out=None, tokens=TOKENS, path: Path = lora_meta.CONFIG_PATH) -> None:
     setup = Setup()
     data = json.loads(path.read_text())
     key = lora_meta.shape_key(setup.meta, setup.dtype)
-    entry = data.setdefault("tuned", {}).setdefault(torch.cuda.get_device_name(), {}).setdefault(key, {})
+    entry = data.setdefault("tuned", {}).setdefault(device_key("cuda"), {}).setdefault(key, {})
     for count in tokens:
         try:
             kind, overrides, seconds = tune_one(setup, count)
