@@ -246,7 +246,8 @@ def _base_step(args: tuple, config: dict) -> None:
     fused_experts(*args, config=config)
 
 
-def _tune_shape(s: dict, tokens) -> dict:
+def _tune_shape(s: dict, tokens, save) -> dict:
+    """Tune base and LoRA configs per token count; ``save(entry)`` after each count keeps partial work."""
     base, lora = [], []
     for num_tokens in tokens:
         b = batch(s, num_tokens)
@@ -259,6 +260,7 @@ def _tune_shape(s: dict, tokens) -> dict:
         entry, secs = descend(start, LORA_SPACE, functools.partial(lora_step, s, b))
         lora.append((expected_load(b["topk_ids"].numel(), min(num_tokens, ADAPTERS) * s["experts"]), entry))
         log.info("%s T=%d lora %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
+        save({"base": _bucketed(base), "lora": _bucketed(lora)})
     return {"base": _bucketed(base), "lora": _bucketed(lora)}
 
 
@@ -277,8 +279,13 @@ def tune(shapes=tuple(SHAPES), tokens=TOKENS) -> Path:
     table = json.loads(path.read_text()) if path.exists() else {}
     for name in shapes:
         s = setup(name)
-        table[shape_key(s["hidden"], s["inter"], s["experts"], s["top_k"])] = _tune_shape(s, tokens)
-        path.write_text(json.dumps(table, indent=1) + "\n")  # keep what is done if a later shape fails
+        key = shape_key(s["hidden"], s["inter"], s["experts"], s["top_k"])
+
+        def save(entry, key=key):  # keep what is done if a later token count or shape fails
+            table[key] = entry
+            path.write_text(json.dumps(table, indent=1) + "\n")
+
+        _tune_shape(s, tokens, save)
         del s
         torch.cuda.empty_cache()
     return path
