@@ -223,7 +223,7 @@ def test_bad_calls_raise_and_change_nothing():
         memory.adapters.request("nope")
     with pytest.raises(AdapterError, match="non-empty"):
         memory.adapters.register("", synthetic_info(MODEL, 2))
-    with pytest.raises(AdapterError, match="not resident"):
+    with pytest.raises(AdapterError, match="not loaded"):
         memory.adapters.pin("a")
     with pytest.raises(AdapterError, match="no load in flight"):
         memory.adapters.load_done("a")
@@ -253,4 +253,18 @@ def test_unregister_evicts_and_drops_the_host_copy():
     memory.adapters.unregister("a")
     assert [type(e) for e in memory.adapters.take_effects()] == [EvictAdapter, DropHostCopy]
     assert memory.occupancy()["free"] == 16 and "a" not in memory.adapters
+    memory.check()
+
+
+def test_a_loading_adapter_cannot_be_pinned_or_evicted():
+    memory = make()
+    add(memory, "a", 2)
+    memory.adapters.request("a")
+    with pytest.raises(AdapterError, match="not loaded"):
+        memory.adapters.pin("a")
+    with pytest.raises(AdapterBusyError, match="loading"):
+        memory.adapters.evict("a")
+    assert memory.reclaimer.choose_victim() is None  # not a reclaim candidate while its copy runs
+    memory.adapters.load_done("a")
+    memory.adapters.pin("a")
     memory.check()

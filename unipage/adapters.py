@@ -10,6 +10,7 @@ a device, the simulator on a simulated clock — and reports back with
 Life of a resident adapter::
 
     request() --pages+slot, LoadAdapter--> loading --load_done()--> loaded
+    pins >= 1 only once loaded (a request runs only on a loaded adapter)
     loaded, pins == 0  : idle — a reclaim candidate (or evicted at once
                          under an evict-on-idle policy when the last pin goes)
     loaded, pins >= 1  : in use by running requests — never evicted
@@ -214,8 +215,8 @@ class AdapterManager:
     def pin(self, name: str) -> None:
         """A running request uses ``name``: it cannot be evicted until unpinned."""
         record = self.get(name)
-        if not record.resident:
-            raise AdapterError(f"adapter {name!r} is not resident; request() it first")
+        if not record.loaded:
+            raise AdapterError(f"adapter {name!r} is not loaded; request() it and wait for load_done")
         if record.pins == 0:
             self.reclaimer.remove(ADAPTER, name)
         record.pins += 1
@@ -228,7 +229,7 @@ class AdapterManager:
             raise AdapterError(f"adapter {name!r} is not pinned")
         record.pins -= 1
         record.last_used = self.reclaimer.tick()
-        if record.pins or not record.loaded:
+        if record.pins:
             return
         if self.reclaimer.policy.evict_on_idle:
             self._evict_idle(name)
