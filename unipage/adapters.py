@@ -247,7 +247,10 @@ class AdapterManager:
         self._evict_idle(name)
 
     def take_effects(self) -> list:
-        """The data movements decided since the last call, in order."""
+        """The data movements decided since the last call, in order.
+
+        One consumer only (the scheduler, when one drives this manager): effects taken are gone.
+        """
         effects, self._effects = self._effects, []
         return effects
 

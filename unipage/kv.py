@@ -26,15 +26,17 @@ from unipage.pool import PageKind, PagePool
 from unipage.reclaim import Reclaimer
 
 
-def block_hashes(tokens, block_tokens: int, salt: str = "", parent: bytes = b"") -> list[bytes]:
-    """Chained hashes of the full blocks of ``tokens`` (a trailing partial block is ignored)."""
-    out = []
+def iter_block_hashes(tokens, block_tokens: int, salt: str = "", parent: bytes = b""):
+    """Yield the chained hashes of the full blocks of ``tokens`` (a trailing partial block is ignored)."""
     prev = parent or hashlib.blake2b(salt.encode(), digest_size=16).digest()
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
         chunk = array("q", tokens[start:start + block_tokens]).tobytes()
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
-        out.append(prev)
-    return out
+        yield prev
+
+
+def block_hashes(tokens, block_tokens: int, salt: str = "", parent: bytes = b"") -> list[bytes]:
+    return list(iter_block_hashes(tokens, block_tokens, salt, parent))
 
 
 @dataclass(slots=True)
@@ -72,6 +74,7 @@ class KVManager:
 
     # -- queries ---------------------------------------------------------
     def block_table(self, seq_id) -> list[int]:
+        """The sequence's live block table (the manager's own list: read it, never change it)."""
         return self._seq(seq_id).table
 
     def __contains__(self, seq_id) -> bool:
@@ -85,7 +88,7 @@ class KVManager:
         if not self.prefix_caching:
             return []
         pages = []
-        for h in block_hashes(tokens, self.block_tokens, salt):
+        for h in iter_block_hashes(tokens, self.block_tokens, salt):  # stops hashing at the first miss
             page = self._by_hash.get(h)
             if page is None:
                 break
