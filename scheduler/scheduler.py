@@ -1,0 +1,341 @@
+"""`Scheduler`: adapter-aware continuous batching over the unified pool.  Pure Python.
+
+    add(request) ─► waiting queue (the policy's) ─┐
+                                                  ▼
+    schedule() = early aborts ─► running phase ─► admission phase ─► prefetch phase ─► SchedulerOutput
+    update(StepResult) = adapter loads done/failed ─► new tokens, stops, prefix commits ─► [RequestOutput]
+    abort(request_id): frees what the request holds, from any state
+
+Phases:
+
+0. **early aborts** — the policy may drop waiting requests (the SLO policy).
+1. **running** (below) — every running request gets its next tokens under
+   the budget (a prefill chunk or one decode token).  Its KV grows; if the
+   pool is short, the pool's eviction policy reclaims cached KV and idle
+   adapters (inside ``KVManager.grow``); if that is not enough, the
+   scheduling policy picks a victim among the running requests not yet
+   scheduled this step and it is preempted by recompute (KV freed, adapter
+   unpinned, back to the queue).  Reserve mode never gets that far: its KV
+   was reserved at admission.
+2. **admission** (`unipage.scheduler.admission`; skipped in a step that
+   preempted) — waiting requests in the policy's order; a request whose
+   adapter cannot run now is skipped, never waited on, with a starvation
+   bound.
+3. **prefetch** (same module) — loads for the adapters of the next waiting
+   requests, into free or reclaimable pages only.
+
+Contracts with the memory layer: a running request pins its adapter (unpinned
+at finish, preemption and abort) and owns the KV sequence named by its id;
+the prefix-hash salt is the adapter's content digest (``""`` without
+adapter); full blocks are committed after ``update``.  The scheduler is the
+one caller of ``memory.adapters.take_effects()`` while it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from unipage.memory import UnifiedMemory
+from unipage.scheduler.admission import Admission, Step
+from unipage.scheduler.config import SchedulerConfig
+from unipage.scheduler.output import RequestOutput, SchedulerOutput, StepResult
+from unipage.scheduler.policies import StepContext, make_policy
+from unipage.scheduler.request import NEVER, FinishReason, Request, RequestStatus
+from unipage.scheduler.validate import validate_request, validate_result
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+_WAITING_FOR_ADAPTER = RequestStatus.WAITING_FOR_ADAPTER
+_STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
+
+
+def _append_tokens(req: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+    """Append several sampled tokens (speculative decoding); those after a finish are dropped."""
+    all_tokens = req.all_token_ids
+    for i, token in enumerate(tokens):
+        all_tokens.append(token)
+        if token in req.stop_set:
+            return tokens[:i + 1], _STOP
+        if len(all_tokens) >= req.max_len:
+            return tokens[:i + 1], _LENGTH
+    return tokens, None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    steps: int = 0
+    admitted: int = 0  # admissions, resumptions after preemption included
+    preemptions: int = 0
+    skips: int = 0  # times a waiting request was passed over for want of an adapter slot or pages
+    finished: int = 0
+    aborted: int = 0  # by abort(), early abort or a failed load
+    prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+
+
+class Scheduler:
+    def __init__(self, memory: UnifiedMemory, config: SchedulerConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.memory = memory
+        self.config = config = config or SchedulerConfig()
+        self.clock = clock  # seconds; the simulator passes its own
+        self.kv, self.adapters = memory.kv, memory.adapters
+        self.block_tokens = memory.config.pool.block_tokens
+        self.max_adapters = memory.config.lora.max_adapters_per_batch
+        self.policy = make_policy(config.policy, config)
+        self.requests: dict[str, Request] = {}  # every live request (not finished, not aborted)
+        self.running: list[Request] = []  # admission order
+        self.stats = SchedulerStats()
+        self._reserve = config.admission == "reserve"
+        self._chunk = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        self.running_adapters: dict[str, int] = {}  # adapter -> running requests using it (read-only)
+        self._awaiting: dict[str, dict[str, Request]] = {}  # adapter -> its WAITING_FOR_ADAPTER requests
+        self._in_flight: Step | None = None  # the step being run
+        self._seq = 0
+        self._finished_ids: list[str] = []
+        self._aborted_ids: list[str] = []
+        self._pending: list[RequestOutput] = []  # outputs decided in schedule(), returned by update()
+        self._admission = Admission(self)
+
+    # -- API -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request; a bad one raises a `RequestError` (or `UnknownAdapterError`), changing nothing."""
+        validate_request(self, request)
+        request.arrival_time = self.clock() if request.arrival_time is None else float(request.arrival_time)
+        request.all_token_ids = list(request.prompt_token_ids)
+        request.num_prompt_tokens = len(request.all_token_ids)
+        request.max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+        request.stop_set = frozenset(request.stop_token_ids)
+        request.seq, self._seq = self._seq, self._seq + 1
+        self.requests[request.request_id] = request
+        self.policy.push(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a live request at once, freeing its KV and its adapter pin; False if it is not live."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is _RUNNING:
+            self.running.remove(req)
+        self._drop(req, RequestStatus.ABORTED, FinishReason.ABORT)
+        return True
+
+    def get(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step: what each request computes, and the adapter data to move first."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self.stats.steps - 1} is in flight: call update() before schedule()")
+        step = Step(self.stats.steps, self.config.max_num_batched_tokens)
+        ctx = StepContext(self.clock(), self.running_adapters, len(self.running),
+                          self.config.max_num_batched_tokens)
+        self._early_abort(ctx)
+        self._schedule_running(step)
+        if not step.out.preempted_ids:  # memory is short this step: admit nothing
+            self._admission.admit(step, ctx)
+        self._admission.prefetch(step, ctx)
+        return self._seal(step)
+
+    def update(self, result: StepResult) -> list[RequestOutput]:
+        """Take the executor's results for the step in flight; returns every request's new tokens."""
+        step = self._in_flight
+        if step is None:
+            raise RuntimeError("no step in flight: call schedule() before update()")
+        validate_result(self, step.reqs, step.partial, result)
+        self._in_flight, reqs = None, step.reqs
+        self._apply_loads(result)
+        outputs, self._pending = self._pending, []
+        self._apply_tokens(reqs, result.sampled_token_ids, outputs)
+        self.policy.on_step(reqs, result.sampled_token_ids)
+        return outputs
+
+    # -- phase 0: early aborts -----------------------------------------------
+    def _early_abort(self, ctx: StepContext) -> None:
+        for req, detail in self.policy.early_aborts(ctx):
+            self._drop(req, RequestStatus.ABORTED, FinishReason.SLO, detail)
+
+    # -- phase 1: running requests -------------------------------------------
+    def _schedule_running(self, step: Step) -> None:
+        """Every running request gets its next tokens while the budget lasts: grow KV, else reclaim, else preempt."""
+        chunk, budget = self._chunk, step.budget
+        reqs, counts, slots = step.reqs, step.out.num_scheduled_tokens, step.out.token_slots
+        for req in self.running:  # the hot loop: one decode token each for most requests
+            if req.status is not _RUNNING:  # preempted earlier in this loop
+                continue
+            done = req.num_computed_tokens
+            n = len(req.all_token_ids) - done
+            if n > budget or n > chunk:  # a prefill chunk that stops short: it samples nothing
+                n = min(n, budget, chunk)
+                if done + n > req.capacity and not self._grow(req, done + n, step):
+                    continue  # preempted itself
+                step.partial.append(len(reqs))
+            elif done + n > req.capacity and not self._grow(req, done + n, step):
+                continue
+            reqs.append(req)
+            counts.append(n)
+            if n == 1:
+                slots.append(req.slot)
+            else:
+                slots.extend([req.slot] * n)
+            req.num_computed_tokens = done + n
+            budget -= n
+            if not budget:
+                break
+        step.budget = budget
+        step.num_running = len(reqs)
+        if step.out.preempted_ids:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+
+    def _grow(self, req: Request, tokens: int, step: Step) -> bool:
+        """Room for ``tokens`` tokens of KV; preempt victims (not yet scheduled) until it fits. False: req was one."""
+        have = len(req.block_table)
+        while not self.kv.grow(req.request_id, tokens):  # grow reclaims cached KV and idle adapters first
+            if self._reserve:
+                raise RuntimeError(f"reserve mode: request {req.request_id!r} outgrew its reservation")
+            later = self.running[self.running.index(req):]  # not yet scheduled this step
+            victim = self.policy.victim([r for r in later if r.status is _RUNNING])
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        step.out.new_block_ids[req.request_id] = req.block_table[have:]
+        req.capacity = len(req.block_table) * self.block_tokens
+        return True
+
+    def _preempt(self, req: Request, step: Step) -> None:
+        self._release_running(req)
+        req.transition(RequestStatus.PREEMPTED)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.skips = 0
+        self.policy.push(req)
+        step.out.preempted_ids.append(req.request_id)
+        self.stats.preemptions += 1
+
+    def _seal(self, step: Step) -> SchedulerOutput:
+        out = step.out
+        out.req_ids = [r.request_id for r in step.reqs]
+        out.running_ids = out.req_ids[:step.num_running]
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
+        if len(step.reqs) == len(self.running):
+            out.adapters = list(self.running_adapters)
+        else:
+            out.adapters = list(dict.fromkeys(r.adapter for r in step.reqs if r.adapter is not None))
+        out.adapter_effects = self.adapters.take_effects()
+        out.aborted_ids, self._aborted_ids = self._aborted_ids, []
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        self._in_flight = step
+        self.stats.steps += 1
+        return out
+
+    # -- update --------------------------------------------------------------
+    def _apply_loads(self, result: StepResult) -> None:
+        """Requests waiting for a loaded adapter wait no more; those waiting for a failed one are dropped."""
+        for name in result.loads_done:
+            self.adapters.load_done(name)
+            for req in self._awaiting.pop(name, {}).values():
+                req.transition(_WAITING)
+        for name in result.loads_failed:
+            self.adapters.load_failed(name)
+            for req in list(self._awaiting.get(name, {}).values()):
+                self._drop(req, RequestStatus.ABORTED, FinishReason.LOAD_FAILED, f"adapter {name!r} failed to load")
+
+    def _apply_tokens(self, reqs: list[Request], sampled: list[list[int]], outputs: list[RequestOutput]) -> None:
+        """Append sampled tokens, finish on a stop token or the length, commit newly full KV blocks."""
+        now, finished, append, running, output = self.clock(), False, outputs.append, _RUNNING, RequestOutput
+        for req, tokens in zip(reqs, sampled):  # the hot loop: one new token each for most requests
+            if req.status is not running:  # aborted while the step ran
+                continue
+            if not tokens:  # a prefill chunk
+                if req.num_computed_tokens >= req.next_commit:
+                    self._commit(req)
+                continue
+            all_tokens = req.all_token_ids
+            if len(tokens) == 1:
+                token = tokens[0]
+                all_tokens.append(token)
+                reason = _STOP if token in req.stop_set else _LENGTH if len(all_tokens) >= req.max_len else None
+            else:
+                tokens, reason = _append_tokens(req, tokens)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.num_computed_tokens >= req.next_commit:
+                self._commit(req)
+            append(output(req.request_id, tokens, reason))
+            if reason is not None:
+                self._drop(req, RequestStatus.FINISHED, reason)
+                finished = True
+        if finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+
+    def _commit(self, req: Request) -> None:
+        """Register the request's newly full blocks of computed tokens in the prefix cache."""
+        block, done, tokens = self.block_tokens, req.num_computed_tokens, req.all_token_ids
+        self.kv.commit(req.request_id, tokens if len(tokens) // block == done // block else tokens[:done])
+        req.next_commit = (done // block + 1) * block
+
+    # -- bookkeeping ---------------------------------------------------------
+    def _await_adapter(self, req: Request, name: str) -> None:
+        if req.status is not _WAITING_FOR_ADAPTER:
+            req.transition(_WAITING_FOR_ADAPTER)
+            self._awaiting.setdefault(name, {})[req.request_id] = req
+
+    def _adapter_arrived(self, req: Request) -> None:
+        self._leave_awaiting(req)
+        req.transition(_WAITING)
+
+    def _leave_awaiting(self, req: Request) -> None:
+        waiting = self._awaiting[req.adapter]
+        del waiting[req.request_id]
+        if not waiting:
+            del self._awaiting[req.adapter]
+
+    def _release_running(self, req: Request) -> None:
+        """Free a running request's KV and unpin its adapter (the caller updates ``self.running``)."""
+        self.kv.free(req.request_id)
+        req.block_table = None
+        req.capacity = 0
+        req.next_commit = NEVER
+        name = req.adapter
+        if name is not None:
+            self.adapters.unpin(name)
+            left = self.running_adapters[name] - 1
+            if left:
+                self.running_adapters[name] = left
+            else:
+                del self.running_adapters[name]
+
+    def _drop(self, req: Request, status: RequestStatus, reason: FinishReason, detail: str = "") -> None:
+        """Finish or abort ``req`` from any live state, releasing what it holds."""
+        if req.status is _RUNNING:
+            self._release_running(req)
+        else:
+            if req.status is _WAITING_FOR_ADAPTER:
+                self._leave_awaiting(req)
+            self.policy.remove(req)
+        req.transition(status)
+        req.finish_reason = reason
+        req.finish_time = self.clock()
+        del self.requests[req.request_id]
+        if status is RequestStatus.FINISHED:
+            self._finished_ids.append(req.request_id)
+            self.stats.finished += 1
+        else:
+            self._aborted_ids.append(req.request_id)
+            self.stats.aborted += 1
+            if reason is not FinishReason.ABORT:  # the scheduler's own decision: tell the caller why
+                self._pending.append(RequestOutput(req.request_id, [], reason, detail))
+
+    def check(self) -> None:
+        """Assert the scheduler's invariants and the memory's (O(requests + pages); for tests)."""
+        from unipage.scheduler.validate import check_scheduler
+
+        check_scheduler(self)
