@@ -113,3 +113,12 @@ class MemoryMachine(RuleBasedStateMachine):
 
 TestMemoryMachine = MemoryMachine.TestCase
 TestMemoryMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_the_bookkeeping_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, unipage.memory, unipage.adapter_info, unipage.host_cache; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
