@@ -36,6 +36,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
+from unipage.registry import Registry
 from unipage.scheduler.config import SchedulerConfig
 from unipage.scheduler.request import Request, RequestStatus
 
@@ -373,21 +374,13 @@ class SLOEarlyAbort(FCFS):
         return drop
 
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {
-    cls.name: cls for cls in (FCFS, AdapterAffinity, VTC, SLOEarlyAbort)
-}
+POLICIES = Registry("scheduling policy", (FCFS, AdapterAffinity, VTC, SLOEarlyAbort))
 
 
 def make_policy(name: str, config: SchedulerConfig) -> SchedulingPolicy:
-    try:
-        return POLICIES[name](config)
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return POLICIES.make(name, config)
 
 
 def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
     """Add a policy class to the registry (usable as a decorator)."""
-    if cls.name in POLICIES:
-        raise ValueError(f"scheduling policy {cls.name!r} is already registered")
-    POLICIES[cls.name] = cls
-    return cls
+    return POLICIES.register(cls)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from unipage.registry import Registry
+
 KV_BLOCK = "kv"
 ADAPTER = "adapter"
 
@@ -92,21 +94,13 @@ class EvictWhenIdle(LRU):
     evict_on_idle = True
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRU, LFU, FIFO, SizeAware, CostAware, EvictWhenIdle)
-}
+POLICIES = Registry("eviction policy", (LRU, LFU, FIFO, SizeAware, CostAware, EvictWhenIdle))
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return POLICIES.make(name)
 
 
 def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
     """Add a policy class to the registry (usable as a decorator), e.g. the simulator's Belady."""
-    if cls.name in POLICIES:
-        raise ValueError(f"eviction policy {cls.name!r} is already registered")
-    POLICIES[cls.name] = cls
-    return cls
+    return POLICIES.register(cls)
