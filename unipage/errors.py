@@ -43,3 +43,7 @@ class AdapterBusyError(AdapterError):
 
 class PageError(ValueError):
     """A page id that is out of range, double-freed or in the wrong state."""
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be served: missing files, unknown architecture, wrong shapes."""

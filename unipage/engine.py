@@ -1,0 +1,151 @@
+"""`Engine`: the scheduler, the unified memory, the pool storage and the model runner in one loop.
+
+    step():  out = scheduler.schedule()
+             runner drops finished / aborted / preempted requests
+             perform out.adapter_effects in order (storage copies pages; runner updates slot tables)
+             runner adds new requests and grows block tables
+             result = runner.execute(out)               # forward + sampling
+             scheduler.update(StepResult(result.sampled, loads done, loads failed))
+
+On CUDA an adapter's page copy runs on a side stream; the engine reports the
+load done to the scheduler only once its event has completed (`PoolStorage.poll`),
+so no request runs on an adapter before its weights are in the pool.  On CPU
+a load completes inside the step that starts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from unipage.adapters import EvictAdapter, LoadAdapter
+from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
+from unipage.errors import AdapterBusyError
+from unipage.memory import UnifiedMemory
+from unipage.models.decoder import DecoderLM
+from unipage.models.ops import ops_for
+from unipage.models.weights import Checkpoint, read_config
+from unipage.runner import ModelRunner, StepOutput
+from unipage.scheduler import (
+    Request,
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+)
+from unipage.storage import PoolStorage
+
+log = logging.getLogger(__name__)
+
+CPU_POOL_BYTES = 256 << 20  # default pool on CPU
+GPU_POOL_FRACTION = 0.85  # default pool on CUDA: this share of the memory free after the weights
+STALL_STEPS = 1000  # empty steps in a row with work left and nothing in flight: report a stall
+
+
+def default_pool(device: torch.device, block_tokens: int = 16) -> PoolConfig:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return PoolConfig(block_tokens=block_tokens, memory_bytes=int(free * GPU_POOL_FRACTION))
+    return PoolConfig(block_tokens=block_tokens, memory_bytes=CPU_POOL_BYTES)
+
+
+class Engine:
+    def __init__(self, model_dir: str | os.PathLike, *, device: str | torch.device | None = None,
+                 dtype: str | None = None, pool: PoolConfig | None = None, lora: LoRAConfig | None = None,
+                 scheduler: SchedulerConfig | None = None, kernels: str | None = None) -> None:
+        model_dir = os.fspath(model_dir)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        hf = read_config(model_dir)
+        self.hf_config = hf
+        model = ModelConfig.from_hf(hf, dtype)
+        ckpt = Checkpoint(model_dir, getattr(torch, model.dtype), self.device)
+        self.model = DecoderLM(hf, model, ckpt, ops_for(self.device, kernels))
+        del ckpt
+        self.config = UnipageConfig(model, pool or default_pool(self.device), lora or LoRAConfig())
+        self.memory = UnifiedMemory(self.config)
+        self.storage = PoolStorage(self.config, self.device)
+        max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)
+        self.scheduler = Scheduler(self.memory, scheduler or SchedulerConfig(max_model_len=max_len))
+        self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device)
+        self.vocab_size = int(hf["vocab_size"])
+        self._done: list[str] = []  # loads complete, to report at the next update
+        self._failed: list[str] = []
+        self._in_flight: dict[str, int] = {}  # adapter -> slot, CUDA copies not yet complete
+        self._idle_steps = 0
+        self.last_step: StepOutput | None = None
+
+    # -- adapters ------------------------------------------------------------
+    def add_adapter(self, name: str, path: str | os.PathLike) -> None:
+        """Register a PEFT adapter directory under ``name`` (loaded into the pool when first used)."""
+        self.memory.register_adapter(name, os.fspath(path))
+
+    def remove_adapter(self, name: str) -> None:
+        """Unregister ``name``; an `AdapterBusyError` while a live request uses it."""
+        users = [r.request_id for r in self.scheduler.requests.values() if r.adapter == name]
+        if users or name in self._in_flight:
+            raise AdapterBusyError(f"adapter {name!r} is used by live requests {users[:5]} or loading; "
+                                   f"wait for them or abort them first")
+        self.memory.adapters.unregister(name)
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        bad = [t for t in request.prompt_token_ids if isinstance(t, int) and not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; the requests' new tokens and finishes."""
+        out = self.scheduler.schedule()
+        self.runner.drop(out)
+        self._perform(out.adapter_effects)
+        self.runner.admit(out)
+        self._poll_loads()
+        result = self.runner.execute(out)
+        self.last_step = result
+        done, failed, self._done, self._failed = self._done, self._failed, [], []
+        outputs = self.scheduler.update(StepResult(result.sampled, done, failed))
+        self._watch_progress(out, outputs)
+        return outputs
+
+    # -- adapter effects -----------------------------------------------------
+    def _perform(self, effects) -> None:
+        for effect in effects:
+            result = self.storage.apply([effect])
+            if isinstance(effect, LoadAdapter):
+                self.runner.slot_loaded(effect.slot, effect.pages, effect.layout)
+                if result.failed:
+                    self.runner.slot_evicted(effect.slot)
+                    self._failed.append(effect.name)
+                elif result.done:
+                    self._done.append(effect.name)
+                else:
+                    self._in_flight[effect.name] = effect.slot
+            elif isinstance(effect, EvictAdapter):
+                self.runner.slot_evicted(effect.slot)
+
+    def _poll_loads(self) -> None:
+        if self._in_flight:
+            for name in self.storage.poll():
+                self._in_flight.pop(name, None)
+                self._done.append(name)
+
+    def _watch_progress(self, out, outputs) -> None:
+        busy = out.req_ids or out.adapter_effects or outputs or self._in_flight
+        self._idle_steps = 0 if busy else self._idle_steps + 1
+        if self._in_flight and not out.req_ids:
+            time.sleep(0.0002)  # a copy is in flight and nothing else can run
+        if self._idle_steps >= STALL_STEPS and self.scheduler.has_unfinished():
+            waiting = [(r.request_id, r.status.value, r.adapter) for r in self.scheduler.requests.values()][:5]
+            raise RuntimeError(f"no progress in {STALL_STEPS} steps with requests left, e.g. {waiting}; "
+                               f"the pool ({self.config.num_pages} pages) may be too small for them")

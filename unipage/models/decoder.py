@@ -1,0 +1,226 @@
+"""One decoder-only model definition for every supported family, on the paged kernels.
+
+Shape legend: T = tokens of the step, B = sequences, H = hidden size,
+Q = heads·head_dim, KV = kv_heads·head_dim, I = MLP width, E = experts,
+V = vocabulary, L = layers, N = pool pages, P = page_elems.
+
+Per layer (pre-norm residual, as in transformers)::
+
+    x = rmsnorm(h);  qkv = x Wqkv^T (+ LoRA q, k, v);  q/k norm (Qwen3, OLMoE);  rope
+    write K, V into the request's KV pages;  a = paged attention over the whole context
+    h = h + (a Wo^T + LoRA o)
+    x = rmsnorm(h);  h = h + MLP(x)
+    MLP = dense: (silu(x Wg^T + LoRA g) * (x Wu^T + LoRA u)) Wd^T + LoRA d
+          MoE:   top-k softmax routing, then the fused experts with the paged fused_moe_lora
+
+Families differ only in a `Family` record: q/k norm (none, per head, over the
+whole projection), MoE routing renormalisation, attention bias.  Adapter LoRA
+deltas are applied per token through its adapter slot (-1: none), reading A
+and B from the unified pool's pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from unipage.config import ModelConfig
+from unipage.errors import CheckpointError
+from unipage.kernels import MoeLora, plan_lora_batch
+from unipage.models import rope
+from unipage.models.lora_tables import LayerLora, LoraTables
+from unipage.models.ops import Ops
+from unipage.models.weights import Checkpoint
+
+
+@dataclass(frozen=True)
+class Family:
+    qk_norm: str  # "none", "head" (RMSNorm per head, Qwen3) or "full" (over the whole projection, OLMoE)
+    moe: bool
+    renormalize: str | bool  # MoE: renormalise the top-k weights (a bool, or the config key holding it)
+
+
+FAMILIES = {
+    "llama": Family("none", False, False),
+    "mistral": Family("none", False, False),
+    "qwen2": Family("none", False, False),
+    "qwen3": Family("head", False, False),
+    "qwen3_moe": Family("head", True, "norm_topk_prob"),
+    "mixtral": Family("none", True, True),
+    "olmoe": Family("full", True, "norm_topk_prob"),
+}
+
+
+@dataclass
+class StepBatch:
+    """The tensors of one step, built once by the model runner and shared by every layer."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: page * block_tokens + row of each token's KV
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: context after this step (prefix + new tokens)
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: each sequence's rows in the step's tokens
+    max_q_len: int  # largest new-token count of a sequence
+    token_slots: torch.Tensor  # [T] int32: adapter slot per token, -1 = none
+    logits_rows: torch.Tensor  # [R] int64: token rows whose logits are wanted (the sampling ones)
+    any_lora: bool  # some token has an adapter
+    group_tokens: int  # tokens of the largest adapter group (the dense LoRA tile height hint)
+    active_slots: int  # distinct adapters among the tokens
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    w_qkv: torch.Tensor  # [Q + 2 KV, H]
+    b_qkv: torch.Tensor | None  # [Q + 2 KV]
+    w_o: torch.Tensor  # [H, Q]
+    q_norm: torch.Tensor | None  # [D] (per head) or [Q] (full)
+    k_norm: torch.Tensor | None
+    w_gate_up: torch.Tensor | None = None  # dense [2I, H]
+    w_down: torch.Tensor | None = None  # dense [H, I]
+    router: torch.Tensor | None = None  # MoE [E, H]
+    experts_gate_up: torch.Tensor | None = None  # MoE [E, 2I, H]
+    experts_down: torch.Tensor | None = None  # MoE [E, H, I]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in float32, scale in the input dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLM:
+    """A causal LM whose KV cache and adapters live in the unified pool."""
+
+    def __init__(self, hf: dict, model: ModelConfig, ckpt: Checkpoint, ops: Ops) -> None:
+        kind = hf["model_type"]
+        if kind not in FAMILIES:
+            raise CheckpointError(f"model_type {kind!r} is not supported; supported: {sorted(FAMILIES)}")
+        self.family, self.model, self.ops = FAMILIES[kind], model, ops
+        self.eps = float(hf.get("rms_norm_eps", 1e-6))
+        renorm = self.family.renormalize
+        self.renormalize = bool(hf.get(renorm, False)) if isinstance(renorm, str) else renorm
+        self.scale = model.head_dim ** -0.5
+        self.inv_freq = rope.inv_freq(hf, model.head_dim).to(ckpt.device)
+        h, vocab = model.hidden_size, hf["vocab_size"]
+        self.embed = ckpt.get("model.embed_tokens.weight", (vocab, h))
+        tied = hf.get("tie_word_embeddings", False) or "lm_head.weight" not in ckpt
+        self.lm_head = self.embed if tied else ckpt.get("lm_head.weight", (vocab, h))
+        self.norm = ckpt.get("model.norm.weight", (h,))
+        self.layers = [self._load_layer(ckpt, i, hf) for i in range(model.num_layers)]
+
+    # -- weights ---------------------------------------------------------
+    def _load_layer(self, ckpt: Checkpoint, i: int, hf: dict) -> LayerWeights:
+        m, p = self.model, f"model.layers.{i}"
+        h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        attn = f"{p}.self_attn"
+        w_qkv = torch.cat([ckpt.get(f"{attn}.{n}.weight", (d, h))
+                           for n, d in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))])
+        biases = [ckpt.optional(f"{attn}.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
+        b_qkv = torch.cat(biases) if all(b is not None for b in biases) else None
+        if ckpt.optional(f"{attn}.o_proj.bias") is not None:
+            raise CheckpointError("an o_proj bias is not supported")
+        norm_dims = {"none": None, "head": (m.head_dim, m.head_dim), "full": (q, kv)}[self.family.qk_norm]
+        layer = LayerWeights(
+            ckpt.get(f"{p}.input_layernorm.weight", (h,)), ckpt.get(f"{p}.post_attention_layernorm.weight", (h,)),
+            w_qkv, b_qkv, ckpt.get(f"{attn}.o_proj.weight", (h, q)),
+            ckpt.get(f"{attn}.q_norm.weight", (norm_dims[0],)) if norm_dims else None,
+            ckpt.get(f"{attn}.k_norm.weight", (norm_dims[1],)) if norm_dims else None)
+        if m.is_moe_layer(i):
+            e, inter = m.num_experts, m.expert_intermediate_size
+            prefix, layer.experts_gate_up, layer.experts_down = ckpt.expert_weights(p, e, h, inter)
+            layer.router = ckpt.get(f"{prefix}.gate.weight", (e, h))
+        else:
+            inter = m.intermediate_size
+            layer.w_gate_up = torch.cat([ckpt.get(f"{p}.mlp.gate_proj.weight", (inter, h)),
+                                         ckpt.get(f"{p}.mlp.up_proj.weight", (inter, h))])
+            layer.w_down = ckpt.get(f"{p}.mlp.down_proj.weight", (h, inter))
+        return layer
+
+    # -- forward ---------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, pool: torch.Tensor, lora: LoraTables | None,
+                block_tokens: int) -> torch.Tensor:
+        """Logits ``[R, V]`` float32 of ``batch.logits_rows``; writes the step's KV into ``pool [L, N, P]``."""
+        cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.embed.dtype)
+        lora_on = batch.any_lora and lora is not None and lora.page_table is not None
+        plan = None
+        if lora_on and self.ops.plans_lora:
+            plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens)
+        ctx = _Context(batch, cos, sin, lora if lora_on else None, plan, block_tokens)
+        h = self.embed[batch.input_ids]
+        for i, layer in enumerate(self.layers):
+            layer_lora = ctx.lora.layers[i] if ctx.lora is not None else None
+            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.eps), pool[i], layer_lora, ctx)
+            x = rms_norm(h, layer.post_norm, self.eps)
+            mlp = self._moe if layer.router is not None else self._mlp
+            h = h + mlp(layer, x, pool[i], layer_lora, ctx)
+        h = rms_norm(h[batch.logits_rows], self.norm, self.eps)
+        return (h @ self.lm_head.T).float()
+
+    def _lora(self, y, x, pool_l, meta, ctx: _Context) -> None:
+        if ctx.lora is not None and meta is not None:
+            self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
+
+    def _attention(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
+        m, tokens = self.model, x.shape[0]
+        qkv = x @ layer.w_qkv.T
+        if layer.b_qkv is not None:
+            qkv = qkv + layer.b_qkv
+        self._lora(qkv, x, pool_l, layer_lora and layer_lora.qkv, ctx)
+        q_width, kv_width = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        if self.family.qk_norm == "full":
+            q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
+        q = q.reshape(tokens, m.num_heads, m.head_dim)
+        k = k.reshape(tokens, m.num_kv_heads, m.head_dim)
+        v = v.reshape(tokens, m.num_kv_heads, m.head_dim)
+        if self.family.qk_norm == "head":
+            q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
+        q, k = rope.rotate(q, ctx.cos, ctx.sin), rope.rotate(k, ctx.cos, ctx.sin)
+        self.ops.write_kv(pool_l, k.contiguous(), v.contiguous(), ctx.batch.slot_mapping)
+        out = self._attend(q.contiguous(), pool_l, ctx).reshape(tokens, q_width)
+        o = out @ layer.w_o.T
+        self._lora(o, out, pool_l, layer_lora and layer_lora.o, ctx)
+        return o
+
+    def _attend(self, q, pool_l, ctx: _Context) -> torch.Tensor:
+        b, m = ctx.batch, self.model
+        if self.ops.attention_decode is not None and b.max_q_len == 1 and q.shape[0] == b.seq_lens.shape[0]:
+            return self.ops.attention_decode(q, pool_l, b.block_tables, b.seq_lens, self.scale, ctx.block_tokens,
+                                             m.num_kv_heads)
+        return self.ops.attention_prefill(q, pool_l, b.block_tables, b.cu_seqlens_q, b.seq_lens, self.scale,
+                                          ctx.block_tokens, m.num_kv_heads, max_q_len=b.max_q_len)
+
+    def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
+        gate_up = x @ layer.w_gate_up.T
+        self._lora(gate_up, x, pool_l, layer_lora and layer_lora.gate_up, ctx)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = act @ layer.w_down.T
+        self._lora(down, act, pool_l, layer_lora and layer_lora.down, ctx)
+        return down
+
+    def _moe(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
+        weights, ids = self.ops.route(x @ layer.router.T, self.model.top_k, self.renormalize)
+        weights = weights.to(x.dtype).float()  # transformers rounds the routing weights to the model dtype
+        moe_lora = None
+        if ctx.lora is not None and layer_lora.moe.any_lora:
+            moe_lora = MoeLora(pool_l, ctx.lora.page_table, ctx.batch.token_slots, layer_lora.moe,
+                               ctx.batch.active_slots)
+        return self.ops.experts(x, layer.experts_gate_up, layer.experts_down, weights, ids, moe_lora)
+
+
+@dataclass
+class _Context:
+    batch: StepBatch
+    cos: torch.Tensor  # [T, D]
+    sin: torch.Tensor
+    lora: LoraTables | None  # None: no token of the step has an adapter
+    plan: object  # LoraBatch of the dense LoRA kernels, or None
+    block_tokens: int

@@ -1,0 +1,43 @@
+"""The kernel set a model runs on, chosen by device.
+
+CPU: the torch references (`*_ref`), which are also the kernels' test
+oracles.  CUDA: the Triton kernels.  Both sets have the same signatures, so
+the model code is one path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from unipage import kernels as K
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str  # "torch" or "triton"
+    lora: Callable  # lora_shrink_expand signature
+    write_kv: Callable
+    attention_prefill: Callable
+    attention_decode: Callable | None  # None: decode batches go through attention_prefill
+    route: Callable  # route_topk signature
+    experts: Callable  # fused_experts signature
+    plans_lora: bool  # whether lora() uses a LoraBatch plan (the references ignore it)
+
+
+TORCH = Ops("torch", K.lora_shrink_expand_ref, K.write_kv_ref, K.paged_attention_prefill_ref, None,
+            K.route_topk_ref, K.fused_experts_ref, plans_lora=False)
+TRITON = Ops("triton", K.lora_shrink_expand, K.write_kv, K.paged_attention_prefill, K.paged_attention_decode,
+             K.route_topk, K.fused_experts, plans_lora=True)
+
+
+def ops_for(device: torch.device, kernels: str | None = None) -> Ops:
+    """``kernels`` "torch" / "triton" forces a set; default: Triton on CUDA, torch elsewhere."""
+    choice = kernels or ("triton" if device.type == "cuda" else "torch")
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+    if choice == "triton" and device.type != "cuda":
+        raise ValueError("the Triton kernels need a CUDA device; use kernels='torch' on CPU")
+    return TRITON if choice == "triton" else TORCH

@@ -1,0 +1,128 @@
+"""`ModelRunner`: turns a `SchedulerOutput` into tensors, runs the model, samples.
+
+The runner keeps its own state per request (the executor side of the
+scheduler's contract, see `unipage.scheduler.output`): tokens, block table,
+adapter slot and tokens computed.  A step's output is applied in the
+contract's order — drop finished/aborted/preempted, (the engine performs the
+adapter effects), add new requests, extend block tables — and then
+`execute` builds one `StepBatch` at one boundary, runs the forward pass and
+samples a token for every request that caught up with its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from unipage.lora_layout import AdapterLayout
+from unipage.models.decoder import DecoderLM, StepBatch
+from unipage.models.lora_tables import LoraTables
+from unipage.sampling import make_generator, sample
+from unipage.scheduler import SamplingParams, SchedulerOutput
+
+
+@dataclass
+class SeqState:
+    token_ids: list[int]  # prompt + generated
+    block_table: list[int]  # page ids of its KV blocks
+    slot: int  # adapter slot, -1 = base model
+    num_computed: int  # tokens whose KV is in the pool
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass
+class StepOutput:
+    sampled: list[list[int]]  # per SchedulerOutput.req_ids entry
+    logits: dict[str, torch.Tensor]  # request id -> [V] float32 logits it sampled from (when kept)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, pool: torch.Tensor, block_tokens: int, device: torch.device,
+                 keep_logits: bool = False) -> None:
+        self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
+        self.lora = LoraTables(model.model, device)
+        self.seqs: dict[str, SeqState] = {}
+        self.keep_logits = keep_logits
+
+    # -- adapter slots (the engine calls these while performing effects) --
+    def slot_loaded(self, slot: int, pages, layout: AdapterLayout) -> None:
+        self.lora.assign(slot, pages, layout)
+
+    def slot_evicted(self, slot: int) -> None:
+        self.lora.release(slot)
+
+    # -- request state -----------------------------------------------------
+    def drop(self, out: SchedulerOutput) -> None:
+        for rid in (*out.finished_ids, *out.aborted_ids, *out.preempted_ids):
+            self.seqs.pop(rid, None)
+
+    def admit(self, out: SchedulerOutput) -> None:
+        for new in out.new_requests:
+            self.seqs[new.request_id] = SeqState(list(new.token_ids), list(new.block_table), new.adapter_slot,
+                                                 new.num_computed_tokens, new.sampling,
+                                                 make_generator(new.sampling, self.device))
+        for rid, pages in out.new_block_ids.items():
+            self.seqs[rid].block_table.extend(pages)
+
+    # -- one step ------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        if not out.req_ids:
+            return StepOutput([], {})
+        self.lora.refresh()
+        batch, samplers = self._batch(out)
+        logits = self.model.forward(batch, self.pool, self.lora, self.block_tokens)
+        tokens = sample(logits, [self.seqs[r].sampling for r in samplers],
+                        [self.seqs[r].generator for r in samplers])
+        by_id = dict(zip(samplers, tokens))
+        sampled = []
+        for rid, n in zip(out.req_ids, out.num_scheduled_tokens):
+            seq = self.seqs[rid]
+            seq.num_computed += n
+            if rid in by_id:
+                seq.token_ids.append(by_id[rid])
+                sampled.append([by_id[rid]])
+            else:
+                sampled.append([])
+        kept = {rid: logits[i].cpu() for i, rid in enumerate(samplers)} if self.keep_logits else {}
+        return StepOutput(sampled, kept)
+
+    def _batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[str]]:
+        bt = self.block_tokens
+        ids, positions, slots, token_slots, rows, samplers = [], [], [], [], [], []
+        tables, seq_lens, cu = [], [], [0]
+        per_slot: dict[int, int] = {}
+        for rid, n in zip(out.req_ids, out.num_scheduled_tokens):
+            seq = self.seqs[rid]
+            start, end = seq.num_computed, seq.num_computed + n
+            if end > len(seq.token_ids) or end > len(seq.block_table) * bt:
+                raise RuntimeError(f"request {rid!r}: {n} tokens scheduled at {start} exceed its "
+                                   f"{len(seq.token_ids)} tokens or {len(seq.block_table)} KV blocks")
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bt] * bt + p % bt for p in range(start, end)]
+            token_slots += [seq.slot] * n
+            if seq.slot >= 0:
+                per_slot[seq.slot] = per_slot.get(seq.slot, 0) + n
+            tables.append(table)
+            seq_lens.append(end)
+            cu.append(cu[-1] + n)
+            if end == len(seq.token_ids):
+                rows.append(cu[-1] - 1)
+                samplers.append(rid)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        batch = StepBatch(
+            input_ids=tensor(ids, torch.long), positions=tensor(positions, torch.long),
+            slot_mapping=tensor(slots, torch.long), block_tables=tensor(padded, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32), cu_seqlens_q=tensor(cu, torch.int32),
+            max_q_len=max(out.num_scheduled_tokens), token_slots=tensor(token_slots, torch.int32),
+            logits_rows=tensor(rows, torch.long), any_lora=bool(per_slot),
+            group_tokens=max(per_slot.values(), default=0), active_slots=len(per_slot))
+        return batch, samplers
