@@ -278,9 +278,9 @@ class Scheduler:
 
     def _commit(self, req: Request) -> None:
         """Register the request's newly full blocks of computed tokens in the prefix cache."""
-        block, done, tokens = self.block_tokens, req.num_computed_tokens, req.all_token_ids
-        self.kv.commit(req.request_id, tokens if len(tokens) // block == done // block else tokens[:done])
-        req.next_commit = (done // block + 1) * block
+        done = req.num_computed_tokens
+        self.kv.commit(req.request_id, req.all_token_ids, done)
+        req.next_commit = (done // self.block_tokens + 1) * self.block_tokens
 
     # -- bookkeeping ---------------------------------------------------------
     def _await_adapter(self, req: Request, name: str) -> None:

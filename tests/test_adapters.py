@@ -268,3 +268,27 @@ def test_a_loading_adapter_cannot_be_pinned_or_evicted():
     memory.adapters.load_done("a")
     memory.adapters.pin("a")
     memory.check()
+
+
+def test_add_many_and_ticks_equal_one_at_a_time():
+    from unipage.eviction import KV_BLOCK, Candidate
+
+    batched, single = make().reclaimer, make().reclaimer
+    ticks = list(batched.ticks(3))
+    assert ticks == [single.tick() for _ in range(3)] and batched.tick() == single.tick() == 4
+    cands = [Candidate(KV_BLOCK, page, 1, t, t, 1, 0.0) for page, t in zip((5, 3, 9), (3, 1, 2))]
+    batched.add_many(cands)
+    for cand in cands:
+        single.add(cand)
+    assert batched.candidates() == single.candidates() and batched.evictable_pages == 3
+    order = []
+    for r in (batched, single):
+        keys = []
+        while (victim := r.choose_victim()) is not None:
+            keys.append(victim.key)
+            r.remove(victim.kind, victim.key)
+        order.append(keys)
+    assert order == [[3, 9, 5], [3, 9, 5]]
+    batched.add(cands[0])
+    with pytest.raises(ValueError, match="already evictable"):
+        batched.add_many([cands[0]])

@@ -175,3 +175,48 @@ def test_unknown_and_duplicate_sequences():
     with pytest.raises(KeyError, match="unknown sequence"):
         kv.free("zz")
     kv.check()
+
+
+def test_block_hashes_are_blake2b_chained_over_int64_token_bytes():
+    """The documented format: h[0] = blake2b(blake2b(salt) + tokens[0:B]), h[i] = blake2b(h[i-1] + block i)."""
+    import hashlib
+    from array import array
+
+    tokens = [0, 1, 2**40, 31999, 7, 8, 9, 10, 11]
+    prev = hashlib.blake2b(b"digest-A", digest_size=16).digest()
+    expected = []
+    for start in (0, 4):
+        prev = hashlib.blake2b(prev + array("q", tokens[start:start + 4]).tobytes(), digest_size=16).digest()
+        expected.append(prev)
+    assert block_hashes(tokens, B, "digest-A") == expected
+    assert block_hashes(tokens[4:], B, parent=expected[0]) == expected[1:]
+
+
+def test_commit_of_a_prefix_equals_commit_of_its_copy():
+    _, _, kv = make()
+    _, _, ref = make()
+    tokens = list(range(14))
+    for manager in (kv, ref):
+        manager.open("a")
+        manager.grow("a", 14)
+    kv.commit("a", tokens, 9)  # the first 9 tokens: 2 full blocks
+    ref.commit("a", tokens[:9])
+    assert kv.match_prefix(tokens) == ref.match_prefix(tokens) == [0, 1]
+    kv.commit("a", tokens, 99)  # capped at len(tokens)
+    assert kv.match_prefix(tokens) == [0, 1, 2]
+    kv.check()
+
+
+def test_free_stamps_cached_blocks_tail_first_one_tick_each_and_keeps_shared_ones():
+    pool, reclaimer, kv = make()
+    prompt = list(range(12))
+    run_sequence(kv, "a", prompt)  # pages 0, 1, 2
+    kv.open("b", prompt[:8])  # shares pages 0 and 1
+    kv.grow("b", 9)  # + page 3, never committed
+    start = reclaimer.tick()
+    kv.free("a")  # page 2 cached; 0 and 1 still used by b
+    kv.free("b")  # pages 1, 0 cached (tail first); page 3 free
+    stamps = {c.key: c.last_used for c in reclaimer.candidates()}
+    assert stamps == {2: start + 1, 1: start + 2, 0: start + 3}
+    assert pool.kind(3) == PageKind.FREE and pool.occupancy()["cached_kv"] == 3
+    kv.check()

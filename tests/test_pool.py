@@ -106,3 +106,30 @@ def test_wrong_state_transitions_raise():
 def test_bad_size():
     with pytest.raises(ValueError, match="num_pages"):
         PagePool(0)
+
+
+def test_cache_many_equals_caching_one_page_at_a_time():
+    batched, single = PagePool(8), PagePool(8)
+    for pool in (batched, single):
+        pool.alloc(5)
+        pool.share(4)
+    batched.cache_many([3, 0, 2])
+    for page in (3, 0, 2):
+        single.cache(page)
+    for pool in (batched, single):
+        pool.check()
+    assert batched.occupancy() == single.occupancy() == {"free": 3, "kv": 2, "cached_kv": 3, "adapter": 0}
+    assert [batched.kind(p) for p in range(8)] == [single.kind(p) for p in range(8)]
+    assert batched._free == single._free
+
+
+@pytest.mark.parametrize("pages, match", [([0, 1, 4], "only the last user"), ([0, 7], "FREE, not KV"),
+                                          ([0, 0], "twice"), ([1, 99], r"not in \[0, 8\)")])
+def test_cache_many_validates_every_page_before_changing_any(pages, match):
+    pool = PagePool(8)
+    pool.alloc(5)
+    pool.share(4)
+    with pytest.raises(PageError, match=match):
+        pool.cache_many(pages)
+    assert pool.occupancy() == {"free": 3, "kv": 5, "cached_kv": 0, "adapter": 0}
+    pool.check()

@@ -45,7 +45,7 @@ class Candidate:
 
 
 class EvictionPolicy:
-    """Base class: ``priority`` orders candidates, lowest evicted first."""
+    """Base class: ``priority`` orders candidates, lowest evicted first (a non-empty tuple)."""
 
     name = "base"
     evict_on_idle = False  # True: adapters are evicted the moment their last pin goes

@@ -17,21 +17,35 @@ before its head (a chain is only useful from its start).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
+import struct
 from dataclasses import dataclass, field
+from functools import cache, lru_cache
+from hashlib import blake2b
 
 from unipage.eviction import KV_BLOCK, Candidate
 from unipage.pool import PageKind, PagePool
 from unipage.reclaim import Reclaimer
 
+_KV = PageKind.KV
+
+
+@lru_cache(maxsize=1 << 14)
+def root_hash(salt: str) -> bytes:
+    """The chain's seed for ``salt``: every adapter digest is hashed once, not once per request."""
+    return blake2b(salt.encode(), digest_size=16).digest()
+
+
+@cache
+def _packer(block_tokens: int):
+    """Packs one block's token ids as native int64s (the bytes of ``array("q", block)``)."""
+    return struct.Struct(f"={block_tokens}q").pack
+
 
 def iter_block_hashes(tokens, block_tokens: int, salt: str = "", parent: bytes = b""):
     """Yield the chained hashes of the full blocks of ``tokens`` (a trailing partial block is ignored)."""
-    prev = parent or hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    prev, pack = parent or root_hash(salt), _packer(block_tokens)
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        chunk = array("q", tokens[start:start + block_tokens]).tobytes()
-        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
+        prev = blake2b(prev + pack(*tokens[start:start + block_tokens]), digest_size=16).digest()
         yield prev
 
 
@@ -120,42 +134,51 @@ class KVManager:
     def grow(self, seq_id, num_tokens: int, protect: frozenset = frozenset()) -> bool:
         """Make room for ``num_tokens`` tokens in total; False (nothing changed) if it cannot fit."""
         seq = self._seq(seq_id)
-        missing = self.blocks_needed(num_tokens) - len(seq.table)
+        missing = -(-num_tokens // self.block_tokens) - len(seq.table)
         if missing <= 0:
             return True
-        pages = self.reclaimer.alloc(missing, PageKind.KV, protect)
+        pages = self.reclaimer.alloc(missing, _KV, protect)
         if pages is None:
             return False
-        seq.table.extend(pages)
+        seq.table += pages
         return True
 
-    def commit(self, seq_id, tokens) -> None:
-        """Register the full blocks of ``tokens`` (the sequence's computed tokens) for prefix reuse."""
+    def commit(self, seq_id, tokens, num_tokens: int | None = None) -> None:
+        """Register the full blocks of ``tokens[:num_tokens]`` (the sequence's computed tokens) for prefix reuse.
+
+        ``num_tokens`` (default: all of ``tokens``) spares the caller a copy of a prefix.
+        """
         seq = self._seq(seq_id)
         if not self.prefix_caching:
             return
-        full = min(len(tokens) // self.block_tokens, len(seq.table))
-        if full <= len(seq.hashes):
+        block, hashes = self.block_tokens, seq.hashes
+        num_tokens = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
+        full, done = min(num_tokens // block, len(seq.table)), len(hashes)
+        if full <= done:
             return
-        start = len(seq.hashes) * self.block_tokens
-        parent = seq.hashes[-1] if seq.hashes else b""
-        new = block_hashes(tokens[start: full * self.block_tokens], self.block_tokens, seq.salt, parent)
+        new = block_hashes(tokens[done * block:full * block], block, seq.salt, hashes[-1] if hashes else b"")
         now = self.reclaimer.tick()
-        for index, h in enumerate(new, start=len(seq.hashes)):
-            page = seq.table[index]
-            if h not in self._by_hash and page not in self._blocks:
+        table, by_hash, blocks = seq.table, self._by_hash, self._blocks
+        for index, h in enumerate(new, start=done):
+            page = table[index]
+            if h not in by_hash and page not in blocks:
                 self._register(page, h, seq.salt, now)
-        seq.hashes.extend(new)
+        hashes += new
 
     def free(self, seq_id) -> None:
-        """Release a sequence's blocks: registered ones become cached, the rest free."""
+        """Release a sequence's blocks: registered ones whose last user it was become cached, the rest free."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
-        unshared = []
+        blocks, refcount = self._blocks, self.pool.refcount
+        cached, unshared = [], []
         for page in reversed(seq.table):  # tail first: the tail is older under LRU
-            if not self._release(page):
+            if page in blocks and refcount(page) == 1:
+                cached.append(page)
+            else:
                 unshared.append(page)
+        if cached:
+            self._cache(cached)
         self.pool.free(unshared)
 
     def invalidate(self, salt: str) -> int:
@@ -186,16 +209,15 @@ class KVManager:
         else:
             self.pool.share(page)
 
-    def _release(self, page: int) -> bool:
-        """Keep the page as a cached block if it is registered and this was its last user."""
-        block = self._blocks.get(page)
-        if block is None or self.pool.refcount(page) > 1:
-            return False
-        self.pool.cache(page)
-        now = self.reclaimer.tick()
-        block.last_used = block.cached_at = now
-        self.reclaimer.add(Candidate(KV_BLOCK, page, 1, now, now, block.uses, self.block_cost_s))
-        return True
+    def _cache(self, pages: list[int]) -> None:
+        """Keep registered pages whose last user left as cached blocks, stamped in order, and offer them."""
+        self.pool.cache_many(pages)
+        blocks, cost, cands = self._blocks, self.block_cost_s, []
+        for page, now in zip(pages, self.reclaimer.ticks(len(pages))):
+            block = blocks[page]
+            block.last_used = block.cached_at = now
+            cands.append(Candidate(KV_BLOCK, page, 1, now, now, block.uses, cost))
+        self.reclaimer.add_many(cands)
 
     def _register(self, page: int, h: bytes, salt: str, now: int) -> None:
         self._by_hash[h] = page

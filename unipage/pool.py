@@ -34,7 +34,7 @@ class PageKind(IntEnum):
     ADAPTER = 3
 
 
-_KV, _ADAPTER = PageKind.KV.value, PageKind.ADAPTER.value
+_KV, _CACHED_KV, _ADAPTER = PageKind.KV.value, PageKind.CACHED_KV.value, PageKind.ADAPTER.value
 _OWNED_CODES = frozenset((_KV, _ADAPTER))
 
 
@@ -66,11 +66,11 @@ class PagePool:
         return {kind.name.lower(): self._counts[kind] for kind in PageKind}
 
     def kind(self, page: int) -> PageKind:
-        self._check_ids((page,))
+        self._check_id(page)
         return PageKind(self._kind[page])
 
     def refcount(self, page: int) -> int:
-        self._check_ids((page,))
+        self._check_id(page)
         return self._ref[page]
 
     # -- transitions -----------------------------------------------------
@@ -143,11 +143,22 @@ class PagePool:
 
     def cache(self, page: int) -> None:
         """The last user of a KV page leaves it as a reusable cached block."""
-        self._expect(page, PageKind.KV, "cache")
-        if self._ref[page] != 1:
-            raise PageError(f"page {page} has refcount {self._ref[page]}; only the last user can cache it")
-        self._move(page, PageKind.CACHED_KV)
-        self._ref[page] = 0
+        self.cache_many((page,))
+
+    def cache_many(self, pages) -> None:
+        """`cache` each of ``pages`` (distinct), all validated before any changes."""
+        kinds, refs = self._kind, self._ref
+        for page in pages:
+            self._expect(page, PageKind.KV, "cache")
+            if refs[page] != 1:
+                raise PageError(f"page {page} has refcount {refs[page]}; only the last user can cache it")
+        if len(pages) > 1 and len(set(pages)) != len(pages):
+            raise PageError(f"cannot cache a page twice: {list(pages)}")
+        for page in pages:
+            kinds[page] = _CACHED_KV
+            refs[page] = 0
+        self._counts[_KV] -= len(pages)
+        self._counts[_CACHED_KV] += len(pages)
 
     def reuse(self, page: int) -> None:
         """A cached block is hit by a new sequence: it is KV again with one reference."""
@@ -158,30 +169,30 @@ class PagePool:
     def drop(self, page: int) -> None:
         """Reclaim a cached block: it becomes FREE."""
         self._expect(page, PageKind.CACHED_KV, "drop")
-        self._set_free(page)
+        self._kind[page] = 0  # refcount is 0 already
+        self._free.append(page)
+        self._counts[_CACHED_KV] -= 1
+        self._counts[0] += 1
 
     # -- internals -------------------------------------------------------
-    def _set_free(self, page: int) -> None:
-        self._move(page, PageKind.FREE)
-        self._ref[page] = 0
-        self._free.append(page)
-
     def _move(self, page: int, kind: PageKind) -> None:
         self._counts[self._kind[page]] -= 1
         self._counts[kind] += 1
         self._kind[page] = kind
 
     def _expect(self, page: int, kind: PageKind, op: str) -> None:
-        self._check_ids((page,))
-        if self._kind[page] != kind:
+        if not isinstance(page, int) or not 0 <= page < self.num_pages or self._kind[page] != kind:
+            self._check_id(page)
             raise PageError(f"cannot {op} page {page}: it is {PageKind(self._kind[page]).name}, "
                             f"not {kind.name}")
 
     def _check_ids(self, ids) -> None:
-        n = self.num_pages
         for page in ids:
-            if not isinstance(page, int) or not 0 <= page < n:
-                raise PageError(f"page id {page!r} is not in [0, {n})")
+            self._check_id(page)
+
+    def _check_id(self, page: int) -> None:
+        if not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise PageError(f"page id {page!r} is not in [0, {self.num_pages})")
 
     def check(self) -> None:
         """Assert every invariant of the table above (O(num_pages); for tests and idle time)."""

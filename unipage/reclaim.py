@@ -10,6 +10,11 @@ not free enough, nothing is evicted and ``alloc`` returns ``None``.
 Candidates sit in a heap keyed by the policy's priority, with lazy deletion:
 ``remove`` only forgets the key, and stale heap entries are skipped when
 popped.  Victim choice is O(log n) amortised.  Pure Python, no torch.
+
+A heap entry is ``(priority[0], priority, seq, kind, key)``: the same order
+as ``(priority, seq)``, but most comparisons are decided by the leading
+number alone, without descending into the priority tuple — under pressure
+this heap is popped once per page.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Callable
 from unipage.eviction import Candidate, EvictionPolicy
 from unipage.pool import PageKind, PagePool
 
+_SEQ, _KIND, _KEY = 2, 3, 4  # fields of a heap entry
+
 
 class Reclaimer:
     def __init__(self, pool: PagePool, policy: EvictionPolicy) -> None:
@@ -27,7 +34,7 @@ class Reclaimer:
         self.policy = policy
         self._clock = 0
         self._live: dict[tuple[str, object], tuple[int, Candidate]] = {}  # (kind, key) -> (seq, cand)
-        self._heap: list[tuple[tuple, int, str, object]] = []
+        self._heap: list[tuple] = []  # (priority[0], priority, seq, kind, key)
         self._seq = 0
         self._evictable_pages = 0
         self._owners: dict[str, Callable[[object], None]] = {}
@@ -38,6 +45,12 @@ class Reclaimer:
         self._clock += 1
         return self._clock
 
+    def ticks(self, n: int) -> range:
+        """Advance the clock ``n`` times at once; the ``n`` ticks, in order (as ``n`` calls of `tick`)."""
+        start = self._clock + 1
+        self._clock += n
+        return range(start, start + n)
+
     def register_owner(self, kind: str, evict: Callable[[object], None]) -> None:
         """``evict(key)`` must release the candidate's pages back to the pool."""
         self._owners[kind] = evict
@@ -45,14 +58,21 @@ class Reclaimer:
 
     # -- the candidate set ----------------------------------------------
     def add(self, cand: Candidate) -> None:
-        ident = (cand.kind, cand.key)
-        if ident in self._live:
-            raise ValueError(f"{cand.kind} {cand.key!r} is already evictable")
-        self._seq += 1
-        self._live[ident] = (self._seq, cand)
-        self._evictable_pages += cand.pages
-        heapq.heappush(self._heap, (self.policy.priority(cand), self._seq, cand.kind, cand.key))
-        if len(self._heap) > 2 * len(self._live) + 64:
+        self.add_many((cand,))
+
+    def add_many(self, cands) -> None:
+        """`add` each candidate in order (distinct, and none evictable yet)."""
+        live, heap, priority = self._live, self._heap, self.policy.priority
+        for cand in cands:
+            ident = (cand.kind, cand.key)
+            if ident in live:
+                raise ValueError(f"{cand.kind} {cand.key!r} is already evictable")
+            self._seq += 1
+            live[ident] = (self._seq, cand)
+            self._evictable_pages += cand.pages
+            prio = priority(cand)
+            heapq.heappush(heap, (prio[0], prio, self._seq, cand.kind, cand.key))
+        if len(heap) > 2 * len(live) + 64:
             self._compact()
 
     def remove(self, kind: str, key: object) -> Candidate | None:
@@ -75,20 +95,20 @@ class Reclaimer:
     # -- decisions -------------------------------------------------------
     def choose_victim(self, protect: frozenset = frozenset()) -> Candidate | None:
         """The candidate the policy would evict next, skipping ``(kind, key)`` in ``protect``."""
-        skipped, victim = [], None
-        while self._heap:
-            prio, seq, kind, key = self._heap[0]
-            entry = self._live.get((kind, key))
-            if entry is None or entry[0] != seq:
-                heapq.heappop(self._heap)
+        heap, skipped, victim = self._heap, [], None
+        while heap:
+            entry = heap[0]
+            held = self._held(entry)
+            if held is None:
+                heapq.heappop(heap)
                 continue
-            if (kind, key) in protect:
-                skipped.append(heapq.heappop(self._heap))
+            if (entry[_KIND], entry[_KEY]) in protect:
+                skipped.append(heapq.heappop(heap))
                 continue
-            victim = entry[1]
+            victim = held
             break
         for item in skipped:
-            heapq.heappush(self._heap, item)
+            heapq.heappush(heap, item)
         return victim
 
     def alloc(self, n: int, kind: PageKind = PageKind.KV, protect: frozenset = frozenset()) -> list[int] | None:
@@ -99,14 +119,23 @@ class Reclaimer:
 
     def reclaim(self, pages: int, protect: frozenset = frozenset()) -> bool:
         """Evict until ``pages`` more pages are free; evict nothing and return False if impossible."""
-        protected = sum(self._live[i][1].pages for i in protect if i in self._live)
+        protected = sum(self._live[i][1].pages for i in protect if i in self._live) if protect else 0
         if self._evictable_pages - protected < pages:
             return False
-        target = self.pool.num_free + pages
-        while self.pool.num_free < target:
-            victim = self.choose_victim(protect)
-            assert victim is not None, "evictable page count out of step with the candidates"
-            self.evict(victim)
+        pool, heap = self.pool, self._heap
+        target = pool.num_free + pages
+        skipped = []  # protected entries popped on the way: pushed back at the end
+        while pool.num_free < target:  # `choose_victim` + `evict`, inlined: under pressure this runs per page
+            entry = heapq.heappop(heap)  # never empty: the count above says enough is evictable
+            held = self._held(entry)
+            if held is None:
+                continue
+            if (entry[_KIND], entry[_KEY]) in protect:
+                skipped.append(entry)
+                continue
+            self.evict(held)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
         return True
 
     def evict(self, cand: Candidate) -> None:
@@ -114,8 +143,14 @@ class Reclaimer:
         self.evictions[cand.kind] += 1
         self._owners[cand.kind](cand.key)
 
+    def _held(self, entry: tuple) -> Candidate | None:
+        """The live candidate a heap entry stands for; None if it is stale (removed or re-added since)."""
+        held = self._live.get((entry[_KIND], entry[_KEY]))
+        return held[1] if held is not None and held[0] == entry[_SEQ] else None
+
     def _compact(self) -> None:
-        self._heap = [e for e in self._heap if self._live.get((e[2], e[3]), (None,))[0] == e[1]]
+        """Drop stale entries, in place (``reclaim`` holds the list while owners run)."""
+        self._heap[:] = [e for e in self._heap if self._held(e) is not None]
         heapq.heapify(self._heap)
 
     def check(self) -> None:
