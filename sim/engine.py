@@ -1,0 +1,413 @@
+"""`Simulation`: the real scheduler and pool, driven by a simulated executor on a simulated clock.
+
+    arrivals (Trace) ─► Scheduler.add ─┐
+                                       ▼
+    loop:  schedule() ─► SchedulerOutput ─► step time from the cost model ─► clock += step
+             ▲            adapter loads ─► load queue (disk, then host-to-device; overlap compute)
+             └──────── update(StepResult: a token for each request that caught up, loads done by now)
+
+Only time is simulated: `Scheduler`, `UnifiedMemory` (pool, reclaimer, KV
+manager, adapter manager) and the eviction and scheduling policies are the
+library's own objects.  Events are the arrivals, the end of each step and the
+completion of each adapter load.  While the engine runs a step, arrivals and
+load completions wait for the step's end (as in a real engine loop); when a
+step has nothing to compute, the clock jumps to the next arrival or load
+completion instead of spinning.
+
+Per step the simulator does O(scheduled requests) work (the context length
+each reads, and whether it samples); tokens are not generated one by one
+beyond what the scheduler itself does.  Requests finish by length: prompt
+tokens are filler with one token unique to the request (no accidental prefix
+sharing; ``prefix_tokens`` adds a per-adapter shared prefix), and every
+sampled token is the same non-stop token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+import numpy as np
+from unipage.scheduler import (
+    FinishReason,
+    Request,
+    RequestError,
+    Scheduler,
+    SchedulerOutput,
+    StepResult,
+)
+from unipage.sim.belady import Belady, BeladyOracle
+from unipage.sim.config import SimConfig
+from unipage.sim.errors import SimInputError, SimulationError
+from unipage.sim.profile import CostProfile
+from unipage.sim.workload import Trace, load_trace
+
+from unipage.adapter_info import synthetic_info
+from unipage.adapters import LoadAdapter
+from unipage.config import ATTENTION_TARGETS, DENSE_TARGETS
+from unipage.errors import AdapterError
+from unipage.memory import UnifiedMemory
+
+INF = float("inf")
+FILL, SAMPLED, FIRST_UNIQUE = 1, 1, 2  # prompt filler, the sampled token, first request-unique token
+_ONE, _NONE = [SAMPLED], []
+_computed = attrgetter("num_computed_tokens")
+MAX_STALLS = 8  # consecutive empty steps with no event to wait for: the scheduler is stuck
+
+# Request outcome codes in SimResult.status.
+FINISHED, ABORTED_SLO, ABORTED_LOAD, ABORTED_OTHER, UNFINISHED = 0, 1, 2, 3, 4
+_ABORT_CODE = {FinishReason.SLO: ABORTED_SLO, FinishReason.LOAD_FAILED: ABORTED_LOAD}
+
+
+class SimClock:
+    """The scheduler's clock: seconds of simulated time."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class StepCost:
+    """Seconds of one step from its `SchedulerOutput` (see `unipage.sim.profile` for the model)."""
+
+    def __init__(self, profile: CostProfile, config: SimConfig, ranks: dict[str, int]) -> None:
+        self.p = profile
+        self.ranks = ranks  # adapter name -> rank
+        self.slot_rank: dict[int, int] = {-1: 0}  # adapter slot -> rank of the adapter loaded there
+        model = config.model
+        self.moe_layers = sum(map(model.is_moe_layer, range(model.num_layers)))
+        self.experts, self.top_k = model.num_experts, model.top_k
+
+    def touched(self, tokens: int) -> float:
+        """Expected distinct experts hit by ``tokens`` tokens routed top-k of E uniformly."""
+        e = self.experts
+        return e * (1.0 - (1.0 - self.top_k / e) ** tokens)
+
+    def step_s(self, out: SchedulerOutput, decode: int, kv_read: int, adapter_tokens: dict | None) -> float:
+        """``adapter_tokens``: adapter -> its tokens in the step when the caller knows them (else counted)."""
+        p = self.p
+        total = out.total_num_scheduled_tokens
+        t = (p.step_base_s + p.prefill_token_s * (total - decode) + p.decode_token_s * decode
+             + p.kv_token_read_s * kv_read)
+        if out.adapters:
+            t += self._lora_s(out, adapter_tokens)
+        if self.moe_layers:
+            t += p.expert_s * self.moe_layers * self.touched(total)
+        return t
+
+    def _lora_s(self, out: SchedulerOutput, adapter_tokens: dict | None) -> float:
+        p = self.p
+        if adapter_tokens is not None:
+            rank_of = self.ranks
+        else:  # tokens per adapter slot, from the per-token slot map
+            adapter_tokens, rank_of = Counter(out.token_slots), self.slot_rank
+            adapter_tokens.pop(-1, None)
+        ranks = tokens_x_rank = 0
+        for key, n in adapter_tokens.items():
+            rank = rank_of[key]
+            ranks += rank
+            tokens_x_rank += rank * n
+        t = p.adapter_s * len(adapter_tokens) + p.adapter_rank_s * ranks + p.lora_token_rank_s * tokens_x_rank
+        if self.moe_layers and p.lora_expert_rank_s:
+            touched = self.touched
+            t += p.lora_expert_rank_s * self.moe_layers * sum(rank_of[k] * touched(n) for k, n in adapter_tokens.items())
+        return t
+
+
+class LoadQueue:
+    """Adapter loads in flight: a disk queue, then a host-to-device copy queue, both FIFO."""
+
+    def __init__(self, page_bytes: int, h2d_bytes_per_s: float, disk_bytes_per_s: float) -> None:
+        self.page_bytes, self.h2d, self.disk = page_bytes, h2d_bytes_per_s, disk_bytes_per_s
+        self.disk_free = self.h2d_free = 0.0  # when each queue is next idle
+        self.heap: list[tuple[float, int, str]] = []  # (completion time, seq, adapter)
+        self.seq = 0
+        self.bytes_h2d = self.bytes_disk = 0
+        self.loads = self.from_host = 0
+
+    def start(self, load: LoadAdapter, now: float) -> float:
+        """Queue ``load`` issued at ``now``; returns when it completes."""
+        ready = now
+        if not load.from_host:
+            self.disk_free = max(self.disk_free, now) + load.info.file_bytes / self.disk
+            ready = self.disk_free
+            self.bytes_disk += load.info.file_bytes
+        nbytes = len(load.pages) * self.page_bytes
+        self.h2d_free = max(self.h2d_free, ready) + nbytes / self.h2d
+        self.bytes_h2d += nbytes
+        self.loads += 1
+        self.from_host += load.from_host
+        self.seq += 1
+        heapq.heappush(self.heap, (self.h2d_free, self.seq, load.name))
+        return self.h2d_free
+
+    def next_done(self) -> float:
+        return self.heap[0][0] if self.heap else INF
+
+    def pop_done(self, now: float) -> list[str]:
+        heap, done = self.heap, []
+        while heap and heap[0][0] <= now:
+            done.append(heapq.heappop(heap)[2])
+        return done
+
+
+@dataclass
+class SimResult:
+    """Everything measured in one run (per-request arrays are indexed like the trace)."""
+
+    config: SimConfig
+    trace: Trace
+    first_token: np.ndarray  # [N] seconds; nan if it never produced one
+    finish: np.ndarray  # [N] seconds at which it finished or was dropped
+    num_output: np.ndarray  # [N] tokens generated
+    status: np.ndarray  # [N] FINISHED, ABORTED_SLO, ABORTED_LOAD, ABORTED_OTHER
+    hit: np.ndarray  # [N] its adapter was loaded when it arrived (False for base-model requests)
+    preemptions: np.ndarray  # [N] times it was preempted
+    end_time: float  # simulated seconds when the last request finished
+    steps: int
+    busy_s: float  # simulated seconds spent computing steps
+    scheduled_requests: int  # sum over steps of requests in the batch
+    scheduled_tokens: int
+    loads: LoadQueue
+    adapter_stats: dict  # AdapterManager.stats
+    scheduler_stats: dict  # Scheduler.stats
+    evictions: dict  # reclaimer evictions by kind
+    samples: dict  # occupancy over time: t, free, kv, cached_kv, adapter, running, waiting
+    little: dict  # window, area (request-seconds in system, seen by the scheduler)
+    wall_s: float = field(default=0.0, compare=False)  # host seconds the run took (not in records)
+
+
+class Simulation:
+    """One run of ``config`` over ``trace`` (default: the config's workload)."""
+
+    def __init__(self, config: SimConfig, trace: Trace | None = None) -> None:
+        self.config = config
+        self.trace = trace if trace is not None else load_trace(config)
+        self.clock = SimClock()
+        self.memory = UnifiedMemory(config.unipage_config)
+        self.ranks = self._register_adapters()
+        self._check_sizes()
+        self.sched = Scheduler(self.memory, config.scheduler, clock=self.clock)
+        self.cost = StepCost(config.profile, config, self.ranks)
+        ucfg = config.unipage_config
+        self.loads = LoadQueue(ucfg.page_bytes_all_layers, config.lora.h2d_bytes_per_s,
+                               config.lora.disk_bytes_per_s)
+        self.oracle: BeladyOracle | None = None
+        policy = self.memory.reclaimer.policy
+        if isinstance(policy, Belady):
+            self.oracle = BeladyOracle(self.trace.arrivals_by_adapter(), self.clock)
+            policy.attach(self.oracle, self.memory.reclaimer)
+        self.live: dict[str, Request] = {}
+        self._budget = config.scheduler.max_num_batched_tokens
+        self._chunk = config.scheduler.long_prefill_token_threshold or self._budget
+        n = len(self.trace)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.num_output = np.zeros(n, dtype=np.int64)
+        self.status = np.full(n, UNFINISHED, dtype=np.int8)
+        self.hit = np.zeros(n, dtype=bool)
+        self.preempted = np.zeros(n, dtype=np.int32)
+        self._prefixes = [[0] * config.workload.prefix_tokens for _ in self.trace.adapter_names]
+
+    # -- setup -----------------------------------------------------------------
+    def _register_adapters(self) -> dict[str, int]:
+        cfg, trace = self.config, self.trace
+        targets = ATTENTION_TARGETS if cfg.workload.targets == "attention" else DENSE_TARGETS + ("experts",)
+        infos: dict[int, object] = {}
+        ranks = {}
+        for name, rank in zip(trace.adapter_names, trace.adapter_ranks):
+            if rank not in infos:
+                infos[rank] = synthetic_info(cfg.model, rank, targets)
+            try:
+                self.memory.adapters.register(name, dataclasses.replace(infos[rank], digest=f"sim:{name}"))
+            except AdapterError as err:
+                raise SimInputError(f"[workload] adapters: {err}") from None
+            ranks[name] = rank
+        return ranks
+
+    def _check_sizes(self) -> None:
+        """Every request must fit the pool at its full length with its adapter (else it could never run)."""
+        t, cfg = self.trace, self.config
+        if not len(t):
+            return
+        pages = np.asarray([self.memory.adapters.get(a).num_pages for a in t.adapter_names] + [0])
+        longest = np.minimum(t.input_tokens.astype(np.int64) + t.output_tokens, cfg.scheduler.max_model_len) - 1
+        need = -(-longest // cfg.pool.block_tokens) + pages[t.adapter]  # adapter -1 -> the trailing 0
+        bad = np.flatnonzero(need > self.memory.pool.num_pages)
+        if bad.size:
+            i = int(bad[0])
+            raise SimInputError(f"request {i} needs {int(need[i])} pages at full length "
+                                f"({int(longest[i])} tokens of KV + its adapter) but [pool] num_pages is "
+                                f"{self.memory.pool.num_pages}; {bad.size} request(s) cannot fit")
+
+    def _request(self, i: int) -> Request:
+        t = self.trace
+        a, n = int(t.adapter[i]), int(t.input_tokens[i])
+        unique = FIRST_UNIQUE + i
+        prefix = self._prefixes[a] if a >= 0 else ()
+        if not prefix:
+            prompt = [unique] + [FILL] * (n - 1)
+        elif n > len(prefix):
+            prompt = prefix + [unique] + [FILL] * (n - len(prefix) - 1)
+        else:
+            prompt = prefix[:n - 1] + [unique]
+        return Request(str(i), prompt, adapter=t.adapter_names[a] if a >= 0 else None,
+                       max_tokens=int(t.output_tokens[i]), arrival_time=float(t.arrival[i]),
+                       tenant=t.tenant_names[t.tenant[i]])
+
+    # -- the event loop ----------------------------------------------------------
+    def run(self) -> SimResult:
+        wall = time.perf_counter()
+        sched, clock, loads, oracle = self.sched, self.clock, self.loads, self.oracle
+        arrival = self.trace.arrival.tolist()
+        n = len(arrival)
+        sample_dt = self.config.sample_interval_s or max((arrival[-1] if n else 1.0) / 400, 1e-3)
+        samples = {k: [] for k in ("t", "free", "kv", "cached_kv", "adapter", "running", "waiting")}
+        w0, w1 = (0.1 * arrival[-1], 0.9 * arrival[-1]) if n else (0.0, 0.0)
+        area = 0.0
+        now = arrival[0] if n else 0.0
+        next_sample, nxt, stalls = now, 0, 0
+        steps = busy = batch_reqs = batch_tokens = 0
+        check_every = self.config.check_every
+        while nxt < n or sched.has_unfinished() or loads.heap:
+            clock.now = now
+            while nxt < n and arrival[nxt] <= now:
+                self._arrive(nxt)
+                nxt += 1
+            in_system = len(self.live)
+            out = sched.schedule()
+            if out.finished_ids or out.aborted_ids:
+                self._record_done(out)
+            if out.adapter_effects:
+                for effect in out.adapter_effects:
+                    if type(effect) is LoadAdapter:
+                        loads.start(effect, now)
+                        self.cost.slot_rank[effect.slot] = self.ranks[effect.name]
+            if oracle is not None:
+                self._tell_oracle(out)
+            start = now
+            if out.req_ids:
+                dt, sampled = self._run_batch(out)
+                now += dt
+                steps += 1
+                busy += dt
+                batch_reqs += len(sampled)
+                batch_tokens += out.total_num_scheduled_tokens
+                stalls = 0
+            else:
+                sampled = _NONE
+                wake = min(arrival[nxt] if nxt < n else INF, loads.next_done())
+                if out.preempted_ids or wake == INF:  # nothing to wait for: schedule again at once
+                    stalls += 1
+                    if stalls > MAX_STALLS and not out.preempted_ids:
+                        raise SimulationError(f"t={now:.6f}s: the scheduler scheduled nothing {stalls} times with "
+                                              f"{len(sched.requests)} live requests and no event to wait for")
+                else:  # idle until the next arrival or load completion
+                    now = max(now, wake)
+                    stalls = 0
+            if now > w0 and start < w1:
+                area += in_system * (min(now, w1) - max(start, w0))
+            clock.now = now
+            sched.update(StepResult(sampled, loads.pop_done(now) if loads.heap else _NONE))
+            if now >= next_sample:
+                self._sample(samples, now)
+                next_sample = now + sample_dt
+            if check_every and steps % check_every == 0:
+                sched.check()
+        self._record_remaining()
+        self._sample(samples, now)
+        end = float(np.nanmax(self.finish)) if n else 0.0
+        return SimResult(self.config, self.trace, self.first_token, self.finish, self.num_output, self.status,
+                         self.hit, self.preempted, end, steps, busy, batch_reqs, batch_tokens, loads,
+                         dataclasses.asdict(self.memory.adapters.stats), dataclasses.asdict(sched.stats),
+                         dict(self.memory.reclaimer.evictions), samples,
+                         {"window": (w0, w1), "area": area}, time.perf_counter() - wall)
+
+    def _arrive(self, i: int) -> None:
+        req = self._request(i)
+        try:
+            self.sched.add(req)
+        except RequestError as err:
+            raise SimInputError(f"request {i}: {err}") from None
+        self.live[req.request_id] = req
+        if req.adapter is not None:
+            self.hit[i] = self.memory.adapters.get(req.adapter).loaded
+            if self.oracle is not None:
+                self.oracle.arrived(req.adapter)
+
+    def _run_batch(self, out: SchedulerOutput) -> tuple[float, list]:
+        """The step's duration, and the token each request samples (none for a prefill chunk that stops short)."""
+        sched = self.sched
+        requests, ids, counts = sched.requests, out.req_ids, out.num_scheduled_tokens
+        decode = counts.count(1)
+        sampled = [_ONE] * len(ids)
+        adapter_tokens = None
+        if decode == len(ids) and out.total_num_scheduled_tokens < self._budget and self._chunk > 1:
+            kv_read = sum(map(_computed, map(requests.__getitem__, ids)))  # one token each: all of them sample
+            if len(ids) == len(sched.running):  # every running request, one token each
+                adapter_tokens = sched.running_adapters
+        else:
+            kv_read = 0
+            for i, rid in enumerate(ids):
+                req = requests[rid]
+                computed = req.num_computed_tokens
+                kv_read += computed
+                if computed < len(req.all_token_ids):
+                    sampled[i] = _NONE
+        return self.cost.step_s(out, decode, kv_read, adapter_tokens), sampled
+
+    def _tell_oracle(self, out: SchedulerOutput) -> None:
+        oracle, requests = self.oracle, self.sched.requests
+        for new in out.new_requests:
+            if new.adapter is not None:
+                oracle.admitted(new.adapter)
+        for rid in out.preempted_ids:
+            name = requests[rid].adapter
+            if name is not None:
+                oracle.requeued(name)
+
+    def _record_done(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_ids:
+            self._record(self.live.pop(rid))
+        for rid in out.aborted_ids:
+            req = self.live.pop(rid)
+            self._record(req)
+            if self.oracle is not None and req.adapter is not None:
+                self.oracle.dropped(req.adapter)
+
+    def _record_remaining(self) -> None:
+        for req in self.live.values():
+            self._record(req)
+        self.live.clear()
+
+    def _record(self, req: Request) -> None:
+        i = int(req.request_id)
+        if req.first_token_time is not None:
+            self.first_token[i] = req.first_token_time
+        self.finish[i] = req.finish_time
+        self.num_output[i] = req.num_output_tokens
+        self.preempted[i] = req.num_preemptions
+        reason = req.finish_reason
+        self.status[i] = FINISHED if reason in (FinishReason.STOP, FinishReason.LENGTH) else \
+            _ABORT_CODE.get(reason, ABORTED_OTHER)
+
+    def _sample(self, samples: dict, now: float) -> None:
+        pool = self.memory.pool.occupancy()
+        samples["t"].append(now)
+        for kind in ("free", "kv", "cached_kv", "adapter"):
+            samples[kind].append(pool[kind])
+        samples["running"].append(len(self.sched.running))
+        samples["waiting"].append(self.sched.num_waiting)
+
+
+def simulate(config: SimConfig, trace: Trace | None = None) -> SimResult:
+    """Run one simulation of ``config`` (its workload, or ``trace``)."""
+    return Simulation(config, trace).run()

@@ -1,0 +1,282 @@
+"""unipage-sim: determinism, conservation, Little's law, the Belady bound, exact event times, the CLI.
+
+Every run here uses the ``tiny`` model preset (16 KiB pages, rank-8 adapters of 4 pages) so that a
+simulation takes well under a second.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from unipage.sim import Simulation, build_config, make_record, simulate
+from unipage.sim.cli import main
+from unipage.sim.engine import FINISHED
+from unipage.sim.metrics import dumps
+from unipage.sim.workload import Trace, choose_adapters, gamma_arrivals, sample_lengths
+
+from unipage.eviction import POLICIES as EVICTION_POLICIES
+
+TINY = {"model": {"preset": "tiny"}, "pool": {"num_pages": 512},
+        "workload": {"rate": 20.0, "duration_s": 10.0, "num_adapters": 20, "ranks": [8, 16],
+                     "input": {"dist": "uniform", "low": 16, "high": 96},
+                     "output": {"dist": "uniform", "low": 4, "high": 48}}}
+
+
+def tiny(**sections) -> dict:
+    raw = json.loads(json.dumps(TINY))
+    for name, table in sections.items():
+        if isinstance(table, dict):
+            raw.setdefault(name, {}).update(table)
+        else:
+            raw[name] = table
+    return raw
+
+
+# -- properties of a run ---------------------------------------------------------
+def test_same_seed_gives_byte_identical_records():
+    raw = tiny(seed=7, lora={"eviction_policy": "belady"}, scheduler={"policy": "vtc"})
+    first = dumps(make_record(simulate(build_config(raw))))
+    second = dumps(make_record(simulate(build_config(raw))))
+    assert first == second
+    other = dumps(make_record(simulate(build_config(tiny(seed=8)))))
+    assert json.loads(other)["ttft_p50_s"] != json.loads(first)["ttft_p50_s"]
+
+
+@pytest.mark.parametrize("policy,admission,eviction", [("fcfs", "optimistic", "lru"), ("slo", "optimistic", "idle"),
+                                                       ("vtc", "reserve", "belady"), ("affinity", "optimistic", "cost")])
+def test_every_request_finishes_or_is_aborted_and_the_pool_drains(policy, admission, eviction):
+    raw = tiny(pool={"num_pages": 160}, scheduler={"policy": policy, "admission": admission, "slo_ttft_s": 0.2},
+               lora={"eviction_policy": eviction, "max_adapters_per_batch": 4}, sim={"check_every": 7})
+    sim = Simulation(build_config(raw))
+    result = sim.run()
+    n = len(result.trace)
+    assert n > 150 and not sim.sched.has_unfinished() and not sim.live
+    assert set(np.unique(result.status)) <= {0, 1, 2, 3}  # nothing UNFINISHED
+    record = make_record(result)
+    assert record["finished"] + record["aborted_slo"] + record["aborted_load_failed"] == n
+    done = result.status == FINISHED
+    assert (result.num_output[done] == result.trace.output_tokens[done]).all()  # finished by length, in full
+    assert (result.finish[done] >= result.first_token[done]).all()
+    assert (result.first_token[done] > result.trace.arrival[done]).all()
+    sim.sched.check()
+    memory = sim.memory
+    assert memory.pool.count(1) == 0  # no KV page held: only cached KV and idle adapters remain
+    assert memory.reclaimer.reclaim(memory.reclaimer.evictable_pages)
+    assert memory.pool.num_free == memory.pool.num_pages
+    if policy == "slo":
+        assert record["aborted_slo"] > 0
+
+
+def test_littles_law_on_a_steady_workload():
+    raw = tiny(seed=3, workload={"rate": 15.0, "duration_s": 240.0}, pool={"num_pages": 2048})
+    record = make_record(simulate(build_config(raw)))
+    assert record["aborted_slo"] == 0 and record["little_L"] > 1.0
+    assert abs(record["little_L"] - record["little_lambda_W"]) <= 0.05 * record["little_lambda_W"]
+
+
+def test_belady_hit_ratio_bounds_every_online_policy():
+    trace_config = build_config(tiny(seed=11, pool={"num_pages": 96, "prefix_caching": False},
+                                     workload={"num_adapters": 40, "ranks": [8], "rate": 6.0, "duration_s": 60.0,
+                                               "zipf_s": 0.8}))
+    from unipage.sim.workload import synthesize
+
+    trace = synthesize(trace_config)
+    hits = {}
+    for name in sorted(EVICTION_POLICIES):
+        raw = tiny(seed=11, pool={"num_pages": 96, "prefix_caching": False}, lora={"eviction_policy": name},
+                   workload={"num_adapters": 40, "ranks": [8], "rate": 6.0, "duration_s": 60.0, "zipf_s": 0.8})
+        hits[name] = make_record(simulate(build_config(raw), trace))["adapter_hit_ratio"]
+    assert set(hits) >= {"lru", "lfu", "fifo", "size", "cost", "idle", "belady"}
+    assert all(hits["belady"] >= h for h in hits.values()), hits
+    assert hits["belady"] > hits["lru"] > hits["idle"]
+
+
+def test_belady_refuses_to_run_without_the_future():
+    from unipage.sim.belady import Belady
+
+    from unipage.eviction import Candidate
+
+    with pytest.raises(RuntimeError, match="needs the future"):
+        Belady().priority(Candidate("adapter", "a", 4, 0, 0, 0, 0.0))
+
+
+# -- a scenario checked by hand ----------------------------------------------------
+HAND_PROFILE = {"name": "hand", "step_base_s": 0.010, "prefill_token_s": 0.001, "decode_token_s": 0.002,
+                "kv_token_read_s": 0.0, "h2d_bytes_per_s": 65536 / 0.02, "disk_bytes_per_s": 57344 / 0.05}
+
+
+def test_exact_event_times_of_a_hand_checked_scenario(tmp_path):
+    """One rank-8 adapter (4 pages = 65,536 bytes; file 57,344 bytes): disk 50 ms + copy 20 ms.
+
+    t=0     r0 (adapter a0, 8 prompt tokens, 3 out) arrives: a0 not resident, its load starts (done 0.07)
+    t=0.05  r1 (base model, 4 prompt, 1 out) arrives while idle: prefill 0.010 + 4 * 0.001 -> done 0.064
+    t=0.07  a0 loaded: r0 prefill 0.010 + 8 * 0.001 -> first token 0.088; decodes of 0.012 -> 0.100, 0.112
+    t=0.2   r2 (a0, 8 prompt, 2 out): a0 resident (a hit): prefill -> 0.218, decode -> 0.230
+    """
+    (tmp_path / "hand.json").write_text(json.dumps(HAND_PROFILE))
+    raw = {"model": {"preset": "tiny"}, "pool": {"num_pages": 64}, "sim": {"profile": "hand.json"},
+           "workload": {"num_adapters": 1, "ranks": [8]}}
+    config = build_config(raw, tmp_path)
+    trace = Trace(np.array([0.0, 0.05, 0.2]), np.array([0, -1, 0], dtype=np.int32),
+                  np.array([8, 4, 8], dtype=np.int32), np.array([3, 1, 2], dtype=np.int32),
+                  np.zeros(3, dtype=np.int32), ["a0"], [8], ["t0"])
+    result = simulate(config, trace)
+    assert result.first_token.tolist() == pytest.approx([0.088, 0.064, 0.218], abs=1e-12)
+    assert result.finish.tolist() == pytest.approx([0.112, 0.064, 0.230], abs=1e-12)
+    assert result.hit.tolist() == [False, False, True]
+    assert result.steps == 6 and result.busy_s == pytest.approx(0.014 + 0.018 + 0.024 + 0.018 + 0.012)
+    record = make_record(result)
+    assert (record["adapter_loads"], record["bytes_h2d"], record["bytes_disk"]) == (1, 65536, 57344)
+    assert record["ttft_p50_s"] == pytest.approx(0.018)  # TTFTs 0.088, 0.014, 0.018
+    assert record["duration_s"] == pytest.approx(0.23)
+
+
+# -- workloads ----------------------------------------------------------------------
+def test_gamma_arrivals_have_the_asked_rate_and_cv():
+    rng = np.random.default_rng(0)
+    for cv in (1.0, 4.0):
+        gaps = np.diff(gamma_arrivals(rng, 200_000, rate=5.0, cv=cv))
+        assert gaps.mean() == pytest.approx(0.2, rel=0.03)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.05)
+
+
+def test_popularity_models():
+    cfg = build_config(tiny(workload={"num_adapters": 100, "popularity": "zipf", "zipf_s": 1.2}))
+    zipf = np.bincount(choose_adapters(np.random.default_rng(0), 100_000, cfg.workload), minlength=100)
+    assert zipf[0] > zipf[1] > zipf[10] > zipf[99] and zipf[0] / zipf[1] == pytest.approx(2 ** 1.2, rel=0.05)
+    cfg = build_config(tiny(workload={"num_adapters": 100, "popularity": "power", "power_alpha": 0.1}))
+    power = choose_adapters(np.random.default_rng(1), 100_000, cfg.workload)
+    expect = (np.random.default_rng(1).power(0.1, 100_000) * 100).astype(int)  # S-LoRA's formula
+    assert (power == expect).all()
+    cfg = build_config(tiny(workload={"num_adapters": 10, "popularity": "uniform", "base_fraction": 0.25}))
+    uniform = choose_adapters(np.random.default_rng(2), 100_000, cfg.workload)
+    assert (uniform == -1).mean() == pytest.approx(0.25, abs=0.01)
+
+
+def test_length_distributions():
+    cfg = build_config(tiny(workload={"input": {"dist": "histogram", "edges": [1, 10, 100], "weights": [1, 3]},
+                                      "output": {"dist": "lognormal", "median": 50.0, "sigma": 0.5, "max": 80}}))
+    rng = np.random.default_rng(0)
+    hist = sample_lengths(rng, 40_000, cfg.workload.input)
+    assert hist.min() >= 1 and hist.max() < 100 and (hist < 10).mean() == pytest.approx(0.25, abs=0.01)
+    logn = sample_lengths(rng, 40_000, cfg.workload.output)
+    assert logn.max() == 80 and np.median(logn) == pytest.approx(50, abs=1)
+
+
+def test_replays_unipage_and_azure_traces(tmp_path):
+    (tmp_path / "t.csv").write_text("timestamp,adapter,input_tokens,output_tokens\n"
+                                    "10.0,sql,32,4\n10.5,,16,2\n11.0,chat,64,8\n12.0,sql,32,3\n")
+    record = _run_cli_record(tmp_path, {"workload": {"trace": "t.csv"}})
+    assert record["requests"] == 4 and record["finished"] == 4 and record["adapter_requests"] == 3
+    (tmp_path / "azure.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                        "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n"
+                                        "2023-11-16 18:15:51.2000000,100,0\n")
+    record = _run_cli_record(tmp_path, {"workload": {"trace": "azure.csv", "num_adapters": 5}})
+    assert record["requests"] == 3 and record["finished"] == 3 and record["clipped_requests"] == 1
+    assert record["latency_p50_s"] is not None and record["config"]["workload"]["trace"] == "azure.csv"
+
+
+# -- the CLI -------------------------------------------------------------------------
+def _write_config(tmp_path, extra: dict | None = None, name: str = "sim.toml"):
+    raw = tiny(**(extra or {}))
+    lines = []
+    for section, table in raw.items():
+        if not isinstance(table, dict):
+            lines.append(f"{section} = {json.dumps(table)}")
+    for section, table in raw.items():
+        if isinstance(table, dict):
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml(v)}" for k, v in table.items()]
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
+
+
+def _run_cli_record(tmp_path, extra) -> dict:
+    config = _write_config(tmp_path, extra)
+    out = tmp_path / "run.jsonl"
+    assert main(["run", str(config), "--out", str(out), "--quiet"]) == 0
+    return json.loads(out.read_text())
+
+
+def test_cli_run_sweep_report(tmp_path, capsys):
+    config = _write_config(tmp_path, {"workload": {"duration_s": 4.0}})
+    run_out = tmp_path / "run.jsonl"
+    assert main(["run", str(config), "--rate", "10", "--eviction", "lfu", "--out", str(run_out)]) == 0
+    record = json.loads(run_out.read_text())
+    assert record["bench"] == "sim" and record["seed"] == 0 and record["device"].startswith("sim:")
+    assert record["config"]["workload"]["rate"] == 10.0 and record["config"]["lora"]["eviction_policy"] == "lfu"
+    assert "throughput_rps" in capsys.readouterr().out
+    sweep_out = tmp_path / "sweep.jsonl"
+    assert main(["sweep", str(config), "--eviction", "lru", "belady", "--pool-pages", "256", "512",
+                 "--rate", "5", "10", "--jobs", "2", "--out", str(sweep_out), "--quiet"]) == 0
+    records = [json.loads(line) for line in sweep_out.read_text().splitlines()]
+    assert [(r["config"]["lora"]["eviction_policy"], r["config"]["pool"]["num_pages"], r["config"]["workload"]["rate"])
+            for r in records] == [(e, p, r) for r in (5.0, 10.0) for e in ("lru", "belady") for p in (256, 512)]
+    plots = tmp_path / "plots"
+    assert main(["report", str(sweep_out), str(run_out), "--csv", str(tmp_path / "all.csv"),
+                 "--jsonl", str(tmp_path / "all.jsonl"), "--plots", str(plots)]) == 0
+    table = capsys.readouterr().out
+    assert table.count("fcfs/optimistic/") == 9
+    csv_lines = (tmp_path / "all.csv").read_text().splitlines()
+    assert len(csv_lines) == 10 and "config.lora.eviction_policy" in csv_lines[0] and "seed" in csv_lines[0]
+    assert len((tmp_path / "all.jsonl").read_text().splitlines()) == 9
+    assert sorted(p.name for p in plots.iterdir()) == ["occupancy.png", "pool.png", "rate.png"]
+
+
+@pytest.mark.parametrize("extra,args,message", [
+    ({}, ["--eviction", "nope"], "[lora] eviction_policy must be one of"),
+    ({}, ["--rate", "-1"], "rate must be a number > 0"),
+    ({}, ["--policy", "lifo"], "policy must be one of"),
+    ({"workload": {"ranks": [8, 128]}}, [], "rank 128"),
+    ({"pool": {"num_pages": 8}}, [], "cannot fit"),
+    ({"workload": {"typo": 1}}, [], "unknown field(s) ['typo']"),
+    ({"workload": {"trace": "bad.csv"}}, [], "bad.csv line 3: input_tokens 'x'"),
+    ({"workload": {"trace": "missing.csv"}}, [], "cannot read"),
+    ({"sim": {"profile": "nope"}}, [], "neither a built-in profile"),
+])
+def test_cli_bad_input_exits_2_writing_nothing(tmp_path, capsys, extra, args, message):
+    (tmp_path / "bad.csv").write_text("timestamp,adapter,input_tokens,output_tokens\n0,a,4,4\n1,a,x,4\n")
+    config = _write_config(tmp_path, extra)
+    out = tmp_path / "out.jsonl"
+    assert main(["run", str(config), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unipage-sim: error:") and message in err, err
+    assert not out.exists()
+
+
+def test_cli_sweep_and_report_bad_input(tmp_path, capsys):
+    config = _write_config(tmp_path)
+    out = tmp_path / "sweep.jsonl"
+    assert main(["sweep", str(config), "--rate", "5", "-2", "--out", str(out), "--quiet"]) == 2
+    assert "rate=-2.0" in capsys.readouterr().err and not out.exists()
+    assert main(["sweep", str(config), "--pool-pages", "512", "8", "--jobs", "1", "--out", str(out), "--quiet"]) == 2
+    assert "pool_pages=8" in capsys.readouterr().err and not out.exists()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"bench": "sim"}\nnot json\n')
+    assert main(["report", str(broken), "--csv", str(tmp_path / "x.csv")]) == 2
+    assert "broken.jsonl line 2" in capsys.readouterr().err and not (tmp_path / "x.csv").exists()
+
+
+def test_console_script_and_no_torch(tmp_path):
+    config = _write_config(tmp_path)
+    code = textwrap.dedent(f"""
+        import sys
+        from unipage.sim.cli import main
+        status = main(["run", {str(config)!r}, "--eviction", "nope"])
+        assert "torch" not in sys.modules, "unipage.sim imported torch"
+        sys.exit(status)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert proc.returncode == 2 and "eviction_policy must be one of" in proc.stderr, proc.stderr
