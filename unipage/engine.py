@@ -42,14 +42,27 @@ log = logging.getLogger(__name__)
 
 CPU_POOL_BYTES = 256 << 20  # default pool on CPU
 GPU_POOL_FRACTION = 0.85  # default pool on CUDA: this share of the memory free after the weights
+MAX_LAYER_ELEMS = 2**31 - 1  # the kernels address one layer of the pool with 32-bit element offsets
 STALL_STEPS = 1000  # empty steps in a row with work left and nothing in flight: report a stall
 
 
-def default_pool(device: torch.device, block_tokens: int = 16) -> PoolConfig:
+def default_pool(model: ModelConfig, device: torch.device, block_tokens: int = 16) -> PoolConfig:
+    """CPU: 256 MiB.  CUDA: 85% of the free memory, at most what 32-bit offsets reach in one layer."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return PoolConfig(block_tokens=block_tokens, memory_bytes=int(free * GPU_POOL_FRACTION))
-    return PoolConfig(block_tokens=block_tokens, memory_bytes=CPU_POOL_BYTES)
+        budget = int(free * GPU_POOL_FRACTION)
+    else:
+        budget = CPU_POOL_BYTES
+    page_elems = block_tokens * 2 * model.num_kv_heads * model.head_dim
+    pages = min(budget // (page_elems * model.num_layers * model.dtype_bytes), MAX_LAYER_ELEMS // page_elems)
+    return PoolConfig(block_tokens=block_tokens, num_pages=max(1, pages))
+
+
+def check_pool_size(config: UnipageConfig) -> None:
+    if config.num_pages * config.page_elems > MAX_LAYER_ELEMS:
+        raise ValueError(f"pool of {config.num_pages} pages x {config.page_elems} elements per layer exceeds "
+                         f"the kernels' 32-bit offsets ({MAX_LAYER_ELEMS} elements per layer); use at most "
+                         f"{MAX_LAYER_ELEMS // config.page_elems} pages")
 
 
 class Engine:
@@ -64,7 +77,8 @@ class Engine:
         ckpt = Checkpoint(model_dir, getattr(torch, model.dtype), self.device)
         self.model = DecoderLM(hf, model, ckpt, ops_for(self.device, kernels))
         del ckpt
-        self.config = UnipageConfig(model, pool or default_pool(self.device), lora or LoRAConfig())
+        self.config = UnipageConfig(model, pool or default_pool(model, self.device), lora or LoRAConfig())
+        check_pool_size(self.config)
         self.memory = UnifiedMemory(self.config)
         self.storage = PoolStorage(self.config, self.device)
         max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)

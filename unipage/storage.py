@@ -80,13 +80,15 @@ class PoolStorage:
             log.warning("loading adapter %r failed: %s", effect.name, err)
             result.failed.append((effect.name, str(err)))
             return
-        index = torch.tensor(effect.pages, dtype=torch.long, device=self.device)
         if not self._cuda:
-            self.pool.index_copy_(1, index, buf)
+            self.pool.index_copy_(1, torch.tensor(effect.pages, dtype=torch.long), buf)
             result.done.append(effect.name)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
+            # Allocated on the side stream, so their memory is not reused by the compute
+            # stream before the copy has run.
+            index = torch.tensor(effect.pages, dtype=torch.long).to(self.device, non_blocking=True)
             self.pool.index_copy_(1, index, buf.to(self.device, non_blocking=True))
             event = torch.cuda.Event()
             event.record(self._stream)
