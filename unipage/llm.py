@@ -24,7 +24,7 @@ import torch
 
 from unipage.config import LoRAConfig, PoolConfig
 from unipage.engine import Engine
-from unipage.scheduler import Request, RequestError, SamplingParams, SchedulerConfig
+from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 
 @dataclass
@@ -139,7 +139,7 @@ class LLM:
             for req in requests:
                 self.engine.add_request(req)
                 added.append(req.request_id)
-        except RequestError:
+        except ValueError:  # RequestError, UnknownAdapterError, a token outside the vocabulary
             for rid in added:  # all or nothing
                 self.engine.abort(rid)
             raise

@@ -1,0 +1,205 @@
+"""The offline API, the checkpoint reader and the sampler: bad input, formats, seeds, text, aborts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import engine_support as es
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from unipage.scheduler import PromptTooLongError, Request, SchedulerConfig
+
+from unipage import LLM, SamplingParams
+from unipage.config import LoRAConfig, PoolConfig
+from unipage.engine import Engine
+from unipage.errors import AdapterBusyError, CheckpointError, UnknownAdapterError
+from unipage.models.weights import Checkpoint
+from unipage.sampling import filter_logits, make_generator, sample
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return es.qwen3_moe(tmp_path_factory.mktemp("moe"))
+
+
+@pytest.fixture(scope="module")
+def llm(moe):
+    return LLM(moe.model_dir, moe.adapters, device="cpu", pool=PoolConfig(num_pages=512),
+               lora=LoRAConfig(max_rank=32), scheduler=SchedulerConfig(max_model_len=64))
+
+
+# -- bad input ---------------------------------------------------------------
+
+
+def test_unknown_adapter_is_refused_before_anything_runs(llm):
+    with pytest.raises(UnknownAdapterError, match="nope"):
+        llm.generate([[1, 2], [3, 4]], GREEDY, adapters=[None, "nope"])
+    assert not llm.engine.has_unfinished()
+
+
+def test_prompt_too_long(llm):
+    with pytest.raises(PromptTooLongError, match="max_model_len=64"):
+        llm.generate([1] * 64, GREEDY)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2)])
+def test_bad_sampling_values(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_token_outside_the_vocabulary(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([5, 128], GREEDY)
+
+
+def test_text_prompt_without_a_tokenizer(llm):
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("hello", GREEDY)
+
+
+def test_per_prompt_lists_must_match(llm):
+    with pytest.raises(ValueError, match="adapters has 1 entries for 2 prompts"):
+        llm.generate([[1], [2]], GREEDY, adapters=["fused-r4"])
+
+
+def test_busy_adapter_cannot_be_removed(moe):
+    engine = Engine(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=512))
+    engine.add_adapter("a", moe.adapters["fused-r4"])
+    engine.add_request(Request("r", [1, 2, 3], adapter="a", sampling=GREEDY, max_tokens=4))
+    engine.step()
+    with pytest.raises(AdapterBusyError, match="'a'"):
+        engine.remove_adapter("a")
+    assert engine.abort("r")
+    engine.step()
+    engine.remove_adapter("a")
+    assert "a" not in engine.memory.adapters
+
+
+def test_abort_mid_run_frees_everything(moe):
+    engine = Engine(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=512))
+    engine.add_adapter("a", moe.adapters["expert-r8"])
+    for i in range(4):
+        engine.add_request(Request(f"r{i}", [1, 2, 3, 4, 5] * (i + 1), adapter="a" if i % 2 else None,
+                                   sampling=GREEDY, max_tokens=20))
+    for _ in range(3):
+        engine.step()
+    for i in range(4):
+        engine.abort(f"r{i}")
+    engine.step()
+    assert not engine.has_unfinished() and not engine.runner.seqs
+    assert engine.memory.occupancy()["kv"] == 0
+    engine.memory.check()
+
+
+# -- sampling ----------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    seeded = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    alone = llm.generate([3, 1, 4], seeded, max_tokens=12)[0].token_ids
+    mixed = llm.generate([[9, 9], [3, 1, 4], [2, 7]], [SamplingParams(temperature=1.0), seeded, GREEDY],
+                         max_tokens=12)
+    assert mixed[1].token_ids == alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate([5, 6, 7], GREEDY, max_tokens=8)[0].token_ids
+    assert llm.generate([5, 6, 7], SamplingParams(temperature=2.0, top_k=1), max_tokens=8)[0].token_ids == greedy
+    assert llm.generate([5, 6, 7], SamplingParams(temperature=2.0, top_p=1e-6), max_tokens=8)[0].token_ids == greedy
+
+
+def test_filter_logits_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = filter_logits(logits, top_k=0, top_p=0.7).isfinite().tolist()
+    assert kept == [True, True, False, False]  # 0.5 < 0.7, 0.5 + 0.3 reaches it
+    assert filter_logits(logits, top_k=3, top_p=1.0).isfinite().tolist() == [True, True, True, False]
+
+
+def test_sampler_draws_from_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    params = SamplingParams(temperature=1.0, seed=0)
+    gen = make_generator(params, torch.device("cpu"))
+    counts = torch.bincount(torch.tensor([sample(logits, [params], [gen])[0] for _ in range(3000)]), minlength=3)
+    assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_stop_token_ends_generation(llm):
+    first = llm.generate([8, 8, 8], GREEDY, max_tokens=6)[0].token_ids
+    out = llm.generate([8, 8, 8], GREEDY, max_tokens=6, stop_token_ids=(first[2],))[0]
+    assert out.finish_reason == "stop" and out.token_ids == first[:first.index(first[2]) + 1]
+
+
+# -- checkpoints ---------------------------------------------------------------
+
+
+def _copy_config(src: str, dst) -> None:
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def test_sharded_and_fused_checkpoints_read_the_same(moe, tmp_path):
+    tensors = load_file(os.path.join(moe.model_dir, "model.safetensors"))
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate = torch.stack([tensors[f"{p}.{e}.gate_proj.weight"] for e in range(4)])
+        up = torch.stack([tensors[f"{p}.{e}.up_proj.weight"] for e in range(4)])
+        fused[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        fused[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+    names = sorted(fused)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    _copy_config(moe.model_dir, tmp_path)
+    for shard, keys in shards.items():
+        save_file({k: fused[k].contiguous() for k in keys}, str(tmp_path / shard))
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    cpu = torch.device("cpu")
+    per_expert = Checkpoint(moe.model_dir, torch.float32, cpu).expert_weights("model.layers.1", 4, 64, 32)
+    sharded = Checkpoint(str(tmp_path), torch.float32, cpu).expert_weights("model.layers.1", 4, 64, 32)
+    assert per_expert[0] == sharded[0] == "model.layers.1.mlp"
+    assert torch.equal(per_expert[1], sharded[1]) and torch.equal(per_expert[2], sharded[2])
+    prompt = [4, 8, 15, 16, 23, 42]
+    a = LLM(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=64)).generate(prompt, GREEDY, max_tokens=6)
+    b = LLM(str(tmp_path), device="cpu", pool=PoolConfig(num_pages=64)).generate(prompt, GREEDY, max_tokens=6)
+    assert a[0].token_ids == b[0].token_ids
+
+
+def test_bad_checkpoints(moe, tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        LLM(str(tmp_path), device="cpu")
+    _copy_config(moe.model_dir, tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match="pickled"):
+        LLM(str(tmp_path), device="cpu")
+    config = json.loads((tmp_path / "config.json").read_text()) | {"model_type": "gpt2"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="'gpt2' is not supported"):
+        LLM(str(tmp_path), device="cpu")
+
+
+# -- text ------------------------------------------------------------------------
+
+
+def test_text_in_text_out_with_a_tokenizer(moe, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<eos>", "<unk>"] + [f"w{i}" for i in range(126)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    for name in os.listdir(moe.model_dir):
+        os.symlink(os.path.join(moe.model_dir, name), tmp_path / name)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    llm = LLM(str(tmp_path), {"a": moe.adapters["attn-r16"]}, device="cpu", pool=PoolConfig(num_pages=256))
+    out = llm.generate("w5 w6 w7", GREEDY, adapter="a", max_tokens=5, ignore_eos=True)[0]
+    assert out.prompt_token_ids == [7, 8, 9]
+    assert out.text == " ".join(f"w{t - 2}" if t >= 2 else "<unk>" for t in out.token_ids if t != 0)
