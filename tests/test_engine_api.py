@@ -203,3 +203,20 @@ def test_text_in_text_out_with_a_tokenizer(moe, tmp_path):
     out = llm.generate("w5 w6 w7", GREEDY, adapter="a", max_tokens=5, ignore_eos=True)[0]
     assert out.prompt_token_ids == [7, 8, 9]
     assert out.text == " ".join(f"w{t - 2}" if t >= 2 else "<unk>" for t in out.token_ids if t != 0)
+
+
+def test_random_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from unipage.config import ModelConfig
+    from unipage.models.random_checkpoint import write_random_checkpoint
+
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
+                        top_k=2, expert_intermediate_size=32, intermediate_size=96, mlp_only_layers=(1,),
+                        dtype="float32")
+    path = write_random_checkpoint(tmp_path / "m", model, vocab=100)
+    out = LLM(path, device="cpu", pool=PoolConfig(num_pages=64)).generate([1, 2, 3], GREEDY, max_tokens=5,
+                                                                         return_logits=True)[0]
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path)(torch.tensor([[1, 2, 3, *out.token_ids]])).logits[0]
+    assert (torch.stack(out.logits) - ref[2:7]).abs().max().item() <= 1e-4
