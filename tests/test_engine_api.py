@@ -220,3 +220,23 @@ def test_random_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(path)(torch.tensor([[1, 2, 3, *out.token_ids]])).logits[0]
     assert (torch.stack(out.logits) - ref[2:7]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2", "mistral"])
+def test_other_families_match_transformers(family, tmp_path):
+    """OLMoE (q/k norm over the whole projection), Qwen2 (q/k/v bias), Mistral: base-model logits."""
+    import transformers as tf
+
+    classes = {"olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"intermediate_size": 32, "num_experts": 4,
+                                                               "num_experts_per_tok": 2}),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"intermediate_size": 96}),
+               "mistral": ("MistralConfig", "MistralForCausalLM", {"intermediate_size": 96})}
+    config_name, model_name, extra = classes[family]
+    torch.manual_seed(0)
+    model = getattr(tf, model_name)(getattr(tf, config_name)(**es.pf.TINY, **extra, eos_token_id=None))
+    model.save_pretrained(tmp_path)
+    out = LLM(str(tmp_path), device="cpu", pool=PoolConfig(num_pages=64)).generate(
+        [1, 2, 3, 4], GREEDY, max_tokens=6, return_logits=True)[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([[1, 2, 3, 4, *out.token_ids]])).logits[0][3:9]
+    assert (torch.stack(out.logits) - ref).abs().max().item() <= 1e-4
