@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,6 +256,24 @@ def read_toml(path: str | Path) -> dict:
         raise SimInputError(f"{path}: cannot read the config: {err.strerror}") from None
     except tomllib.TOMLDecodeError as err:
         raise SimInputError(f"{path}: not valid TOML: {err}") from None
+
+
+def to_toml(raw: dict) -> str:
+    """A raw config table as TOML text (scalars, lists and inline tables: what configs hold)."""
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(map(value, v)) + "]"
+        return json.dumps(v)
+
+    lines = [f"{k} = {value(v)}" for k, v in raw.items() if not isinstance(v, dict)]
+    for section, table in raw.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{section}]"] + [f"{k} = {value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
 
 
 def apply_overrides(raw: dict, overrides: dict) -> dict:

@@ -29,7 +29,7 @@ import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, mul
 
 import numpy as np
 from unipage.scheduler import (
@@ -110,12 +110,9 @@ class StepCost:
         else:  # tokens per adapter slot, from the per-token slot map
             adapter_tokens, rank_of = Counter(out.token_slots), self.slot_rank
             adapter_tokens.pop(-1, None)
-        ranks = tokens_x_rank = 0
-        for key, n in adapter_tokens.items():
-            rank = rank_of[key]
-            ranks += rank
-            tokens_x_rank += rank * n
-        t = p.adapter_s * len(adapter_tokens) + p.adapter_rank_s * ranks + p.lora_token_rank_s * tokens_x_rank
+        ranks = list(map(rank_of.__getitem__, adapter_tokens))
+        tokens_x_rank = sum(map(mul, ranks, adapter_tokens.values()))
+        t = p.adapter_s * len(ranks) + p.adapter_rank_s * sum(ranks) + p.lora_token_rank_s * tokens_x_rank
         if self.moe_layers and p.lora_expert_rank_s:
             touched = self.touched
             t += p.lora_expert_rank_s * self.moe_layers * sum(rank_of[k] * touched(n) for k, n in adapter_tokens.items())

@@ -11,8 +11,9 @@ import textwrap
 
 import numpy as np
 import pytest
-from unipage.sim import Simulation, build_config, make_record, simulate
+from unipage.sim import SimInputError, Simulation, build_config, make_record, simulate
 from unipage.sim.cli import main
+from unipage.sim.config import read_toml, to_toml
 from unipage.sim.engine import FINISHED
 from unipage.sim.metrics import dumps
 from unipage.sim.workload import Trace, choose_adapters, gamma_arrivals, sample_lengths
@@ -181,26 +182,9 @@ def test_replays_unipage_and_azure_traces(tmp_path):
 
 # -- the CLI -------------------------------------------------------------------------
 def _write_config(tmp_path, extra: dict | None = None, name: str = "sim.toml"):
-    raw = tiny(**(extra or {}))
-    lines = []
-    for section, table in raw.items():
-        if not isinstance(table, dict):
-            lines.append(f"{section} = {json.dumps(table)}")
-    for section, table in raw.items():
-        if isinstance(table, dict):
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {_toml(v)}" for k, v in table.items()]
     path = tmp_path / name
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(to_toml(tiny(**(extra or {}))))
     return path
-
-
-def _toml(value) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return json.dumps(value)
 
 
 def _run_cli_record(tmp_path, extra) -> dict:
@@ -274,9 +258,22 @@ def test_console_script_and_no_torch(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         from unipage.sim.cli import main
+from unipage.sim.config import read_toml, to_toml
         status = main(["run", {str(config)!r}, "--eviction", "nope"])
         assert "torch" not in sys.modules, "unipage.sim imported torch"
         sys.exit(status)
     """)
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert proc.returncode == 2 and "eviction_policy must be one of" in proc.stderr, proc.stderr
+
+
+def test_profile_and_config_round_trips(tmp_path, capsys):
+    from unipage.sim import BUILTIN_PROFILES, CostProfile
+
+    assert main(["profile"]) == 0
+    printed = CostProfile.from_dict(json.loads(capsys.readouterr().out))
+    assert printed == BUILTIN_PROFILES[printed.name]
+    raw = tiny(seed=4, pool={"prefix_caching": False})
+    assert read_toml(_write_config(tmp_path, {"seed": 4, "pool": {"prefix_caching": False}})) == raw
+    with pytest.raises(SimInputError, match="step_base_s must be a number >= 0"):
+        CostProfile.from_dict({**printed.to_dict(), "step_base_s": -1.0})
