@@ -258,7 +258,6 @@ def test_console_script_and_no_torch(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         from unipage.sim.cli import main
-from unipage.sim.config import read_toml, to_toml
         status = main(["run", {str(config)!r}, "--eviction", "nope"])
         assert "torch" not in sys.modules, "unipage.sim imported torch"
         sys.exit(status)
