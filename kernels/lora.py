@@ -26,6 +26,11 @@ Two kernels, each with two paths chosen by the `LoraBatch` plan:
   slice.  It sums the K splits of ``h``, rounds it, multiplies by B and adds
   into ``y`` in the epilogue.
 
+On Hopper+ the expand is a programmatic dependent launch of the shrink
+(config ``"pdl"``, default on): its programs start and read their tile
+metadata while the shrink finishes, and wait (``gdc_wait``) only before
+reading the partials.
+
 GEMV path: a row tile is one token (decode).  Grouped path: a row tile is
 ``block_m`` tokens of one adapter, gathered through ``token_order``, and the
 products use ``tl.dot``.
@@ -43,12 +48,23 @@ import math
 import torch
 import triton
 import triton.language as tl
+from unipage.kernels.lora_meta import (
+    DenseLoraMeta,
+    LoraBatch,
+    launch_config,
+    next_pow2,
+    plan_lora_batch,
+    rows_block,
+    split_k_plan,
+)
 
 from unipage.adapter_pack import gather_block
-from unipage.kernels.lora_meta import (
-    DenseLoraMeta, LoraBatch, launch_config, next_pow2, plan_lora_batch, rows_block, split_k_plan,
-)
 from unipage.lora_layout import Block, round_up
+
+try:  # programmatic dependent launch (Hopper+): optional
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
 
 RUN = 64  # elements per translated run; == unipage.lora_layout.ALIGN
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -98,8 +114,10 @@ def _shrink_kernel(
     num_tokens, d_in, a_stride, k_per_split,
     J: tl.constexpr, RB: tl.constexpr, ROWS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     GROUPED: tl.constexpr, EVEN_K: tl.constexpr, PAGED: tl.constexpr, LOG2_P: tl.constexpr,
-    FP32: tl.constexpr,
+    FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_launch_dependents()  # the expand may start its prologue now
     slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
     if slot < 0:
         return
@@ -158,7 +176,7 @@ def _expand_kernel(
     num_tokens, split_k, scale,
     J: tl.constexpr, RB: tl.constexpr, RK: tl.constexpr, SPLITS: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, Y_DIV: tl.constexpr, GROUPED: tl.constexpr, EVEN_N: tl.constexpr,
-    PAGED: tl.constexpr, LOG2_P: tl.constexpr, FP32: tl.constexpr,
+    PAGED: tl.constexpr, LOG2_P: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
     if slot < 0:
@@ -179,6 +197,8 @@ def _expand_kernel(
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, 64)
     i0 = tl.arange(0, RK)
+    if USE_PDL:
+        gdc_wait()  # the shrink's partials are complete and visible from here on
     if RK == RB:  # the whole rank in one chunk: sum the splits once, not per column run
         h_all = _sum_splits(part_rows, i0, m_ok, i0 < rank, split_k, split_stride, SPLITS).to(dtype)
     for n in range(n_lo, tl.minimum(n_lo + BN, width), 64):
@@ -281,9 +301,16 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, pag
     if batch.num_tokens != x.shape[0]:
         _fail("batch.num_tokens", f"T = {x.shape[0]}", batch.num_tokens)
     cfg = launch_config(meta, batch, pool.dtype, pool.device) | (config or {})
+    cfg["pdl"] = _use_pdl(cfg, pool.device)
     part, split_k = _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous)
     _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part, split_k, scale)
     return y
+
+
+def _use_pdl(cfg: dict, device: torch.device) -> bool:
+    """Launch the expand as a programmatic dependent of the shrink (Hopper+, config ``"pdl"``, default on)."""
+    return (bool(cfg.get("pdl", True)) and device.type == "cuda" and gdc_wait is not None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _common(pool, page_table, token_slots, meta, batch, contiguous) -> tuple[list, dict]:
@@ -310,7 +337,7 @@ def _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous) -> t
     _shrink_kernel[grid](
         x, x.stride(0), *args, meta.a_offset, part,
         count, meta.d_in, round_up(meta.d_in), k_per_split,
-        ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, **consts,
+        ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=cfg["pdl"], **consts,
         num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
     return part, split_k
 
@@ -327,8 +354,8 @@ def _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part
         y.shape[0], split_k, float(scale),
         RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,
         Y_DIV=math.gcd(RUN, *meta.slice_starts),
-        EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), **consts,
-        num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"])
+        EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), USE_PDL=cfg["pdl"], **consts,
+        num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **({"launch_pdl": True} if cfg["pdl"] else {}))
 
 
 # --------------------------------------------------------------- reference
