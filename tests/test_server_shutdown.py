@@ -1,0 +1,99 @@
+"""`unipage-serve` under pressure and at the end: a slow reader, graceful shutdown, the drain timeout.
+
+Each server here runs with its own limits: small send queues and backlog (so a
+client that does not read overflows them quickly) and long generations (so
+requests are live when the signal comes).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import test_server_support as ss
+from test_server_support import pack, raw_socket, recv
+from unipage.server import Client, ErrorCode, ServerError
+
+LONG = ("--max-model-len", "256", "--num-pages", "512")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return ss.tiny_model(tmp_path_factory.mktemp("shutdown-model"))
+
+
+@pytest.fixture(scope="module")
+def limited(tiny, tmp_path_factory):
+    """A server with tiny send queues and backlog, and no drain time."""
+    proc = ss.ServerProcess(tiny, tmp_path_factory.mktemp("limited"), *LONG, "--sndhwm", "8",
+                            "--client-backlog", "16", "--sndbuf", "4096", "--drain-timeout-s", "0")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_a_slow_reader_loses_its_requests_and_stalls_no_one(limited):
+    count = 32
+    slow = raw_socket(limited.endpoint, RCVHWM=2, RCVBUF=2048)
+    try:
+        for i in range(count):
+            slow.send(pack(type="generate", request_id=f"s{i}", prompt=[5, 6, i + 7], max_tokens=200,
+                           ignore_eos=True))
+        with Client(limited.endpoint, timeout=30) as other:
+            start = time.monotonic()
+            done = other.complete([9, 9, 9], adapter="qv-r4", max_tokens=20, temperature=0, ignore_eos=True)
+            assert done.completion_tokens == 20
+            assert time.monotonic() - start < 20
+            deadline = time.monotonic() + 30
+            while (stats := other.stats()).active and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert stats.active == 0 and stats.running == 0 and stats.pool_pages["kv"] == 0
+            assert stats.errors >= count
+        terminal = {}
+        while len(terminal) < count:  # now read: some chunks, then one slow_reader error per request
+            reply = recv(slow)
+            if reply["type"] != "token_chunk":
+                assert reply["request_id"] not in terminal
+                terminal[reply["request_id"]] = reply
+        assert sorted(terminal) == sorted(f"s{i}" for i in range(count))
+        assert {(r["type"], r["code"]) for r in terminal.values()} == {("error", ErrorCode.SLOW_READER)}
+        assert not slow.poll(300)
+    finally:
+        slow.close()
+
+
+def test_sigint_aborts_what_outlives_the_drain_timeout(limited):
+    with Client(limited.endpoint, timeout=30) as client:
+        streams = [client.generate([5, 6, 7 + i], max_tokens=200, ignore_eos=True) for i in range(2)]
+        for stream in streams:
+            next(stream)
+        limited.proc.send_signal(signal.SIGINT)
+        for stream in streams:
+            list(stream)
+            assert stream.finished.reason == "abort", stream.finished
+            assert "drain timeout" in stream.finished.detail
+            assert stream.finished.completion_tokens < 200
+    assert limited.stop() == 0, limited.log()
+
+
+def test_sigterm_finishes_live_requests_and_refuses_new_ones(tiny, tmp_path):
+    with ss.ServerProcess(tiny, tmp_path, *LONG) as server, Client(server.endpoint, timeout=30) as client:
+        streams = [client.generate([5, 6, 7 + i], adapter=name, max_tokens=150, temperature=0, ignore_eos=True)
+                   for i, name in enumerate(["qv-r4", None, "all-r8"])]
+        for stream in streams:
+            next(stream)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while client.health().status != "draining" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert client.health().status == "draining"
+        with pytest.raises(ServerError) as err:
+            client.complete([5, 6], max_tokens=2)
+        assert err.value.code == ErrorCode.SHUTTING_DOWN
+        with pytest.raises(ServerError) as err:
+            client.load_adapter("x", tiny.adapters["qv-r4"])
+        assert err.value.code == ErrorCode.SHUTTING_DOWN
+        for stream in streams:
+            list(stream)
+            assert (stream.finished.reason, len(stream.token_ids)) == ("length", 150)
+        assert server.proc.wait(30) == 0, server.log()
