@@ -9,7 +9,9 @@ scheduler dropped):
   for outputs of 2+ tokens; latency = finish − arrival; p50/p90/p99 over
   finished requests;
 - SLO attainment: share of all N requests that finished with TTFT <= ttft_s
-  and TPOT <= tpot_s (dropped ones miss); goodput: those per second;
+  and TPOT <= tpot_s (dropped ones miss); goodput: those per second; also
+  for the *hot* adapters (the most requested ones that together make half of
+  the adapter requests) and the *cold* rest, with their p99 TTFT;
 - adapter hit ratio: share of adapter requests whose adapter was loaded on
   the GPU when the request arrived; loads and bytes moved (host-to-device,
   and from disk on host-cache misses); evictions by kind; preemptions;
@@ -74,10 +76,31 @@ def summarize(result: SimResult) -> dict:
         "slo_attainment": _r(attain.sum() / max(n, 1)), "goodput_rps": _r(attain.sum() / duration),
         "goodput_tokens_per_s": _r(out[attain].sum() / duration),
     }
+    record.update(_hot_cold(trace.adapter, attain, ttft, done))
     record.update(_adapter_metrics(result, with_adapter))
     record.update(_engine_metrics(result))
     record.update(_little(result, latency))
     return record
+
+
+def _hot_cold(adapter: np.ndarray, attain: np.ndarray, ttft: np.ndarray, done: np.ndarray) -> dict:
+    """SLO attainment and p99 TTFT of the hot adapters (the most requested ones that together make half of
+    the adapter requests) and of the cold rest: who pays for a policy's choices."""
+    used = adapter[adapter >= 0]
+    if not used.size:
+        return {f"{k}_{h}": None for k in ("slo_attainment", "ttft_p99") for h in ("hot", "cold")}
+    counts = np.bincount(used)
+    order = np.argsort(-counts, kind="stable")
+    hot_count = int(np.searchsorted(np.cumsum(counts[order]), used.size / 2) + 1)
+    is_hot = np.zeros(counts.size, dtype=bool)
+    is_hot[order[:hot_count]] = True
+    out = {}
+    for name, mask in (("hot", (adapter >= 0) & is_hot[np.maximum(adapter, 0)]),
+                       ("cold", (adapter >= 0) & ~is_hot[np.maximum(adapter, 0)])):
+        served = mask & done
+        out[f"slo_attainment_{name}"] = _r(attain[mask].mean()) if mask.any() else None
+        out[f"ttft_p99_{name}_s"] = _r(np.percentile(ttft[served], 99)) if served.any() else None
+    return out
 
 
 def _adapter_metrics(result: SimResult, with_adapter: np.ndarray) -> dict:

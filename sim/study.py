@@ -113,18 +113,25 @@ def eviction_tables(records: list[dict]) -> list[str]:
 def scheduler_tables(records: list[dict]) -> list[str]:
     policies = [p for p in SCHEDULER_AXES["policy"] if any(r["config"]["scheduler"]["policy"] == p for r in records)]
     cvs = sorted({r["config"]["workload"]["cv"] for r in records})
-    lines = [("| policy | CV | SLO attainment (per seed) | mean | goodput req/s | p99 TTFT (s) | p99 TPOT (s) "
-              "| dropped (SLO) | requests |"), "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [("| policy | CV | SLO attainment (per seed) | mean | hot adapters | cold adapters | goodput req/s "
+              "| p99 TTFT (s) | p99 TTFT hot / cold (s) | p99 TPOT (s) | dropped (SLO) | requests |"),
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for policy in policies:
         for cv in cvs:
             sel = sorted((r for r in records if r["config"]["scheduler"]["policy"] == policy
                           and r["config"]["workload"]["cv"] == cv), key=lambda r: r["seed"])
             per_seed = ", ".join(f"{r['slo_attainment']:.3f}" for r in sel)
             dropped = sum(r["aborted_slo"] for r in sel) / max(sum(r["requests"] for r in sel), 1)
-            lines.append(f"| {policy} | {cv:g} | {per_seed} | {_fmt(_mean(sel, 'slo_attainment'), '.3f')} "
-                         f"| {_fmt(_mean(sel, 'goodput_rps'), '.2f')} | {_fmt(_mean(sel, 'ttft_p99_s'), '.2f')} "
-                         f"| {_fmt(_mean(sel, 'tpot_p99_s'), '.3f')} | {dropped:.1%} "
-                         f"| {sum(r['requests'] for r in sel)} |")
+            m = {key: _mean(sel, key) for key in ("slo_attainment", "slo_attainment_hot", "slo_attainment_cold",
+                                                   "goodput_rps", "ttft_p99_s", "ttft_p99_hot_s", "ttft_p99_cold_s",
+                                                   "tpot_p99_s")}
+            lines.append(f"| {policy} | {cv:g} | {per_seed} | {_fmt(m['slo_attainment'], '.3f')} "
+                         f"| {_fmt(m['slo_attainment_hot'], '.3f')} | {_fmt(m['slo_attainment_cold'], '.3f')} "
+                         f"| {_fmt(m['goodput_rps'], '.2f')} | {_fmt(m['ttft_p99_s'], '.2f')} "
+                         f"| {_fmt(m['ttft_p99_hot_s'], '.2f')} / {_fmt(m['ttft_p99_cold_s'], '.2f')} "
+                         f"| {_fmt(m['tpot_p99_s'], '.3f')} | {dropped:.1%} | {sum(r['requests'] for r in sel)} |")
+    lines += ["", ("Hot adapters: the most requested ones that together make half of the adapter requests; "
+                   "cold: the rest.")]
     return lines + [""]
 
 

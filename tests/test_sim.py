@@ -58,6 +58,7 @@ def test_every_request_finishes_or_is_aborted_and_the_pool_drains(policy, admiss
     assert set(np.unique(result.status)) <= {0, 1, 2, 3}  # nothing UNFINISHED
     record = make_record(result)
     assert record["finished"] + record["aborted_slo"] + record["aborted_load_failed"] == n
+    assert 0 <= record["slo_attainment_cold"] <= 1 and 0 <= record["slo_attainment_hot"] <= 1
     done = result.status == FINISHED
     assert (result.num_output[done] == result.trace.output_tokens[done]).all()  # finished by length, in full
     assert (result.finish[done] >= result.first_token[done]).all()
