@@ -56,7 +56,8 @@ def close_iterator(iterator) -> None:
 class Step:
     """The step being built: its output, what is left of its budget, and per-step memos."""
 
-    __slots__ = ("out", "budget", "reqs", "num_running", "partial", "protect", "skip_adapters", "blocked")
+    __slots__ = ("out", "budget", "reqs", "num_running", "partial", "protect", "skip_adapters", "blocked",
+                 "all_running")
 
     def __init__(self, index: int, budget: int) -> None:
         self.out = SchedulerOutput(index)
@@ -68,6 +69,7 @@ class Step:
         #   order; what comes later never evicts them
         self.skip_adapters: dict[str, int] = {}  # adapter -> why its requests are skipped this step
         self.blocked = False  # a request starving for pages stopped admission
+        self.all_running = False  # every running request is in the batch (set when the step is sealed)
 
 
 class Admission:
