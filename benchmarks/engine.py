@@ -8,8 +8,9 @@ Builds a random checkpoint with the Qwen3-30B-A3B layer shape (hidden 2048,
 8 random PEFT adapters (rank 16 on attention and every expert, per-expert
 format), and times ``LLM.generate`` on ``--requests`` requests (prompt 256,
 128 greedy output tokens, round-robin over the adapters), then the same
-requests on the base model alone, each timed on its second pass (the first
-compiles the kernels and loads the adapters).  One record per run: wall time, output
+requests on the base model alone, each timed on its third pass (the first
+ones compile the kernels' variants for the batch sizes met and load the
+adapters).  One record per run: wall time, output
 tokens/s and total tokens/s.  Not a tuned serving figure (that is the
 GPU-performance issue's benchmark): a check that the whole path runs at a
 plausible speed.
@@ -58,7 +59,7 @@ def run(llm: LLM, requests: int, adapters: list[str | None]) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 32000) for _ in range(PROMPT)] for _ in range(requests)]
     names = [adapters[i % len(adapters)] for i in range(requests)]
-    for _ in range(2):  # the first pass compiles the kernels' variants and loads the adapters; time the second
+    for _ in range(3):  # early passes compile the kernels' variants and load the adapters; time the last
         steps = llm.engine.scheduler.stats.steps
         torch.cuda.synchronize()
         start = time.perf_counter()
