@@ -240,3 +240,23 @@ def test_other_families_match_transformers(family, tmp_path):
     with torch.no_grad():
         ref = model(torch.tensor([[1, 2, 3, 4, *out.token_ids]])).logits[0][3:9]
     assert (torch.stack(out.logits) - ref).abs().max().item() <= 1e-4
+
+
+def test_seeded_requests_sample_the_same_tokens_when_preempted(moe):
+    name = "fused-r4"
+    prompts = [[(5 * i + j) % 120 + 1 for j in range(33 + i)] for i in range(6)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i) for i in range(6)]
+    names = [name, None] * 3
+
+    def run(pages):
+        llm = LLM(moe.model_dir, {name: moe.adapters[name]}, device="cpu", pool=PoolConfig(num_pages=pages),
+                  lora=LoRAConfig(max_rank=32), scheduler=SchedulerConfig(max_model_len=128))
+        outs = llm.generate(prompts, params, adapters=names, max_tokens=24)
+        return [o.token_ids for o in outs], llm.engine.scheduler.stats.preemptions
+
+    roomy, none = run(512)
+    adapter_pages = LLM(moe.model_dir, {name: moe.adapters[name]}, device="cpu",
+                        pool=PoolConfig(num_pages=512)).engine.memory.adapters.get(name).num_pages
+    tight, preemptions = run(adapter_pages + 12)
+    assert none == 0 and preemptions > 0
+    assert tight == roomy

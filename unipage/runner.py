@@ -44,6 +44,7 @@ class ModelRunner:
         self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
         self.lora = LoraTables(model.model, device)
         self.seqs: dict[str, SeqState] = {}
+        self._generators: dict[str, torch.Generator | None] = {}  # of preempted requests, until resumed
         self.keep_logits = keep_logits
 
     # -- adapter slots (the engine calls these while performing effects) --
@@ -55,14 +56,19 @@ class ModelRunner:
 
     # -- request state -----------------------------------------------------
     def drop(self, out: SchedulerOutput) -> None:
-        for rid in (*out.finished_ids, *out.aborted_ids, *out.preempted_ids):
+        for rid in (*out.finished_ids, *out.aborted_ids):
             self.seqs.pop(rid, None)
+            self._generators.pop(rid, None)
+        for rid in out.preempted_ids:  # its generator lives on: a resumed request continues its random stream
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                self._generators[rid] = seq.generator
 
     def admit(self, out: SchedulerOutput) -> None:
         for new in out.new_requests:
+            gen = self._generators.pop(new.request_id, None) or make_generator(new.sampling, self.device)
             self.seqs[new.request_id] = SeqState(list(new.token_ids), list(new.block_table), new.adapter_slot,
-                                                 new.num_computed_tokens, new.sampling,
-                                                 make_generator(new.sampling, self.device))
+                                                 new.num_computed_tokens, new.sampling, gen)
         for rid, pages in out.new_block_ids.items():
             self.seqs[rid].block_table.extend(pages)
 
