@@ -16,6 +16,10 @@ Math, for token ``t`` routed to experts ``e_j`` with weights ``w_j`` (j < K)::
     act_j    = silu(g_j) · u_j                      silu(g) = g · sigmoid(g)
     out[t]   = Σ_j w_j · (act_j @ w_down[e_j].T)                                # [H]
 
+Optional, for GPT-OSS: per-expert biases (``g_j, u_j`` get ``gate_up_bias[e_j]``
+before the activation, the down product ``down_bias[e_j]`` inside the routing
+weight) and another gated activation (`unipage.kernels.moe_act`).
+
 With LoRA (`unipage.kernels.fused_moe_lora`) ``g_j, u_j`` get their LoRA deltas
 before the activation and the down output its delta before the routing weight:
 pairs of tokens with LoRA leave the gate/up GEMM un-activated (``raw``) and the
@@ -28,16 +32,24 @@ model dtype at the same points in both.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-
 from unipage.kernels import fused_moe_lora as lora_ops
-from unipage.kernels.moe_align import (Alignment, device_key, launch_config, lora_pairs, moe_align, moe_align_ref,
-                                       shape_key, swizzle)
+from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
+from unipage.kernels.moe_align import (
+    Alignment,
+    device_key,
+    launch_config,
+    lora_pairs,
+    moe_align,
+    moe_align_ref,
+    shape_key,
+    swizzle,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -132,11 +144,13 @@ def _moe_gemm_kernel(
     out_ptr,  # [TK, N]: act (gate/up) or y (down), rows = pairs
     raw_ptr,  # [TK, 2N] un-activated gate|up of LoRA pairs (HAS_LORA)
     topk_weights_ptr,  # [TK] float32 (MUL_WEIGHT)
+    bias_ptr,  # [E, W_rows] the experts' output bias (HAS_BIAS), added before the activation / weight
     sorted_ptr, block_expert_ptr, num_blocks_ptr,  # the `Alignment` (groups = experts)
     slots_ptr, flags_ptr,  # [T] int32 token slots, [S] int32 slot has expert LoRA (HAS_LORA)
     num_pairs, N, K_dim, a_div, w_rows,
-    stride_am, stride_we, stride_wn, stride_om, stride_rm,
-    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr,
+    stride_am, stride_we, stride_wn, stride_om, stride_rm, alpha, limit,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -179,6 +193,11 @@ def _moe_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & (cols[None, :] < N)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
+    if HAS_BIAS:
+        bias = bias_ptr + expert * w_rows + cols
+        acc += tl.load(bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias + N, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
         if HAS_LORA:
             slot = tl.load(slots_ptr + a_rows, mask=pair_ok, other=-1)
@@ -187,7 +206,7 @@ def _moe_gemm_kernel(
             tl.store(raw_ptrs, acc.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
             tl.store(raw_ptrs + N, acc_up.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
             mask = mask & ~lora[:, None]
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = gated_act(acc, acc_up, ACT, alpha, limit)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -210,17 +229,19 @@ def _weight_source(w: torch.Tensor, cfg: dict):
 
 
 def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, gated: bool,
-                 weights=None, raw=None, token_slots=None, slot_flags=None) -> None:
+                 weights=None, raw=None, token_slots=None, slot_flags=None, bias=None,
+                 activation: GatedActivation = SILU) -> None:
     k_dim, has_lora = a.shape[1], raw is not None
     w_src, tma = _weight_source(w, cfg)
     grid = (align.max_blocks * triton.cdiv(n, cfg["block_n"]),)
     _moe_gemm_kernel[grid](
         a, w_src, out, raw if has_lora else out, weights if weights is not None else out,
-        align.sorted_pairs, align.block_group, align.num_blocks,
+        bias if bias is not None else out, align.sorted_pairs, align.block_group, align.num_blocks,
         token_slots if has_lora else align.sorted_pairs, slot_flags if has_lora else align.sorted_pairs,
         align.num_pairs, n, k_dim, a_div, w.shape[1], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        raw.stride(0) if has_lora else 0,
-        GATED=gated, MUL_WEIGHT=weights is not None, HAS_LORA=has_lora,
+        raw.stride(0) if has_lora else 0, float(activation.alpha), float(activation.limit),
+        GATED=gated, MUL_WEIGHT=weights is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
+        ACT=activation.code,
         EVEN_K=k_dim % cfg["block_k"] == 0, USE_TMA=tma, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -267,6 +288,13 @@ def base_config(num_experts: int, hidden: int, inter: int, topk_ids: torch.Tenso
                          topk_ids.numel() / num_experts, device_key(topk_ids.device))
 
 
+def _check_bias(bias, w: torch.Tensor) -> None:
+    if bias is not None:
+        _check_tensor("bias", bias, tuple(w.shape[:2]), w.dtype, w.device)
+        if not bias.is_contiguous():
+            raise ValueError("bias must be contiguous")
+
+
 def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
     _check_tensor("output", act_or_y, (rows, cols), x.dtype, x.device)
     if w.dtype != x.dtype or w.stride(-1) != 1:
@@ -280,31 +308,39 @@ def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
 
 
 def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
-                slot_flags=None, config: dict | None = None) -> None:
-    """``act[p] = silu(x[t] @ Wg[e].T) · (x[t] @ Wu[e].T)`` for every pair ``p = (t, e)``.
+                slot_flags=None, config: dict | None = None, *, bias=None,
+                activation: GatedActivation = SILU) -> None:
+    """``act[p] = activation(x[t] @ Wg[e].T, x[t] @ Wu[e].T)`` for every pair ``p = (t, e)``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``topk_ids`` [T, K] int32; ``align`` from
     `moe_align` (groups = experts); ``act`` [TK, I] (written).  With ``raw`` [TK, 2I],
     ``token_slots`` [T] int32 and ``slot_flags`` [S] int32: pairs whose token's slot has
     expert LoRA get ``raw[p] = x[t] @ W[e].T`` (gate | up, un-activated) instead and
     their ``act`` row is left for the LoRA pass.  ``config``: base launch config entry.
+    ``bias`` [E, 2I] (optional): added to gate | up before the activation (and into ``raw``).
+    ``activation``: `GatedActivation` (default silu).
     """
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
+    _check_bias(bias, w_gate_up)
     if raw is not None:
         _check_tensor("raw", raw, (num_pairs, 2 * inter), x.dtype, x.device)
     cfg = base_config(w_gate_up.shape[0], x.shape[1], inter, topk_ids, config)
     _launch_gemm(x, w_gate_up, act, align, cfg["gate_up"], n=inter, a_div=topk_ids.shape[-1], gated=True,
-                 raw=raw, token_slots=token_slots, slot_flags=slot_flags)
+                 raw=raw, token_slots=token_slots, slot_flags=slot_flags, bias=bias, activation=activation)
 
 
 def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
-                    slot_flags=None, config: dict | None = None) -> None:
+                    slot_flags=None, config: dict | None = None, *, bias=None,
+                    activation: GatedActivation = SILU) -> None:
     """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused)."""
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
+    _check_bias(bias, w_gate_up)
     h = _per_expert(x.float(), w_gate_up, topk_ids, topk_ids.shape[-1])
-    a = (F.silu(h[:, :inter]) * h[:, inter:]).to(act.dtype)
+    if bias is not None:
+        h += bias.float()[topk_ids.reshape(-1).long()]
+    a = activation.ref(h[:, :inter], h[:, inter:]).to(act.dtype)
     if raw is None:
         act.copy_(a)
         return
@@ -313,25 +349,32 @@ def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, tok
     raw[lora] = h[lora].to(raw.dtype)
 
 
-def moe_down(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None) -> None:
-    """``y[p] = w[p] · (act[p] @ w_down[e].T)`` for every pair ``p`` routed to expert ``e``.
+def moe_down(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None, *,
+             bias=None) -> None:
+    """``y[p] = w[p] · (act[p] @ w_down[e].T + bias[e])`` for every pair ``p`` routed to expert ``e``.
 
     ``act`` [TK, I]; ``w_down`` [E, H, I]; ``topk_ids`` [T, K] int32; ``topk_weights``
-    [T, K] float32; ``align`` as for `moe_gate_up`; ``y`` [TK, H] (written).
+    [T, K] float32; ``align`` as for `moe_gate_up`; ``y`` [TK, H] (written);
+    ``bias`` [E, H] (optional, zero if absent).
     """
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
+    _check_bias(bias, w_down)
     cfg = base_config(w_down.shape[0], hidden, act.shape[1], topk_ids, config)
     _launch_gemm(act, w_down, y, align, cfg["down"], n=hidden, a_div=1, gated=False,
-                 weights=topk_weights)
+                 weights=topk_weights, bias=bias)
 
 
-def moe_down_ref(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None) -> None:
+def moe_down_ref(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None, *,
+                 bias=None) -> None:
     """Torch version of `moe_down` (``align`` and ``config`` unused)."""
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
-    out = _per_expert(act.float(), w_down, topk_ids, 1) * topk_weights.reshape(-1, 1)
-    y.copy_(out)
+    _check_bias(bias, w_down)
+    out = _per_expert(act.float(), w_down, topk_ids, 1)
+    if bias is not None:
+        out += bias.float()[topk_ids.reshape(-1).long()]
+    y.copy_(out * topk_weights.reshape(-1, 1))
 
 
 def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div: int) -> torch.Tensor:
@@ -356,7 +399,8 @@ _TORCH = SimpleNamespace(align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_
                          lora_down=lora_ops.moe_lora_down_ref)
 
 
-def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config):
+def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config, gate_up_bias=None,
+             down_bias=None, activation: GatedActivation = SILU):
     num_tokens, hidden, inter, num_experts, top_k = check_experts_args(x, w_gate_up, w_down, topk_weights,
                                                                        topk_ids)
     cfg = base_config(num_experts, hidden, inter, topk_ids, config)
@@ -366,49 +410,61 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
                          f"{lora.meta.num_experts} experts; the MoE has H={hidden}, I={inter}, {num_experts} experts")
     align = ops.align(topk_ids, num_experts, cfg["block_m"])
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    if lora is not None and lora.activation != activation:
+        lora = dataclasses.replace(lora, activation=activation)
     plan = ops.plan(lora, topk_ids, lora_config) if lora is not None and lora.meta.any_lora else None
     if plan is None:
-        ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg)
+        ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation)
     else:
         raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
-        ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg)
+        ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
+                    bias=gate_up_bias, activation=activation)
         ops.lora_gate_up(plan, x, raw, act)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg)
+    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias)
     if plan is not None:
         ops.lora_down(plan, act, y, topk_weights)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora: lora_ops.MoeLora | None = None,
-                  config: dict | None = None, lora_config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, lora_config: dict | None = None, *, gate_up_bias=None,
+                  down_bias=None, activation: GatedActivation = SILU) -> torch.Tensor:
     """The routed experts: ``out[t] = Σ_j w_j · expert_{e_j}(x[t])`` (module docstring).
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``w_down`` [E, H, I] (all the model dtype);
     ``topk_weights`` [T, K] float32; ``topk_ids`` [T, K] int32; ``lora``: the layer's
     `MoeLora` or None; ``config`` / ``lora_config``: launch config entries (default:
-    tuned by load).  Returns ``out`` [T, H] in the model dtype.
+    tuned by load); ``gate_up_bias`` [E, 2I] / ``down_bias`` [E, H]: the experts' biases
+    (GPT-OSS), the down bias inside the routing weight; ``activation``: `GatedActivation`.
+    Returns ``out`` [T, H] in the model dtype.
     """
-    return _experts(_TRITON, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config)
+    return _experts(_TRITON, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config,
+                    gate_up_bias, down_bias, activation)
 
 
 def fused_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora: lora_ops.MoeLora | None = None,
-                      config: dict | None = None, lora_config: dict | None = None) -> torch.Tensor:
+                      config: dict | None = None, lora_config: dict | None = None, *, gate_up_bias=None,
+                      down_bias=None, activation: GatedActivation = SILU) -> torch.Tensor:
     """Torch version of `fused_experts` (the CPU engine path)."""
-    return _experts(_TORCH, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config)
+    return _experts(_TORCH, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config,
+                    gate_up_bias, down_bias, activation)
 
 
 def fused_moe(x, router_logits, w_gate_up, w_down, top_k: int, renormalize: bool,
               lora: lora_ops.MoeLora | None = None, config: dict | None = None,
-              lora_config: dict | None = None) -> torch.Tensor:
-    """Route (`route_topk`) then run the experts (`fused_experts`).  ``router_logits`` [T, E]."""
+              lora_config: dict | None = None, **expert_options) -> torch.Tensor:
+    """Route (`route_topk`) then run the experts (`fused_experts`, which takes ``expert_options``:
+    biases, activation).  ``router_logits`` [T, E]."""
     topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize)
-    return fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config)
+    return fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config,
+                         **expert_options)
 
 
 def fused_moe_ref(x, router_logits, w_gate_up, w_down, top_k: int, renormalize: bool,
                   lora: lora_ops.MoeLora | None = None, config: dict | None = None,
-                  lora_config: dict | None = None) -> torch.Tensor:
+                  lora_config: dict | None = None, **expert_options) -> torch.Tensor:
     """Torch version of `fused_moe`."""
     topk_weights, topk_ids = route_topk_ref(router_logits, top_k, renormalize)
-    return fused_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config)
+    return fused_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config,
+                             **expert_options)

@@ -49,15 +49,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
+from unipage.kernels.moe_align import (
+    F_BASE,
+    F_DOWN_A,
+    F_DOWN_B,
+    F_DOWN_RANK,
+    F_GU_A,
+    F_GU_ROWS,
+    F_GU_SLICES,
+    F_SLICE0,
+    F_STRIDE,
+    FIELDS,
+    NUM_FIELDS,
+    SLICE_FIELDS,
+    Alignment,
+    MoeLoraMeta,
+    device_key,
+    expected_load,
+    launch_config,
+    lora_pairs,
+    moe_align,
+    moe_align_ref,
+    moe_lora_meta,
+    shape_key,
+    swizzle,
+)
 
 from unipage.adapter_pack import gather_block
-from unipage.kernels.moe_align import (F_BASE, F_DOWN_A, F_DOWN_B, F_DOWN_RANK, F_GU_A, F_GU_ROWS,
-                                       F_GU_SLICES, F_SLICE0, F_STRIDE, FIELDS, NUM_FIELDS, SLICE_FIELDS,
-                                       Alignment, MoeLoraMeta, device_key, expected_load, launch_config,
-                                       lora_pairs, moe_align, moe_align_ref, moe_lora_meta, shape_key, swizzle)
 from unipage.lora_layout import Block
 
 __all__ = ["MoeLora", "MoeLoraMeta", "MoeLoraPlan", "expected_load", "lora_config", "lora_pairs", "moe_lora_down",
@@ -79,6 +100,7 @@ class MoeLora:
     token_slots: torch.Tensor  # [T] int32: adapter slot of each token, -1 = none
     meta: MoeLoraMeta  # this layer's offsets and ranks (`moe_lora_meta`)
     active_slots: int | None = None  # distinct adapters among the tokens (tile-height hint)
+    activation: GatedActivation = SILU  # the experts' gated activation (set by `fused_experts`)
 
 
 @dataclass(frozen=True)
@@ -311,10 +333,11 @@ def _expand_gate_up_kernel(
     z_ptr,  # [SPLIT_K, TK, R_PAD] float32 from `_shrink_kernel`
     down_z_ptr,  # [TK, RD_PAD] float32: += act @ A_d.T
     pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
-    num_blocks_ptr, num_pairs, top_k, num_experts, inter, stride_raw, stride_act, stride_pt,
+    num_blocks_ptr, num_pairs, top_k, num_experts, inter, stride_raw, stride_act, stride_pt, alpha, limit,
     R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
     num_n = tl.cdiv(inter, BLOCK_N)
@@ -359,7 +382,7 @@ def _expand_gate_up_kernel(
         raw = raw_ptr + rows * stride_raw + cols[None, :]
         g = tl.load(raw, mask=mask, other=0.0).to(tl.float32) + d_gate
         u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32) + d_up
-        act = (g / (1.0 + tl.exp(-g)) * u).to(act_ptr.dtype.element_ty)
+        act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
         tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
         a_down = _load_paged(pool_ptr, pt, down_virt, down_ok, c_in, col_ok, PAGE_SHIFT, CHUNK)
         acc_down += _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
@@ -456,7 +479,8 @@ def _use_pdl(plan: MoeLoraPlan) -> bool:
 
 
 def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
-    """For every LoRA pair ``p = (t, e)``: ``act[p] = silu(h[:I]) · h[I:]``, ``h = raw[p] + delta_gu``.
+    """For every LoRA pair ``p = (t, e)``: ``act[p] = act_fn(h[:I], h[I:])``, ``h = raw[p] + delta_gu``
+    (``act_fn``: ``plan.lora.activation``, silu-gated by default).
 
     ``x`` [T, H] and ``raw`` [TK, 2I] (from `fused_moe.moe_gate_up`) and ``act`` [TK, I]
     (written for LoRA pairs only), all the model dtype.  Also leaves ``act[p] @ A_d.T``
@@ -480,9 +504,9 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     extra = {"launch_pdl": True} if pdl else {}
     _expand_gate_up_kernel[(tiles * triton.cdiv(meta.inter, block_n),)](
         raw, act, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.inter, raw.stride(0), act.stride(0),
-        stride_pt, R_PAD=r_pad, RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"],
+        stride_pt, float(plan.lora.activation.alpha), float(plan.lora.activation.limit), R_PAD=r_pad, RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"],
         BLOCK_N=block_n, CHUNK=chunk, GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift,
-        EVEN_N=meta.inter % block_n == 0, DOT_PRECISION=precision, USE_PDL=pdl,
+        EVEN_N=meta.inter % block_n == 0, DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code,
         **_launch_opts(cfg["gate_up"]), **extra)
 
 
@@ -545,7 +569,7 @@ def moe_lora_gate_up_ref(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, 
                 a_row, rank, col, ncols = (f[f"s{j}_{n}"] for n in ("a_row", "rank", "col", "ncols"))
                 b = _read(plan, slot, start + f[f"s{j}_b"], rank, ncols)
                 h[:, col: col + ncols] += z[:, a_row: a_row + rank] @ b
-        act[pairs] = (F.silu(h[:, :inter]) * h[:, inter:]).to(act.dtype)
+        act[pairs] = plan.lora.activation.ref(h[:, :inter], h[:, inter:]).to(act.dtype)
 
 
 def moe_lora_down_ref(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
