@@ -277,3 +277,14 @@ def test_profile_and_config_round_trips(tmp_path, capsys):
     assert read_toml(_write_config(tmp_path, {"seed": 4, "pool": {"prefix_caching": False}})) == raw
     with pytest.raises(SimInputError, match="step_base_s must be a number >= 0"):
         CostProfile.from_dict({**printed.to_dict(), "step_base_s": -1.0})
+
+
+def test_belady_follows_preemptions_and_drops():
+    raw = tiny(pool={"num_pages": 80}, lora={"eviction_policy": "belady", "max_adapters_per_batch": 8},
+               scheduler={"policy": "slo", "slo_ttft_s": 1.0}, sim={"check_every": 5},
+               workload={"rate": 40.0, "duration_s": 5.0, "input": {"dist": "uniform", "low": 16, "high": 64},
+                         "output": {"dist": "uniform", "low": 100, "high": 400}})
+    sim = Simulation(build_config(raw))
+    record = make_record(sim.run())
+    assert record["preemptions"] > 0 and record["aborted_slo"] > 0
+    assert sim.oracle is not None and set(sim.oracle.queued.values()) == {0}  # every re-queue and drop seen
