@@ -237,7 +237,8 @@ class SimConfig:
                          "prefix_caching": self.pool.prefix_caching},
                 "lora": lora, "scheduler": dataclasses.asdict(self.scheduler), "workload": self.workload.to_dict(),
                 "slo": dataclasses.asdict(self.slo),
-                "sim": {"profile": self.profile.name, "sample_interval_s": self.sample_interval_s}}
+                "sim": {"profile": self.profile.name, "sample_interval_s": self.sample_interval_s,
+                        "cost": {k: v for k, v in self.profile.to_dict().items() if k not in ("name", "source")}}}
 
 
 # -- parsing ------------------------------------------------------------------
