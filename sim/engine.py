@@ -279,10 +279,10 @@ class Simulation:
             while nxt < n and arrival[nxt] <= now:
                 self._arrive(nxt)
                 nxt += 1
-            in_system = len(self.live)
             out = sched.schedule()
-            if out.finished_ids or out.aborted_ids:
+            if out.finished_ids or out.aborted_ids:  # finished in the last update, or dropped just now
                 self._record_done(out)
+            in_system = len(self.live)  # requests in the system during this step
             if out.adapter_effects:
                 for effect in out.adapter_effects:
                     if type(effect) is LoadAdapter:
