@@ -45,6 +45,8 @@ class ModelConfig:
     top_k: int = 0  # experts per token, 1..num_experts (MoE only)
     expert_intermediate_size: int = 0  # width of one expert's MLP (MoE only)
     mlp_only_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
+    gate_up_interleaved: bool = False  # MoE: the checkpoint's fused gate/up columns alternate gate, up
+    #   (GPT-OSS); the engine de-interleaves weights and adapters to gate columns first
     dtype: str = "bfloat16"  # weights and pool: bfloat16, float16 or float32
 
     def __post_init__(self) -> None:
@@ -125,6 +127,7 @@ class ModelConfig:
             top_k=(hf.get("num_experts_per_tok") or 0) if num_experts else 0,
             expert_intermediate_size=expert_width or 0,
             mlp_only_layers=mlp_only,
+            gate_up_interleaved=hf.get("model_type") == "gpt_oss",
             dtype=dtype or _hf_dtype(hf),
         )
 

@@ -513,6 +513,8 @@ def _matrices(key: tuple, parts: dict, info: AdapterInfo, model: ModelConfig) ->
     spec = next(s for s in info.layers[layer] if s.target == target)
     if len(spec.ranks) == 1:
         a, b = parts[0]
+        if target == "experts.gate_up" and model.gate_up_interleaved:
+            b = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)  # GPT-OSS: the engine's gate columns come first
         return LoraMatrices(a.contiguous(), (b.contiguous(),))
     d_in, d_out = _module_dims(model, layer, target, True)
     empty = (torch.zeros(0, d_in), torch.zeros(0, d_out))

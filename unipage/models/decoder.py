@@ -14,7 +14,10 @@ Per layer (pre-norm residual, as in transformers)::
           MoE:   top-k softmax routing, then the fused experts with the paged fused_moe_lora
 
 Families differ only in a `Family` record: q/k norm (none, per head, over the
-whole projection), MoE routing renormalisation, attention bias.  Adapter LoRA
+whole projection), MoE routing renormalisation, and GPT-OSS's extras (attention
+sinks, sliding-window layers, biases on o, the router and the experts, the
+clamped SwiGLU; YaRN rope comes from the config).  q/k/v biases are read
+wherever the checkpoint has them.  Adapter LoRA
 deltas are applied per token through its adapter slot (-1: none), reading A
 and B from the unified pool's pages.
 """
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from unipage.config import ModelConfig
 from unipage.errors import CheckpointError
 from unipage.kernels import MoeLora, plan_lora_batch
+from unipage.kernels.moe_act import SILU, GatedActivation
 from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
 from unipage.models.ops import Ops
@@ -40,6 +44,7 @@ class Family:
     qk_norm: str  # "none", "head" (RMSNorm per head, Qwen3) or "full" (over the whole projection, OLMoE)
     moe: bool
     renormalize: str | bool  # MoE: renormalise the top-k weights (a bool, or the config key holding it)
+    gptoss: bool = False  # sinks, sliding windows, o/router/expert biases, clamped SwiGLU
 
 
 FAMILIES = {
@@ -50,6 +55,7 @@ FAMILIES = {
     "qwen3_moe": Family("head", True, "norm_topk_prob"),
     "mixtral": Family("none", True, True),
     "olmoe": Family("full", True, "norm_topk_prob"),
+    "gpt_oss": Family("none", True, True, gptoss=True),  # softmax over the top-k logits = renormalised
 }
 
 
@@ -78,6 +84,7 @@ class LayerWeights:
     w_qkv: torch.Tensor  # [Q + 2 KV, H]
     b_qkv: torch.Tensor | None  # [Q + 2 KV]
     w_o: torch.Tensor  # [H, Q]
+    b_o: torch.Tensor | None  # [H]
     q_norm: torch.Tensor | None  # [D] (per head) or [Q] (full)
     k_norm: torch.Tensor | None
     w_gate_up: torch.Tensor | None = None  # dense [2I, H]
@@ -85,6 +92,11 @@ class LayerWeights:
     router: torch.Tensor | None = None  # MoE [E, H]
     experts_gate_up: torch.Tensor | None = None  # MoE [E, 2I, H]
     experts_down: torch.Tensor | None = None  # MoE [E, H, I]
+    router_bias: torch.Tensor | None = None  # GPT-OSS [E]
+    experts_gate_up_bias: torch.Tensor | None = None  # GPT-OSS [E, 2I]
+    experts_down_bias: torch.Tensor | None = None  # GPT-OSS [E, H]
+    sinks: torch.Tensor | None = None  # GPT-OSS [heads] float32: attention sink logits
+    window: int = 0  # sliding-window length of this layer's attention; 0 = full
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,12 +113,18 @@ class DecoderLM:
         kind = hf["model_type"]
         if kind not in FAMILIES:
             raise CheckpointError(f"model_type {kind!r} is not supported; supported: {sorted(FAMILIES)}")
+        quant = (hf.get("quantization_config") or {}).get("quant_method")
+        if quant:
+            raise CheckpointError(f"quantized checkpoints ({quant}) are not supported yet; use a bf16 checkpoint")
         self.family, self.model, self.ops = FAMILIES[kind], model, ops
+        self.activation = GatedActivation("swiglu_clamp", float(hf.get("swiglu_alpha", 1.702)),
+                                          float(hf.get("swiglu_limit", 7.0))) if self.family.gptoss else SILU
         self.eps = float(hf.get("rms_norm_eps", 1e-6))
         renorm = self.family.renormalize
         self.renormalize = bool(hf.get(renorm, False)) if isinstance(renorm, str) else renorm
         self.scale = model.head_dim ** -0.5
-        self.inv_freq = rope.inv_freq(hf, model.head_dim).to(ckpt.device)
+        freq, self.rope_scale = rope.frequencies(hf, model.head_dim)
+        self.inv_freq = freq.to(ckpt.device)
         h, vocab = model.hidden_size, hf["vocab_size"]
         self.embed = ckpt.get("model.embed_tokens.weight", (vocab, h))
         tied = hf.get("tie_word_embeddings", False) or "lm_head.weight" not in ckpt
@@ -123,15 +141,15 @@ class DecoderLM:
                            for n, d in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))])
         biases = [ckpt.optional(f"{attn}.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
         b_qkv = torch.cat(biases) if all(b is not None for b in biases) else None
-        if ckpt.optional(f"{attn}.o_proj.bias") is not None:
-            raise CheckpointError("an o_proj bias is not supported")
         norm_dims = {"none": None, "head": (m.head_dim, m.head_dim), "full": (q, kv)}[self.family.qk_norm]
         layer = LayerWeights(
             ckpt.get(f"{p}.input_layernorm.weight", (h,)), ckpt.get(f"{p}.post_attention_layernorm.weight", (h,)),
-            w_qkv, b_qkv, ckpt.get(f"{attn}.o_proj.weight", (h, q)),
+            w_qkv, b_qkv, ckpt.get(f"{attn}.o_proj.weight", (h, q)), ckpt.optional(f"{attn}.o_proj.bias", (h,)),
             ckpt.get(f"{attn}.q_norm.weight", (norm_dims[0],)) if norm_dims else None,
             ckpt.get(f"{attn}.k_norm.weight", (norm_dims[1],)) if norm_dims else None)
-        if m.is_moe_layer(i):
+        if self.family.gptoss:
+            self._load_gptoss(ckpt, i, hf, layer)
+        elif m.is_moe_layer(i):
             e, inter = m.num_experts, m.expert_intermediate_size
             prefix, layer.experts_gate_up, layer.experts_down = ckpt.expert_weights(p, e, h, inter)
             layer.router = ckpt.get(f"{prefix}.gate.weight", (e, h))
@@ -142,12 +160,23 @@ class DecoderLM:
             layer.w_down = ckpt.get(f"{p}.mlp.down_proj.weight", (h, inter))
         return layer
 
+    def _load_gptoss(self, ckpt: Checkpoint, i: int, hf: dict, layer: LayerWeights) -> None:
+        m, p = self.model, f"model.layers.{i}"
+        e, h = m.num_experts, m.hidden_size
+        layer.sinks = ckpt.get(f"{p}.self_attn.sinks", (m.num_heads,)).float()
+        layer_types = hf.get("layer_types") or ["full_attention"] * m.num_layers
+        layer.window = int(hf.get("sliding_window") or 0) if layer_types[i] == "sliding_attention" else 0
+        layer.router = ckpt.get(f"{p}.mlp.router.weight", (e, h))
+        layer.router_bias = ckpt.get(f"{p}.mlp.router.bias", (e,))
+        (layer.experts_gate_up, layer.experts_gate_up_bias, layer.experts_down,
+         layer.experts_down_bias) = ckpt.gptoss_experts(f"{p}.mlp.experts", e, h, m.expert_intermediate_size)
+
     # -- forward ---------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: StepBatch, pool: torch.Tensor, lora: LoraTables | None,
                 block_tokens: int) -> torch.Tensor:
         """Logits ``[R, V]`` float32 of ``batch.logits_rows``; writes the step's KV into ``pool [L, N, P]``."""
-        cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.embed.dtype)
+        cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.embed.dtype, self.rope_scale)
         lora_on = batch.any_lora and lora is not None and lora.page_table is not None
         plan = None
         if lora_on and self.ops.plans_lora:
@@ -184,18 +213,21 @@ class DecoderLM:
             q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
         q, k = rope.rotate(q, ctx.cos, ctx.sin), rope.rotate(k, ctx.cos, ctx.sin)
         self.ops.write_kv(pool_l, k.contiguous(), v.contiguous(), ctx.batch.slot_mapping)
-        out = self._attend(q.contiguous(), pool_l, ctx).reshape(tokens, q_width)
+        out = self._attend(q.contiguous(), pool_l, layer, ctx).reshape(tokens, q_width)
         o = out @ layer.w_o.T
+        if layer.b_o is not None:
+            o = o + layer.b_o
         self._lora(o, out, pool_l, layer_lora and layer_lora.o, ctx)
         return o
 
-    def _attend(self, q, pool_l, ctx: _Context) -> torch.Tensor:
+    def _attend(self, q, pool_l, layer: LayerWeights, ctx: _Context) -> torch.Tensor:
         b, m = ctx.batch, self.model
+        extra = {"sinks": layer.sinks, "sliding_window": layer.window} if self.family.gptoss else {}
         if self.ops.attention_decode is not None and b.max_q_len == 1 and q.shape[0] == b.seq_lens.shape[0]:
             return self.ops.attention_decode(q, pool_l, b.block_tables, b.seq_lens, self.scale, ctx.block_tokens,
-                                             m.num_kv_heads)
+                                             m.num_kv_heads, **extra)
         return self.ops.attention_prefill(q, pool_l, b.block_tables, b.cu_seqlens_q, b.seq_lens, self.scale,
-                                          ctx.block_tokens, m.num_kv_heads, max_q_len=b.max_q_len)
+                                          ctx.block_tokens, m.num_kv_heads, max_q_len=b.max_q_len, **extra)
 
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
         gate_up = x @ layer.w_gate_up.T
@@ -207,13 +239,18 @@ class DecoderLM:
         return down
 
     def _moe(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
-        weights, ids = self.ops.route(x @ layer.router.T, self.model.top_k, self.renormalize)
+        logits = x @ layer.router.T
+        if layer.router_bias is not None:
+            logits = logits + layer.router_bias
+        weights, ids = self.ops.route(logits, self.model.top_k, self.renormalize)
         weights = weights.to(x.dtype).float()  # transformers rounds the routing weights to the model dtype
         moe_lora = None
         if ctx.lora is not None and layer_lora.moe.any_lora:
             moe_lora = MoeLora(pool_l, ctx.lora.page_table, ctx.batch.token_slots, layer_lora.moe,
                                ctx.batch.active_slots)
-        return self.ops.experts(x, layer.experts_gate_up, layer.experts_down, weights, ids, moe_lora)
+        return self.ops.experts(x, layer.experts_gate_up, layer.experts_down, weights, ids, moe_lora,
+                                gate_up_bias=layer.experts_gate_up_bias, down_bias=layer.experts_down_bias,
+                                activation=self.activation)
 
 
 @dataclass

@@ -111,6 +111,17 @@ class Checkpoint:
         raise CheckpointError(f"no expert weights under {layer_prefix!r} (looked for mlp.experts.* and "
                               f"block_sparse_moe.experts.*)")
 
+    def gptoss_experts(self, prefix: str, num_experts: int, hidden: int,
+                       inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """GPT-OSS experts under ``prefix`` (``model.layers.{l}.mlp.experts``): ``w_gate_up [E, 2I, H]``,
+        ``b_gate_up [E, 2I]`` (gate columns first: the file interleaves gate, up), ``w_down [E, H, I]``,
+        ``b_down [E, H]``.  The file stores ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]``."""
+        w_gu = self.get(f"{prefix}.gate_up_proj", (num_experts, hidden, 2 * inter)).transpose(1, 2)
+        b_gu = self.get(f"{prefix}.gate_up_proj_bias", (num_experts, 2 * inter))
+        w_down = self.get(f"{prefix}.down_proj", (num_experts, inter, hidden)).transpose(1, 2).contiguous()
+        b_down = self.get(f"{prefix}.down_proj_bias", (num_experts, hidden)).contiguous()
+        return deinterleave(w_gu, 1), deinterleave(b_gu, 1), w_down, b_down
+
     def _stack(self, prefix: str, name: str, num_experts: int, shape: tuple[int, int]) -> torch.Tensor:
         return torch.stack([self.get(f"{prefix}.experts.{e}.{name}.weight", shape) for e in range(num_experts)])
 
@@ -121,3 +132,10 @@ class Checkpoint:
         if tuple(tensor.shape) == (shape[0], shape[2], shape[1]):
             return tensor.transpose(1, 2).contiguous()  # stored [E, d_in, d_out]
         raise CheckpointError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+
+
+def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Columns ``g0, u0, g1, u1, ...`` along ``dim`` -> ``g0, g1, ..., u0, u1, ...`` (contiguous)."""
+    index = torch.arange(t.shape[dim], device=t.device)
+    order = torch.cat([index[0::2], index[1::2]])
+    return t.index_select(dim, order).contiguous()
