@@ -10,16 +10,28 @@ tokens, and token position ``t`` of a sequence is row ``t % bt`` of page
 ``block_table[t // bt]``.  Block-table entries past a sequence's context are
 never read, so they may hold anything (e.g. -1).
 
-Math, for query head ``h`` (kv head ``h // G``) at absolute position ``i``::
+Math, for query head ``h`` (kv head ``h // G``) at absolute position ``i``,
+with visible keys ``J(i) = {j : lo(i) <= j <= i}``::
 
-    out[h] = sum_{j <= i} softmax_j(scale * q[h] . K[j, h // G]) V[j, h // G]
+    s_j    = scale * q[h] . K[j, h // G]                      for j in J(i)
+    out[h] = sum_{j in J(i)} exp(s_j) V[j, h // G] / (sum_{j in J(i)} exp(s_j) + exp(sinks[h]))
+
+``lo(i) = 0`` for full attention; with ``sliding_window = W`` it is
+``max(0, i - W + 1)``: the current token and the W - 1 before it, as in
+transformers' ``sliding_window_causal_mask_function`` (``j > i - W``).
+``exp(sinks[h])`` is the attention sink (GPT-OSS): one learnt logit per query
+head that joins the softmax as an extra column whose probability is dropped
+(it has no value); without ``sinks`` that term is 0.  So with sinks an empty
+or tiny-weight context gives an output near 0 rather than a forced average.
+Keys before ``lo(i)`` are never read: their block-table entries may already
+name freed pages (or -1).
 
 Decode: one query per sequence at position ``context_lens[b] - 1``.
 Prefill (chunked, varlen): the queries of sequence ``b`` are rows
 ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of ``q``; with ``q_len`` of them and
 ``seq_lens[b]`` context tokens in all (prefix + new, all already written
 with `write_kv`), query ``i`` sits at position ``seq_lens[b] - q_len + i``.
-A sequence with no context gets zeros.
+A sequence with no context gets zeros (with or without sinks).
 
 Kernels: fp32 accumulation, online softmax in base 2 (``scale * log2(e)``
 folded into the scores).  One program serves all G query heads of one kv
@@ -32,6 +44,17 @@ loop runs unmasked up to there and masked over the diagonal.  Per-step
 values (lengths, block-table width, split count) are runtime arguments that
 Triton does not specialise on, so a new length never recompiles (decode has
 two compiled variants per shape: one split, several splits).
+
+Sinks join the online softmax as a first "key" of logit ``sinks[h]`` and value
+0 (``m = sinks[h] * log2(e)``, ``l = 1`` before the first tile); with decode
+splits only the merge kernel does this, so each sink counts once.  With a
+window the key loop starts at the block holding ``lo`` of the tile's first
+query (decode: the split ranges cover ``[lo, context)`` only); rows below
+``lo`` in that block are masked and their pages not read.  Prefill keys
+``[lo_first, lo_last)`` (between the tile's first and last query's window
+starts) get the window mask; later keys need none up to the diagonal.  The
+window is a runtime argument like the lengths; sinks and window are
+constexpr flags, each adding compiled variants only when used.
 """
 
 from __future__ import annotations
@@ -42,11 +65,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
 from unipage.kernels.common import num_sms
 from unipage.kernels.kv_write import kv_block_tokens
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
 MIN_SPLIT_TOKENS = 256  # a decode split shorter than this costs more to merge than it saves
 
 
@@ -90,17 +113,20 @@ def prefill_config(head_dim: int, on_gpu: bool) -> AttentionConfig:
 
 
 @triton.jit
-def _kv_tile(pool_ptr, table_ptr, n0, limit, kvh, offs_n, offs_d, BT: tl.constexpr, KVH: tl.constexpr,
-             D: tl.constexpr):
-    """K and V ``[BLOCK_N, D]`` of positions ``n0 + offs_n`` (rows >= ``limit`` read as 0)."""
+def _kv_tile(pool_ptr, table_ptr, n0, start, limit, kvh, offs_n, offs_d, BT: tl.constexpr, KVH: tl.constexpr,
+             D: tl.constexpr, LOWER: tl.constexpr):
+    """K and V ``[BLOCK_N, D]`` of positions ``pos = n0 + offs_n`` and the mask ``valid [BLOCK_N]``: rows
+    outside ``[start, limit)`` read as 0 without touching their block-table entry (``start`` only if LOWER)."""
     pos = n0 + offs_n
     valid = pos < limit
+    if LOWER:
+        valid = valid & (pos >= start)
     page = tl.load(table_ptr + pos // BT, mask=valid, other=0).to(tl.int64)
     row_off = page * (2 * BT * KVH * D) + (pos % BT) * (KVH * D) + kvh * D
     ptrs = pool_ptr + row_off[:, None] + offs_d[None, :]
     k = tl.load(ptrs, mask=valid[:, None], other=0.0)
     v = tl.load(ptrs + BT * KVH * D, mask=valid[:, None], other=0.0)
-    return k, v, pos
+    return k, v, pos, valid
 
 
 @triton.jit
@@ -119,28 +145,51 @@ def _scores(q, k, scale_log2, PRECISION: tl.constexpr):
     return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
 
 
+@triton.jit
+def _softmax_init(sinks_ptr, head, head_ok, M: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Online-softmax state ``m, l [M]`` before the first key: empty, or the sink as a key of value 0."""
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=head_ok, other=0.0).to(tl.float32) * _LOG2E
+        l_i = tl.full([M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([M], -1.0e30, tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+    return m_i, l_i
+
+
 # ----------------------------------------------------------------------------- decode
 
 
-@triton.jit(do_not_specialize=["stride_table", "num_splits"])
+@triton.jit(do_not_specialize=["stride_table", "num_splits", "window"])
 def _decode_kernel(
     q_ptr,  # [B, H, D], last stride 1
     pool_ptr,  # [N, P] contiguous
     table_ptr,  # [B, max_blocks] int32, last stride 1
     ctx_ptr,  # [B] int32
+    sinks_ptr,  # [H] fp32 (HAS_SINKS and not SPLIT)
     out_ptr,  # [B, H, D] contiguous (num_splits == 1)
     part_out_ptr,  # [B, H, S, D] fp32 (num_splits > 1)
     part_lse_ptr,  # [B, H, S] fp32, log2 domain
-    stride_qb, stride_qh, stride_table, num_splits, scale_log2,
+    stride_qb, stride_qh, stride_table, num_splits,
+    window,  # int >= 1 (WINDOWED)
+    scale_log2,
     H: tl.constexpr, KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
     BT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    if WINDOWED:  # the query at ctx - 1 sees keys [start, ctx); splits cover whole blocks from start's
+        start = tl.maximum(ctx - window, 0)
+        first = start // BLOCK_N * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N
+        lo = first + split * split_len
+    else:
+        start = 0
+        split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx)
     offs_g = tl.arange(0, GROUP_P)
     offs_d = tl.arange(0, D)
@@ -149,13 +198,15 @@ def _decode_kernel(
     head_ok = offs_g < GROUP
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0.0)
     table_ptr += b.to(tl.int64) * stride_table
-    m_i = tl.full([GROUP_P], -1.0e30, tl.float32)
-    l_i = tl.zeros([GROUP_P], tl.float32)
+    if SPLIT:  # the merge adds the sink
+        m_i, l_i = _softmax_init(sinks_ptr, head, head_ok, GROUP_P, False)
+    else:
+        m_i, l_i = _softmax_init(sinks_ptr, head, head_ok, GROUP_P, HAS_SINKS)
     acc = tl.zeros([GROUP_P, D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        k, v, pos = _kv_tile(pool_ptr, table_ptr, n0, hi, kvh, offs_n, offs_d, BT, KVH, D)
+        k, v, _, valid = _kv_tile(pool_ptr, table_ptr, n0, start, hi, kvh, offs_n, offs_d, BT, KVH, D, WINDOWED)
         s = _scores(q, k, scale_log2, PRECISION)
-        s = tl.where((pos < hi)[None, :], s, float("-inf"))
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -174,13 +225,14 @@ def _decode_kernel(
 def _merge_splits_kernel(
     part_out_ptr,  # [B, H, S, D] fp32
     part_lse_ptr,  # [B, H, S] fp32, log2 domain
+    sinks_ptr,  # [H] fp32 (HAS_SINKS)
     out_ptr,  # [B, H, D] contiguous
-    num_splits, D: tl.constexpr,
+    num_splits, H: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     offs_d = tl.arange(0, D)
-    m = tl.full([D], -1.0e30, tl.float32)
-    total = tl.zeros([D], tl.float32)
+    # the sink is one more partial, of log-sum-exp sinks[h] and output 0, merged once here
+    m, total = _softmax_init(sinks_ptr, row % H + offs_d * 0, offs_d >= 0, D, HAS_SINKS)
     acc = tl.zeros([D], tl.float32)
     for split in range(num_splits):
         lse = tl.load(part_lse_ptr + row * num_splits + split)
@@ -225,6 +277,19 @@ def _check_launch(q, pool, block_tables, *lengths) -> None:
     _check(all(t.is_contiguous() for t in lengths), "length tensors must be contiguous")
 
 
+def _check_sinks_window(sinks: torch.Tensor | None, sliding_window: int | None, q: torch.Tensor) -> int:
+    """Validate the optional GPT-OSS arguments; returns the window, 0 for full attention."""
+    if sinks is not None:
+        _check(sinks.shape == (q.shape[1],) and sinks.dtype == torch.float32,
+               f"sinks must be [H={q.shape[1]}] float32, got {tuple(sinks.shape)} {sinks.dtype}")
+        _check(sinks.device == q.device and sinks.is_contiguous(),
+               f"sinks must be contiguous on {q.device}, got {sinks.device}")
+    window = 0 if sliding_window is None else sliding_window
+    _check(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
+           f"sliding_window must be None or an int >= 0 (0 = full attention), got {sliding_window!r}")
+    return window
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per (sequence, kv head): about four programs per SM, no split under MIN_SPLIT_TOKENS."""
     want = triton.cdiv(4 * num_sms(device), max(1, batch * num_kv_heads))
@@ -234,23 +299,30 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
 def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, block_tokens: int, num_kv_heads: int,
                            *, num_splits: int | None = None, config: AttentionConfig | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """One decode step of attention for B sequences; returns ``out [B, H, D]`` (q's dtype).
 
     q: [B, H, D], last dim contiguous.  pool: [N, P] one layer, contiguous, q's dtype.
     block_tables: [B, max_blocks] int32 page ids.  context_lens: [B] int32, tokens in the
     pool per sequence incl. the current one, <= max_blocks * block_tokens (not checked).
     num_splits: context ranges per sequence (flash-decoding); default from
-    `default_num_splits` with ``max_blocks * block_tokens`` as the context bound (no sync).
+    `default_num_splits` with ``max_blocks * block_tokens`` (or the window, if smaller) as
+    the context bound (no sync).
     out: optional [B, H, D] contiguous, q's dtype, written and returned.
+    sinks: optional [H] float32 contiguous, finite: one attention-sink logit per query head.
+    sliding_window: optional int W >= 1: the query at position ``i`` sees keys ``i - W < j <= i``;
+    None or 0 = full attention.  Block-table entries of pages wholly before the window are not read.
     """
     _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
     batch, heads, head_dim = q.shape
     _check_lengths("context_lens", context_lens, batch)
     _check(block_tables.shape[0] == batch, f"block_tables has {block_tables.shape[0]} rows for B={batch}")
     _check_launch(q, pool, block_tables, context_lens)
+    window = _check_sinks_window(sinks, sliding_window, q)
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_tokens, q.device)
+        max_context = block_tables.shape[1] * block_tokens
+        num_splits = default_num_splits(batch, num_kv_heads, min(max_context, window or max_context), q.device)
     _check(isinstance(num_splits, int) and num_splits >= 1, f"num_splits must be an int >= 1, got {num_splits}")
     cfg = _check_config(config or decode_config(head_dim, q.is_cuda))
     out = _output(out, q, contiguous=True)
@@ -261,14 +333,16 @@ def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: to
                            device=q.device)
     part_lse = torch.empty((batch, heads, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = heads // num_kv_heads
+    sinks_arg = q if sinks is None else sinks  # never read without sinks
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, pool, block_tables, context_lens, out, part_out, part_lse,
-        q.stride(0), q.stride(1), block_tables.stride(0), num_splits, scale * LOG2E,
+        q, pool, block_tables, context_lens, sinks_arg, out, part_out, part_lse,
+        q.stride(0), q.stride(1), block_tables.stride(0), num_splits, window, scale * LOG2E,
         H=heads, KVH=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=head_dim,
         BT=block_tokens, BLOCK_N=cfg.block_n, SPLIT=split, PRECISION=_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
-        _merge_splits_kernel[(batch * heads,)](part_out, part_lse, out, num_splits, D=head_dim, num_warps=1)
+        _merge_splits_kernel[(batch * heads,)](part_out, part_lse, sinks_arg, out, num_splits, H=heads, D=head_dim,
+                                               HAS_SINKS=sinks is not None, num_warps=1)
     return out
 
 
@@ -300,17 +374,21 @@ def _load_query_rows(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, off
     return ptrs, row_ok, token
 
 
-@triton.jit(do_not_specialize=["stride_table"])
+@triton.jit(do_not_specialize=["stride_table", "window"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D], last stride 1
     pool_ptr,  # [N, P] contiguous
     table_ptr,  # [B, max_blocks] int32, last stride 1
     cu_q_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
+    sinks_ptr,  # [H] fp32 (HAS_SINKS)
     out_ptr,  # [T, H, D], last stride 1
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+    window,  # int >= 1 (WINDOWED)
+    scale_log2,
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -332,19 +410,32 @@ def _prefill_kernel(
     hi = tl.where(first < q_len, prefix + tl.minimum(first + BLOCK_Q, q_len), 0)
     full_end = tl.minimum((prefix + first) // BLOCK_N * BLOCK_N, hi // BLOCK_N * BLOCK_N)
     table_ptr += b.to(tl.int64) * stride_table
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    head = kvh * GROUP + offs_m % GROUP_P
+    m_i, l_i = _softmax_init(sinks_ptr, head, offs_m % GROUP_P < GROUP, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(0, full_end, BLOCK_N):
-        k, v, pos = _kv_tile(pool_ptr, table_ptr, n0, hi, kvh, offs_n, offs_d, BT, KVH, D)
+    if WINDOWED:
+        # keys [start, mid): in the window of some but not all queries (start = the first query's window
+        # start; from mid on, whole blocks lie in the last query's window too).  Rows below start are
+        # not read.  [mid, full_end) then needs no mask, [full_end, hi) the causal one.
+        start = tl.maximum(prefix + first - window + 1, 0)
+        mid = tl.maximum(tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N), start // BLOCK_N) * BLOCK_N
+        for n0 in range(start // BLOCK_N * BLOCK_N, tl.minimum(mid, hi), BLOCK_N):
+            k, v, pos, valid = _kv_tile(pool_ptr, table_ptr, n0, start, hi, kvh, offs_n, offs_d, BT, KVH, D, True)
+            seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) & valid[None, :]
+            s = tl.where(seen, _scores(q, k, scale_log2, PRECISION), float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
+        full_end = tl.maximum(full_end, mid)
+    else:
+        mid = 0
+    for n0 in range(mid, full_end, BLOCK_N):
+        k, v, pos, valid = _kv_tile(pool_ptr, table_ptr, n0, 0, hi, kvh, offs_n, offs_d, BT, KVH, D, False)
         m_i, l_i, acc = _softmax_step(_scores(q, k, scale_log2, PRECISION), v, m_i, l_i, acc, PRECISION)
     for n0 in range(full_end, hi, BLOCK_N):
-        k, v, pos = _kv_tile(pool_ptr, table_ptr, n0, hi, kvh, offs_n, offs_d, BT, KVH, D)
-        causal = (pos[None, :] <= q_pos[:, None]) & (pos < hi)[None, :]
+        k, v, pos, valid = _kv_tile(pool_ptr, table_ptr, n0, 0, hi, kvh, offs_n, offs_d, BT, KVH, D, False)
+        causal = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
         s = tl.where(causal, _scores(q, k, scale_log2, PRECISION), float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    head = kvh * GROUP + offs_m % GROUP_P
     o_ptrs = out_ptr + (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -352,7 +443,8 @@ def _prefill_kernel(
 def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_tokens: int,
                             num_kv_heads: int, *, max_q_len: int | None = None,
-                            config: AttentionConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            config: AttentionConfig | None = None, out: torch.Tensor | None = None,
+                            sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their whole context; returns ``out [T, H, D]`` (q's dtype).
 
     q: [T, H, D], last dim contiguous, the new tokens of B sequences back to back.
@@ -362,6 +454,10 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     sequence (prefix + new), >= its query count.  max_q_len: the largest query count
     (sizes the grid); computed from cu_seqlens_q with a device sync when None.
     out: optional [T, H, D], last dim contiguous, q's dtype, written and returned.
+    sinks: optional [H] float32 contiguous, finite: one attention-sink logit per query head.
+    sliding_window: optional int W >= 1: the query at position ``i`` sees keys ``i - W < j <= i``;
+    None or 0 = full attention.  Block-table entries of pages wholly before the window of a
+    sequence's first new token are not read.
     """
     _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
     batch = block_tables.shape[0]
@@ -369,6 +465,7 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     _check(cu_seqlens_q.shape == (batch + 1,) and cu_seqlens_q.dtype == torch.int32,
            f"cu_seqlens_q must be [B+1={batch + 1}] int32, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
     _check_launch(q, pool, block_tables, seq_lens, cu_seqlens_q)
+    window = _check_sinks_window(sinks, sliding_window, q)
     tokens, heads, head_dim = q.shape
     out = _output(out, q, contiguous=False)
     if max_q_len is None:
@@ -381,11 +478,11 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     block_m = max(cfg.block_m, group_p, 16)
     grid = (triton.cdiv(max_q_len, block_m // group_p), batch, num_kv_heads)
     _prefill_kernel[grid](
-        q, pool, block_tables, cu_seqlens_q, seq_lens, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E,
+        q, pool, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), window, scale * LOG2E,
         KVH=num_kv_heads, GROUP=group, GROUP_P=group_p, D=head_dim, BT=block_tokens,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -393,43 +490,67 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
 
 
 def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int, block_tokens: int,
-              num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[length, KVH, D]`` of one sequence, read through ``block_table [max_blocks]``."""
+              num_kv_heads: int, *, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[length - start, KVH, D]`` of positions ``[start, length)`` of one sequence, read through
+    ``block_table [max_blocks]`` (entries before ``start // block_tokens`` are not read)."""
     head_dim = pool.shape[1] // (2 * block_tokens * num_kv_heads)
-    pages = block_table[: triton.cdiv(length, block_tokens)].long()
+    first = start // block_tokens
+    pages = block_table[first: triton.cdiv(length, block_tokens)].long()
     kv = pool.view(pool.shape[0], 2, block_tokens, num_kv_heads, head_dim)[pages]  # [n, 2, bt, KVH, D]
-    k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:length]
-    v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:length]
+    skip = start - first * block_tokens
+    k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[skip: length - first * block_tokens]
+    v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[skip: length - first * block_tokens]
     return k, v
 
 
-def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 GQA attention of ``q [M, H, D]`` at positions ``q_pos [M]`` over ``k, v [L, KVH, D]``
-    (key j at position j, visible when j <= q_pos); returns ``[M, H, D]`` fp32, zeros when L = 0."""
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, *,
+               k_start: int = 0, sinks: torch.Tensor | None = None, sliding_window: int | None = None
+               ) -> torch.Tensor:
+    """fp32 GQA attention of ``q [M, H, D]`` at positions ``q_pos [M]`` over ``k, v [L, KVH, D]`` at
+    positions ``k_start + j``, visible when ``q_pos - W < k_start + j <= q_pos`` (W = sliding_window, no
+    lower bound when None/0); ``sinks [H]`` adds ``exp(sinks[h])`` to each softmax denominator.
+    Returns ``[M, H, D]`` fp32, zeros when L = 0."""
     rows, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if k.shape[0] == 0:
         return torch.zeros(rows, heads, head_dim, dtype=torch.float32, device=q.device)
     qg = q.float().view(rows, kv_heads, heads // kv_heads, head_dim)
     scores = torch.einsum("mkgd,lkd->kgml", qg, k.float()) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [M, L]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    k_pos = k_start + torch.arange(k.shape[0], device=q.device)
+    visible = k_pos[None, :] <= q_pos[:, None]  # [M, L]
+    if sliding_window:
+        visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # one more column per row, dropped after the softmax
+        sink = sinks.float().view(kv_heads, heads // kv_heads, 1, 1).expand(-1, -1, rows, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("kgml,lkd->mkgd", probs, v.float()).reshape(rows, heads, head_dim)
+
+
+def _window_start(first_query: int, sliding_window: int | None) -> int:
+    """First key position in the window of the query at ``first_query``."""
+    return max(0, first_query - sliding_window + 1) if sliding_window else 0
 
 
 def paged_attention_decode_ref(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
                                context_lens: torch.Tensor, scale: float, block_tokens: int, num_kv_heads: int,
                                *, num_splits: int | None = None,
                                config: AttentionConfig | None = None,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                               sliding_window: int | None = None) -> torch.Tensor:
     """Torch reference of `paged_attention_decode` (num_splits and config are ignored)."""
     _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
     _check_lengths("context_lens", context_lens, q.shape[0])
+    window = _check_sinks_window(sinks, sliding_window, q)
     out = _output(out, q, contiguous=True)
     for b, length in enumerate(context_lens.tolist()):
-        k, v = gather_kv(pool, block_tables[b], length, block_tokens, num_kv_heads)
+        start = _window_start(length - 1, window)
+        k, v = gather_kv(pool, block_tables[b], length, block_tokens, num_kv_heads, start=start)
         q_pos = torch.tensor([length - 1], device=q.device)
-        out[b] = attend_ref(q[b: b + 1], k, v, q_pos, scale)[0].to(q.dtype)
+        out[b] = attend_ref(q[b: b + 1], k, v, q_pos, scale, k_start=start, sinks=sinks,
+                            sliding_window=window)[0].to(q.dtype)
     return out
 
 
@@ -437,15 +558,19 @@ def paged_attention_prefill_ref(q: torch.Tensor, pool: torch.Tensor, block_table
                                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_tokens: int,
                                 num_kv_heads: int, *, max_q_len: int | None = None,
                                 config: AttentionConfig | None = None,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+                                out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                                sliding_window: int | None = None) -> torch.Tensor:
     """Torch reference of `paged_attention_prefill` (max_q_len and config are ignored)."""
     _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
     _check_lengths("seq_lens", seq_lens, block_tables.shape[0])
+    window = _check_sinks_window(sinks, sliding_window, q)
     out = _output(out, q, contiguous=False)
     starts = cu_seqlens_q.tolist()
     for b, length in enumerate(seq_lens.tolist()):
         lo, hi = starts[b], starts[b + 1]
-        k, v = gather_kv(pool, block_tables[b], length, block_tokens, num_kv_heads)
+        start = _window_start(length - (hi - lo), window)
+        k, v = gather_kv(pool, block_tables[b], length, block_tokens, num_kv_heads, start=start)
         q_pos = torch.arange(length - (hi - lo), length, device=q.device)
-        out[lo:hi] = attend_ref(q[lo:hi], k, v, q_pos, scale).to(q.dtype)
+        out[lo:hi] = attend_ref(q[lo:hi], k, v, q_pos, scale, k_start=start, sinks=sinks,
+                                sliding_window=window).to(q.dtype)
     return out
