@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-
 from unipage.kernels.attention import (
     AttentionConfig,
     gather_kv,
@@ -276,24 +275,24 @@ def test_prefill_of_one_token_equals_decode():
 
 def _decode_args(**overrides):
     scene = make_scene([5, 9])
-    args = dict(q=torch.randn(2, 4, 16), pool=scene.pool, block_tables=scene.tables, context_lens=scene.lengths,
-                scale=0.25, block_tokens=4, num_kv_heads=2)
+    args = {"q": torch.randn(2, 4, 16), "pool": scene.pool, "block_tables": scene.tables,
+            "context_lens": scene.lengths, "scale": 0.25, "block_tokens": 4, "num_kv_heads": 2}
     return {**args, **overrides}
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(q=torch.randn(2, 4, 16, dtype=torch.float16)), "dtype"),
-    (dict(q=torch.randn(2, 64)), "3-D"),
-    (dict(num_kv_heads=3), "divide"),
-    (dict(block_tokens=8), "block_tokens"),
-    (dict(block_tables=torch.zeros(2, 5, dtype=torch.int64)), "block_tables"),
-    (dict(context_lens=torch.tensor([5, 9])), "context_lens"),
-    (dict(context_lens=torch.tensor([5], dtype=torch.int32)), "context_lens"),
-    (dict(scale=0.0), "scale"),
-    (dict(num_splits=0), "num_splits"),
-    (dict(config=AttentionConfig(block_n=24)), "block_n"),
-    (dict(out=torch.empty(2, 4, 8)), "out"),
-    (dict(block_tables=torch.zeros(5, 2, dtype=torch.int32).t()), "contiguous last dim"),
+    ({"q": torch.randn(2, 4, 16, dtype=torch.float16)}, "dtype"),
+    ({"q": torch.randn(2, 64)}, "3-D"),
+    ({"num_kv_heads": 3}, "divide"),
+    ({"block_tokens": 8}, "block_tokens"),
+    ({"block_tables": torch.zeros(2, 5, dtype=torch.int64)}, "block_tables"),
+    ({"context_lens": torch.tensor([5, 9])}, "context_lens"),
+    ({"context_lens": torch.tensor([5], dtype=torch.int32)}, "context_lens"),
+    ({"scale": 0.0}, "scale"),
+    ({"num_splits": 0}, "num_splits"),
+    ({"config": AttentionConfig(block_n=24)}, "block_n"),
+    ({"out": torch.empty(2, 4, 8)}, "out"),
+    ({"block_tables": torch.zeros(5, 2, dtype=torch.int32).t()}, "contiguous last dim"),
 ])
 def test_decode_rejects_bad_arguments(overrides, message):
     with pytest.raises(ValueError, match=message):
