@@ -63,7 +63,7 @@ class RequestStatus(Enum):
 
     @property
     def is_waiting(self) -> bool:
-        return self in _WAITING_STATES
+        return self is _S.WAITING or self is _S.WAITING_FOR_ADAPTER or self is _S.PREEMPTED  # no Enum hashing
 
     @property
     def is_done(self) -> bool:
@@ -71,7 +71,6 @@ class RequestStatus(Enum):
 
 
 _S = RequestStatus
-_WAITING_STATES = frozenset((_S.WAITING, _S.WAITING_FOR_ADAPTER, _S.PREEMPTED))
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset((_S.RUNNING, _S.WAITING_FOR_ADAPTER, _S.ABORTED)),
     _S.WAITING_FOR_ADAPTER: frozenset((_S.WAITING, _S.ABORTED)),

@@ -292,3 +292,55 @@ def test_add_many_and_ticks_equal_one_at_a_time():
     batched.add(cands[0])
     with pytest.raises(ValueError, match="already evictable"):
         batched.add_many([cands[0]])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+@pytest.mark.parametrize("seed", range(3))
+def test_victims_come_in_the_policys_order_whether_keys_arrive_in_order_or_not(policy, seed):
+    """The reclaimer's heap + ascending run give exactly the (priority, arrival) order, with lazy removal."""
+    import random
+
+    from unipage.eviction import Candidate, make_policy
+    from unipage.pool import PagePool
+    from unipage.reclaim import Reclaimer
+
+    rng = random.Random(seed)
+    pool = PagePool(64)
+    reclaimer = Reclaimer(pool, make_policy(policy))
+    evicted = []
+
+    def evict(page):
+        evicted.append(page)
+        pool.drop(page)
+
+    reclaimer.register_owner("kv", evict)
+    live = {}  # page -> (priority, arrival): the order victims must come in
+    for arrival in range(1500):
+        action = rng.random()
+        if action < 0.5 and pool.num_free:
+            [page] = pool.alloc(1)
+            pool.cache(page)
+            newest = reclaimer.tick()
+            tick = newest if rng.random() < 0.7 else rng.randrange(newest)  # mostly in order, as under LRU
+            cand = Candidate("kv", page, 1, tick, tick, rng.randrange(4), 0.0)
+            reclaimer.add(cand)
+            live[page] = (reclaimer.policy.priority(cand), arrival)
+        elif action < 0.65 and live:
+            page = rng.choice(sorted(live))
+            reclaimer.remove("kv", page)
+            pool.reuse(page)
+            pool.free([page])
+            del live[page]
+        elif live:
+            protect = frozenset(("kv", p) for p in rng.sample(sorted(live), min(2, len(live))))
+            order = [page for _, page in sorted((key, page) for page, key in live.items()
+                                                if ("kv", page) not in protect)]
+            victim = reclaimer.choose_victim(protect)
+            assert (victim.key if victim else None) == (order[0] if order else None)
+            want = rng.randrange(1, 4)
+            assert reclaimer.reclaim(want, protect) == (len(order) >= want)
+            assert evicted == (order[:want] if len(order) >= want else [])
+            for page in evicted:
+                del live[page]
+            evicted.clear()
+        reclaimer.check()

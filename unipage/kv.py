@@ -41,11 +41,16 @@ def _packer(block_tokens: int):
     return struct.Struct(f"={block_tokens}q").pack
 
 
+def chain_hash(prev: bytes, block: bytes) -> bytes:
+    """The hash of a block (its packed token ids) after the block hashed ``prev``."""
+    return blake2b(prev + block, digest_size=16).digest()
+
+
 def iter_block_hashes(tokens, block_tokens: int, salt: str = "", parent: bytes = b""):
     """Yield the chained hashes of the full blocks of ``tokens`` (a trailing partial block is ignored)."""
     prev, pack = parent or root_hash(salt), _packer(block_tokens)
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        prev = blake2b(prev + pack(*tokens[start:start + block_tokens]), digest_size=16).digest()
+        prev = chain_hash(prev, pack(*tokens[start:start + block_tokens]))
         yield prev
 
 
@@ -61,14 +66,15 @@ class _Sequence:
 
 
 @dataclass(slots=True)
-class _Block:
-    """A page registered in the prefix cache."""
+class _Block(Candidate):
+    """A page registered in the prefix cache; while cached, it is its own reclaim candidate.
+
+    ``inserted`` is when it was last cached, ``uses`` its prefix hits + 1; the fields a
+    priority reads change only while it is in use, when it is no candidate.
+    """
 
     hash: bytes
     salt: str
-    uses: int = 1
-    last_used: int = 0
-    cached_at: int = 0
 
 
 class KVManager:
@@ -151,19 +157,18 @@ class KVManager:
         seq = self._seq(seq_id)
         if not self.prefix_caching:
             return
-        block, hashes = self.block_tokens, seq.hashes
+        block, hashes, table = self.block_tokens, seq.hashes, seq.table
         num_tokens = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
-        full, done = min(num_tokens // block, len(seq.table)), len(hashes)
+        full, done = min(num_tokens // block, len(table)), len(hashes)
         if full <= done:
             return
-        new = block_hashes(tokens[done * block:full * block], block, seq.salt, hashes[-1] if hashes else b"")
-        now = self.reclaimer.tick()
-        table, by_hash, blocks = seq.table, self._by_hash, self._blocks
-        for index, h in enumerate(new, start=done):
-            page = table[index]
-            if h not in by_hash and page not in blocks:
-                self._register(page, h, seq.salt, now)
-        hashes += new
+        prev, pack, now = hashes[-1] if hashes else root_hash(seq.salt), _packer(block), self.reclaimer.tick()
+        for start in range(done * block, full * block, block):  # as `iter_block_hashes`, block by block
+            prev = chain_hash(prev, pack(*tokens[start:start + block]))
+            page = table[len(hashes)]
+            hashes.append(prev)
+            if prev not in self._by_hash and page not in self._blocks:
+                self._register(page, prev, seq.salt, now)
 
     def free(self, seq_id) -> None:
         """Release a sequence's blocks: registered ones whose last user it was become cached, the rest free."""
@@ -200,29 +205,30 @@ class KVManager:
             raise KeyError(f"unknown sequence {seq_id!r}") from None
 
     def _take(self, page: int, now: int) -> None:
-        block = self._blocks[page]
-        block.uses += 1
-        block.last_used = now
         if self.pool.kind(page) == PageKind.CACHED_KV:
-            self.reclaimer.remove(KV_BLOCK, page)
+            self.reclaimer.remove(KV_BLOCK, page)  # before its fields change: it is the candidate
             self.pool.reuse(page)
         else:
             self.pool.share(page)
+        block = self._blocks[page]
+        block.uses += 1
+        block.last_used = now
 
     def _cache(self, pages: list[int]) -> None:
         """Keep registered pages whose last user left as cached blocks, stamped in order, and offer them."""
         self.pool.cache_many(pages)
-        blocks, cost, cands = self._blocks, self.block_cost_s, []
-        for page, now in zip(pages, self.reclaimer.ticks(len(pages))):
-            block = blocks[page]
-            block.last_used = block.cached_at = now
-            cands.append(Candidate(KV_BLOCK, page, 1, now, now, block.uses, cost))
-        self.reclaimer.add_many(cands)
+        blocks = [self._blocks[page] for page in pages]
+        for block, now in zip(blocks, self.reclaimer.ticks(len(pages))):
+            block.last_used = block.inserted = now
+        self.reclaimer.add_many(blocks)
 
     def _register(self, page: int, h: bytes, salt: str, now: int) -> None:
         self._by_hash[h] = page
-        self._blocks[page] = _Block(h, salt, 1, now, now)
-        self._by_salt.setdefault(salt, set()).add(page)
+        self._blocks[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, h, salt)
+        pages = self._by_salt.get(salt)
+        if pages is None:
+            pages = self._by_salt[salt] = set()
+        pages.add(page)
 
     def _unregister(self, page: int) -> None:
         block = self._blocks.pop(page)

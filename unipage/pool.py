@@ -58,6 +58,10 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_stack(self) -> list[int]:
+        """The free page ids, as the pool's own live list (the same object for the pool's life): read only."""
+        return self._free
+
     def count(self, kind: PageKind) -> int:
         return self._counts[kind]
 
@@ -70,7 +74,8 @@ class PagePool:
         return PageKind(self._kind[page])
 
     def refcount(self, page: int) -> int:
-        self._check_id(page)
+        if not isinstance(page, int) or not 0 <= page < self.num_pages:
+            self._check_id(page)
         return self._ref[page]
 
     # -- transitions -----------------------------------------------------
@@ -147,10 +152,10 @@ class PagePool:
 
     def cache_many(self, pages) -> None:
         """`cache` each of ``pages`` (distinct), all validated before any changes."""
-        kinds, refs = self._kind, self._ref
+        kinds, refs, n = self._kind, self._ref, self.num_pages
         for page in pages:
-            self._expect(page, PageKind.KV, "cache")
-            if refs[page] != 1:
+            if not isinstance(page, int) or not 0 <= page < n or kinds[page] != _KV or refs[page] != 1:
+                self._expect(page, PageKind.KV, "cache")
                 raise PageError(f"page {page} has refcount {refs[page]}; only the last user can cache it")
         if len(pages) > 1 and len(set(pages)) != len(pages):
             raise PageError(f"cannot cache a page twice: {list(pages)}")
@@ -168,7 +173,8 @@ class PagePool:
 
     def drop(self, page: int) -> None:
         """Reclaim a cached block: it becomes FREE."""
-        self._expect(page, PageKind.CACHED_KV, "drop")
+        if not isinstance(page, int) or not 0 <= page < self.num_pages or self._kind[page] != _CACHED_KV:
+            self._expect(page, PageKind.CACHED_KV, "drop")
         self._kind[page] = 0  # refcount is 0 already
         self._free.append(page)
         self._counts[_CACHED_KV] -= 1

@@ -7,34 +7,40 @@ lowest-priority candidates of *either* kind until it does, calling back the
 owner to release the pages.  If even evicting every allowed candidate would
 not free enough, nothing is evicted and ``alloc`` returns ``None``.
 
-Candidates sit in a heap keyed by the policy's priority, with lazy deletion:
-``remove`` only forgets the key, and stale heap entries are skipped when
-popped.  Victim choice is O(log n) amortised.  Pure Python, no torch.
+Candidates are ordered by the policy's priority, with lazy deletion:
+``remove`` only forgets the key, and stale entries are skipped when popped.
+Victim choice is O(log n) amortised.  Pure Python, no torch.
 
-A heap entry is ``(priority[0], priority, seq, kind, key)``: the same order
-as ``(priority, seq)``, but most comparisons are decided by the leading
-number alone, without descending into the priority tuple — under pressure
-this heap is popped once per page.
+The order lives in two places that are popped as one: a heap, and a *run*
+(a deque in ascending order) that takes every entry not below its last one.
+Under recency policies almost every candidate arrives with the newest
+priority, so it is appended to the run and later popped from its front in
+O(1); under pressure that happens once per page.  An entry is
+``(priority[0], priority, seq, kind, key)``: the order of ``(priority,
+seq)``, but most comparisons are settled by the leading number alone.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from typing import Callable
 
 from unipage.eviction import Candidate, EvictionPolicy
 from unipage.pool import PageKind, PagePool
 
-_SEQ, _KIND, _KEY = 2, 3, 4  # fields of a heap entry
+_SEQ, _KIND, _KEY = 2, 3, 4  # fields of an entry
 
 
 class Reclaimer:
     def __init__(self, pool: PagePool, policy: EvictionPolicy) -> None:
         self.pool = pool
+        self._pool_free = pool.free_stack()  # read for its length: the number of free pages
         self.policy = policy
         self._clock = 0
         self._live: dict[tuple[str, object], tuple[int, Candidate]] = {}  # (kind, key) -> (seq, cand)
-        self._heap: list[tuple] = []  # (priority[0], priority, seq, kind, key)
+        self._heap: list[tuple] = []  # entries (priority[0], priority, seq, kind, key)
+        self._run: deque[tuple] = deque()  # entries in ascending order
         self._seq = 0
         self._evictable_pages = 0
         self._owners: dict[str, Callable[[object], None]] = {}
@@ -62,7 +68,7 @@ class Reclaimer:
 
     def add_many(self, cands) -> None:
         """`add` each candidate in order (distinct, and none evictable yet)."""
-        live, heap, priority = self._live, self._heap, self.policy.priority
+        live, priority, push = self._live, self.policy.priority, self._push
         for cand in cands:
             ident = (cand.kind, cand.key)
             if ident in live:
@@ -71,8 +77,8 @@ class Reclaimer:
             live[ident] = (self._seq, cand)
             self._evictable_pages += cand.pages
             prio = priority(cand)
-            heapq.heappush(heap, (prio[0], prio, self._seq, cand.kind, cand.key))
-        if len(heap) > 2 * len(live) + 64:
+            push((prio[0], prio, self._seq, cand.kind, cand.key))
+        if len(self._heap) + len(self._run) > 2 * len(live) + 64:
             self._compact()
 
     def remove(self, kind: str, key: object) -> Candidate | None:
@@ -95,20 +101,17 @@ class Reclaimer:
     # -- decisions -------------------------------------------------------
     def choose_victim(self, protect: frozenset = frozenset()) -> Candidate | None:
         """The candidate the policy would evict next, skipping ``(kind, key)`` in ``protect``."""
-        heap, skipped, victim = self._heap, [], None
-        while heap:
-            entry = heap[0]
+        skipped, victim = [], None
+        while (entry := self._pop()) is not None:
             held = self._held(entry)
             if held is None:
-                heapq.heappop(heap)
                 continue
-            if (entry[_KIND], entry[_KEY]) in protect:
-                skipped.append(heapq.heappop(heap))
-                continue
-            victim = held
-            break
-        for item in skipped:
-            heapq.heappush(heap, item)
+            skipped.append(entry)
+            if (entry[_KIND], entry[_KEY]) not in protect:
+                victim = held
+                break
+        for entry in skipped:
+            self._push(entry)
         return victim
 
     def alloc(self, n: int, kind: PageKind = PageKind.KV, protect: frozenset = frozenset()) -> list[int] | None:
@@ -119,23 +122,29 @@ class Reclaimer:
 
     def reclaim(self, pages: int, protect: frozenset = frozenset()) -> bool:
         """Evict until ``pages`` more pages are free; evict nothing and return False if impossible."""
-        protected = sum(self._live[i][1].pages for i in protect if i in self._live) if protect else 0
+        live = self._live
+        protected = sum(live[i][1].pages for i in protect if i in live) if protect else 0
         if self._evictable_pages - protected < pages:
             return False
-        pool, heap = self.pool, self._heap
-        target = pool.num_free + pages
+        free, heap, run, owners = self._pool_free, self._heap, self._run, self._owners
+        target = len(free) + pages
         skipped = []  # protected entries popped on the way: pushed back at the end
-        while pool.num_free < target:  # `choose_victim` + `evict`, inlined: under pressure this runs per page
-            entry = heapq.heappop(heap)  # never empty: the count above says enough is evictable
-            held = self._held(entry)
-            if held is None:
-                continue
-            if (entry[_KIND], entry[_KEY]) in protect:
+        while len(free) < target:  # `choose_victim` + `evict`, inlined: under pressure this runs per page
+            # `_pop`, inlined; never empty: the count above says enough is evictable
+            entry = run.popleft() if run and (not heap or run[0] < heap[0]) else heapq.heappop(heap)
+            ident = entry[_KIND], entry[_KEY]
+            held = live.get(ident)
+            if held is None or held[0] != entry[_SEQ]:
+                continue  # stale: removed, or re-added since
+            if ident in protect:
                 skipped.append(entry)
                 continue
-            self.evict(held)
+            del live[ident]
+            self._evictable_pages -= held[1].pages
+            self.evictions[ident[0]] += 1
+            owners[ident[0]](ident[1])
         for entry in skipped:
-            heapq.heappush(heap, entry)
+            self._push(entry)
         return True
 
     def evict(self, cand: Candidate) -> None:
@@ -143,15 +152,34 @@ class Reclaimer:
         self.evictions[cand.kind] += 1
         self._owners[cand.kind](cand.key)
 
+    # -- the order -------------------------------------------------------
+    def _push(self, entry: tuple) -> None:
+        run = self._run
+        if not run or entry > run[-1]:
+            run.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
+
+    def _pop(self) -> tuple | None:
+        """The smallest entry of the heap and the run together, taken out; None if both are empty."""
+        heap, run = self._heap, self._run
+        if run and (not heap or run[0] < heap[0]):
+            return run.popleft()
+        return heapq.heappop(heap) if heap else None
+
     def _held(self, entry: tuple) -> Candidate | None:
-        """The live candidate a heap entry stands for; None if it is stale (removed or re-added since)."""
+        """The live candidate an entry stands for; None if it is stale (removed or re-added since)."""
         held = self._live.get((entry[_KIND], entry[_KEY]))
         return held[1] if held is not None and held[0] == entry[_SEQ] else None
 
     def _compact(self) -> None:
-        """Drop stale entries, in place (``reclaim`` holds the list while owners run)."""
+        """Drop stale entries, in place (``reclaim`` holds them while owners run)."""
         self._heap[:] = [e for e in self._heap if self._held(e) is not None]
         heapq.heapify(self._heap)
+        fresh = [e for e in self._run if self._held(e) is not None]
+        self._run.clear()
+        self._run.extend(fresh)
 
     def check(self) -> None:
         assert self._evictable_pages == sum(c.pages for _, c in self._live.values())
+        assert all(a < b for a, b in zip(self._run, list(self._run)[1:])), "run out of order"
