@@ -1,5 +1,7 @@
 """AdapterManager + Reclaimer: residency, pins, effects, and the one eviction decision."""
 
+import random
+
 import pytest
 
 from unipage.adapters import DropHostCopy, EvictAdapter, LoadAdapter, Residency
@@ -7,7 +9,10 @@ from unipage.adapter_info import synthetic_info
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
 from unipage.errors import (AdapterBusyError, AdapterError, AdapterExistsError, AdapterRankError,
                             AdapterShapeError, UnknownAdapterError)
+from unipage.eviction import KV_BLOCK, Candidate, make_policy
 from unipage.memory import UnifiedMemory
+from unipage.pool import PagePool
+from unipage.reclaim import Reclaimer
 
 # page_elems = 4 * 2 * 1 * 64 = 512; an attention-only adapter of rank r takes
 # 4 targets * (r rows of 64 (A) + r rows of 64 (B)) = 512 r elements = r pages.
@@ -271,8 +276,6 @@ def test_a_loading_adapter_cannot_be_pinned_or_evicted():
 
 
 def test_add_many_and_ticks_equal_one_at_a_time():
-    from unipage.eviction import KV_BLOCK, Candidate
-
     batched, single = make().reclaimer, make().reclaimer
     ticks = list(batched.ticks(3))
     assert ticks == [single.tick() for _ in range(3)] and batched.tick() == single.tick() == 4
@@ -298,12 +301,6 @@ def test_add_many_and_ticks_equal_one_at_a_time():
 @pytest.mark.parametrize("seed", range(3))
 def test_victims_come_in_the_policys_order_whether_keys_arrive_in_order_or_not(policy, seed):
     """The reclaimer's heap + ascending run give exactly the (priority, arrival) order, with lazy removal."""
-    import random
-
-    from unipage.eviction import Candidate, make_policy
-    from unipage.pool import PagePool
-    from unipage.reclaim import Reclaimer
-
     rng = random.Random(seed)
     pool = PagePool(64)
     reclaimer = Reclaimer(pool, make_policy(policy))

@@ -1,5 +1,8 @@
 """KVManager: block tables, prefix hits with exact page ids, LRU reclaim order."""
 
+import hashlib
+from array import array
+
 import pytest
 
 from unipage.eviction import make_policy
@@ -179,9 +182,6 @@ def test_unknown_and_duplicate_sequences():
 
 def test_block_hashes_are_blake2b_chained_over_int64_token_bytes():
     """The documented format: h[0] = blake2b(blake2b(salt) + tokens[0:B]), h[i] = blake2b(h[i-1] + block i)."""
-    import hashlib
-    from array import array
-
     tokens = [0, 1, 2**40, 31999, 7, 8, 9, 10, 11]
     prev = hashlib.blake2b(b"digest-A", digest_size=16).digest()
     expected = []
