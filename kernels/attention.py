@@ -21,10 +21,10 @@ with visible keys ``J(i) = {j : lo(i) <= j <= i}``::
 transformers' ``sliding_window_causal_mask_function`` (``j > i - W``).
 ``exp(sinks[h])`` is the attention sink (GPT-OSS): one learnt logit per query
 head that joins the softmax as an extra column whose probability is dropped
-(it has no value); without ``sinks`` that term is 0.  So with sinks an empty
-or tiny-weight context gives an output near 0 rather than a forced average.
-Keys before ``lo(i)`` are never read: their block-table entries may already
-name freed pages (or -1).
+(it has no value); without ``sinks`` that term is 0.  The key weights then
+sum to less than 1, so a head may attend to "nothing".  Keys before ``lo`` of
+a sequence's first query are never read: their block-table entries may
+already name freed pages (or -1).
 
 Decode: one query per sequence at position ``context_lens[b] - 1``.
 Prefill (chunked, varlen): the queries of sequence ``b`` are rows
@@ -48,13 +48,14 @@ two compiled variants per shape: one split, several splits).
 Sinks join the online softmax as a first "key" of logit ``sinks[h]`` and value
 0 (``m = sinks[h] * log2(e)``, ``l = 1`` before the first tile); with decode
 splits only the merge kernel does this, so each sink counts once.  With a
-window the key loop starts at the block holding ``lo`` of the tile's first
-query (decode: the split ranges cover ``[lo, context)`` only); rows below
-``lo`` in that block are masked and their pages not read.  Prefill keys
-``[lo_first, lo_last)`` (between the tile's first and last query's window
-starts) get the window mask; later keys need none up to the diagonal.  The
-window is a runtime argument like the lengths; sinks and window are
-constexpr flags, each adding compiled variants only when used.
+window the key loop starts at the ``BLOCK_N`` block holding ``lo`` of the
+tile's first query (decode: the splits share out that block and those after
+it); rows below ``lo`` in that block are masked before their block-table
+entry is loaded.  A prefill tile's keys from there up to the block boundary
+at or after ``lo`` of its last query get the window and causal masks; later
+keys need none up to the diagonal.  The window is a runtime argument like the
+lengths; sinks and window are constexpr flags, each adding compiled variants
+only when used.
 """
 
 from __future__ import annotations
