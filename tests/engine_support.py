@@ -97,7 +97,41 @@ def qwen3_dense(root) -> Family:
     return fam
 
 
-FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "llama": llama, "qwen3": qwen3_dense}
+def gptoss_config():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(**pf.TINY, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                        sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
+def gptoss(root) -> Family:
+    """GPT-OSS: a sliding (window 8) and a full layer, random biases and sinks, three fused-format adapters."""
+    from transformers import GptOssForCausalLM
+
+    config = gptoss_config()
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.normal_(0, 0.5)
+    fam = Family("gpt_oss", _save(model, os.path.join(root, "base")))
+
+    def base():  # PEFT wraps its module in place: a fresh one per adapter
+        return GptOssForCausalLM(config), pf.model_config(config)
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    fam.adapters["all-r4"] = pf.make_adapter(os.path.join(root, "all-r4"), base(), seed=1, r=4, lora_alpha=8,
+                                             target_modules=pf.ATTENTION, target_parameters=experts).path
+    fam.adapters["experts-r8-rslora"] = pf.make_adapter(os.path.join(root, "experts-r8"), base(), seed=2, r=8,
+                                                        lora_alpha=4, use_rslora=True, target_modules=[],
+                                                        target_parameters=experts).path
+    fam.adapters["attn-r16"] = pf.make_adapter(os.path.join(root, "attn-r16"), base(), seed=3, r=16,
+                                               lora_alpha=16, target_modules=pf.ATTENTION).path
+    return fam
+
+
+FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "llama": llama, "qwen3": qwen3_dense, "gpt_oss": gptoss}
 
 
 class Oracle:
