@@ -100,7 +100,7 @@ def build_backend(args: argparse.Namespace):
         engine.add_adapter(name, path)
     has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
     tokenizer = Tokenizer(model_dir, engine.hf_config) if has_tokenizer else None
-    return EngineBackend(engine, tokenizer, os.path.basename(model_dir))
+    return EngineBackend(engine, tokenizer, getattr(args, "served_name", None) or os.path.basename(model_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,18 +72,20 @@ def tiny_model(root) -> TinyModel:
 class ServerProcess:
     """``unipage-serve`` in a child process; `stop` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, tiny: TinyModel, workdir, *extra: str, adapters: tuple[str, ...] | None = None,
+    def __init__(self, tiny: TinyModel | None, workdir, *extra: str, adapters: tuple[str, ...] | None = None,
                  adapter_root: bool = True) -> None:
+        """Serve ``tiny`` (all its adapters unless ``adapters`` names some), or the built-in demo if None."""
         workdir = os.fspath(workdir)
         self.ready_file = os.path.join(workdir, "endpoint")
         self.log_path = os.path.join(workdir, "server.log")
-        names = tuple(tiny.adapters) if adapters is None else adapters
-        argv = [sys.executable, "-m", "unipage.server.cli", "--model", tiny.model_dir, "--device", "cpu",
-                "--bind", "tcp://127.0.0.1:*", "--ready-file", self.ready_file, "--threads", "1",
-                "--num-pages", "256", "--max-model-len", "64", "--heartbeat-s", "1"]
-        argv += [a for name in names for a in ("--adapter", f"{name}={tiny.adapters[name]}")]
-        if adapter_root:
-            argv += ["--adapter-root", tiny.adapter_root]
+        argv = [sys.executable, "-m", "unipage.server.cli", "--device", "cpu", "--bind", "tcp://127.0.0.1:*",
+                "--ready-file", self.ready_file, "--threads", "1", "--heartbeat-s", "1"]
+        if tiny is not None:
+            names = tuple(tiny.adapters) if adapters is None else adapters
+            argv += ["--model", tiny.model_dir, "--num-pages", "256", "--max-model-len", "64"]
+            argv += [a for name in names for a in ("--adapter", f"{name}={tiny.adapters[name]}")]
+            if adapter_root:
+                argv += ["--adapter-root", tiny.adapter_root]
         argv += list(extra)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - the child writes to it until stop()
