@@ -191,6 +191,8 @@ def _bad_inputs(tiny) -> list[tuple[str, list[bytes], str, str]]:
         ("no request id", [pack(type="generate", prompt=[5])], ErrorCode.MALFORMED, ""),
         ("unknown adapter", [pack(**gen, adapter="nope")], ErrorCode.UNKNOWN_ADAPTER, "bad"),
         ("negative temperature", [pack(**gen, sampling={"temperature": -1.0})], ErrorCode.INVALID_REQUEST, "bad"),
+        ("temperature that overflows the logits", [pack(**gen, sampling={"temperature": 1e-40})],
+         ErrorCode.INVALID_REQUEST, "bad"),
         ("top_p of zero", [pack(**gen, sampling={"top_p": 0.0})], ErrorCode.INVALID_REQUEST, "bad"),
         ("negative top_k", [pack(**gen, sampling={"top_k": -3})], ErrorCode.INVALID_REQUEST, "bad"),
         ("max_tokens of zero", [pack(**{**gen, "max_tokens": 0})], ErrorCode.INVALID_REQUEST, "bad"),
