@@ -331,3 +331,28 @@ def test_a_thousand_requests_from_sixteen_clients(server):
             assert len(rs) == (1 + len(tokens) if i % 2 else 2), rid  # streamed: one chunk per token
             answered += 1
     assert answered == clients * per_client
+
+
+def test_async_client_control_calls_errors_and_abort(server, tiny):
+    async def run():
+        async with AsyncClient(server.endpoint, timeout=30) as client:
+            health, stats, adapters = await asyncio.gather(client.health(), client.stats(), client.list_adapters())
+            assert health.status == "ok" and stats.total_pages == 256
+            assert [a.name for a in adapters] == sorted(ss.ADAPTERS)
+            with pytest.raises(ServerError) as err:
+                await client.complete(prompt(1), adapter="nope")
+            assert err.value.code == ErrorCode.UNKNOWN_ADAPTER
+            with pytest.raises(ServerError) as err:
+                await client.load_adapter("x", tiny.model_dir)
+            assert err.value.code == ErrorCode.ADAPTER_PATH
+            async with client.generate(prompt(2), max_tokens=50, ignore_eos=True, temperature=0) as stream:
+                async for _ in stream:
+                    break  # leaving the block aborts it
+            deadline = time.monotonic() + 10
+            while (await client.stats()).active and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert (await client.stats()).active == 0
+            done = await client.complete("abc", adapter="qv-r4", max_tokens=3, temperature=0, ignore_eos=True)
+            assert done.completion_tokens == 3 and done.text is not None
+
+    asyncio.run(run())
