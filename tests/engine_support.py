@@ -100,7 +100,7 @@ def qwen3_dense(root) -> Family:
 def gptoss_config():
     from transformers import GptOssConfig
 
-    return GptOssConfig(**pf.TINY, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+    return GptOssConfig(**pf.TINY, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                         sliding_window=8, layer_types=["sliding_attention", "full_attention"])
 
 
