@@ -260,3 +260,11 @@ def test_seeded_requests_sample_the_same_tokens_when_preempted(moe):
     tight, preemptions = run(adapter_pages + 12)
     assert none == 0 and preemptions > 0
     assert tight == roomy
+
+
+def test_tiny_temperatures_sample_greedily():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]])
+    params = [SamplingParams(temperature=1e-30), SamplingParams(temperature=1e-6, top_p=0.5)]
+    gens = [make_generator(p, torch.device("cpu")) for p in params]
+    assert gens == [None, None]
+    assert sample(logits, params, gens) == [1, 0]

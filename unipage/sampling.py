@@ -1,7 +1,7 @@
 """Token sampling: greedy, temperature, top-k and top-p, with a seed per request.
 
 ``logits [R, V]`` float32, one row per sampling request.  Greedy rows
-(temperature 0) take the argmax; the others divide by the temperature, keep
+(temperature below 1e-5, where dividing by it would overflow) take the argmax; the others divide by the temperature, keep
 the ``top_k`` largest logits (0: all), then the smallest set of tokens whose
 probability mass reaches ``top_p`` (always at least one), and draw from the
 renormalised distribution with the request's own generator, so a seeded
@@ -16,10 +16,12 @@ import torch
 
 from unipage.scheduler import SamplingParams
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """The request's generator (None for greedy): seeded from ``params.seed``, else at random."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return None
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
@@ -47,7 +49,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """One token per row of ``logits [R, V]``."""
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.temperature == 0:
+        if p.temperature < GREEDY_BELOW:
             continue
         scaled = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(scaled, dim=-1)
