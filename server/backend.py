@@ -8,7 +8,6 @@ a call that raises changes nothing.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,8 +27,6 @@ from unipage.errors import (
     AdapterPathError,
     UnknownAdapterError,
 )
-
-MIN_TEMPERATURE = 1e-5  # smaller positive temperatures overflow the scaled logits (NaN probabilities in the step)
 
 
 class BackendError(ValueError):
@@ -96,9 +93,6 @@ class EngineBackend:
                                    "send token ids instead")
             prompt = self.tokenizer.encode(prompt)
         s = message.sampling
-        if 0 < s.temperature < MIN_TEMPERATURE or not math.isfinite(s.temperature):
-            raise BackendError(ErrorCode.INVALID_REQUEST, f"sampling: temperature must be 0 (greedy) or a finite "
-                               f"value >= {MIN_TEMPERATURE}, got {s.temperature!r}")
         try:
             sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
         except (ValueError, TypeError) as err:
