@@ -292,8 +292,7 @@ class Scheduler:
 
         Returns whether every request sampled at most one token.
         """
-        now, finished, single, append, running, output = self.clock(), False, True, outputs.append, _RUNNING, \
-            RequestOutput
+        now, single, append, running, output = self.clock(), True, outputs.append, _RUNNING, RequestOutput
         for req, tokens in zip(reqs, sampled):  # the hot loop: one new token each for most requests
             if req.status is not running:  # aborted while the step ran
                 continue
@@ -316,9 +315,7 @@ class Scheduler:
             append(output(req.request_id, tokens, reason))
             if reason is not None:
                 self._drop(req, RequestStatus.FINISHED, reason)
-                finished = True
-        if finished:
-            self.running = [r for r in self.running if r.status is _RUNNING]
+                self.running.remove(req)  # O(running) in C; finishes are few per step
         return single
 
     def _commit(self, req: Request) -> None:

@@ -139,7 +139,7 @@ class KVManager:
 
     def grow(self, seq_id, num_tokens: int, protect: frozenset = frozenset()) -> bool:
         """Make room for ``num_tokens`` tokens in total; False (nothing changed) if it cannot fit."""
-        seq = self._seq(seq_id)
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)
         missing = -(-num_tokens // self.block_tokens) - len(seq.table)
         if missing <= 0:
             return True
@@ -154,7 +154,7 @@ class KVManager:
 
         ``num_tokens`` (default: all of ``tokens``) spares the caller a copy of a prefix.
         """
-        seq = self._seq(seq_id)
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if not self.prefix_caching:
             return
         block, hashes, table = self.block_tokens, seq.hashes, seq.table

@@ -116,7 +116,8 @@ class Reclaimer:
 
     def alloc(self, n: int, kind: PageKind = PageKind.KV, protect: frozenset = frozenset()) -> list[int] | None:
         """``pool.alloc(n, kind)``, evicting candidates first if needed; ``None`` if it cannot fit."""
-        if n > self.pool.num_free and not self.reclaim(n - self.pool.num_free, protect):
+        short = n - len(self._pool_free)
+        if short > 0 and not self.reclaim(short, protect):
             return None
         return self.pool.alloc(n, kind)
 
