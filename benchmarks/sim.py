@@ -10,7 +10,8 @@ requests), 1,000 adapters of ranks 8-64 on all linear layers with Zipf(1)
 popularity, Llama-3.1-8B geometry on a 16,384-page pool (32 GiB), the default
 cost profile, FCFS and LRU.  ``wall_s`` is the host time of the whole run
 (workload generation, adapter registration, the event loop, the record) in
-one single-threaded process.  Target: <= 60 s.
+one single-threaded process, ``cpu_s`` its CPU time (the better figure on a
+shared machine: ``loadavg_1m`` says how busy it was).  Target: <= 60 s.
 
 Row ``sim_split``: a shorter run of the same workload with the scheduler's
 ``schedule``/``update``/``add`` timed, to show how the host time divides
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -35,7 +37,8 @@ SEED = 0
 
 def emit(record: dict, out) -> None:
     record = {"bench": "sim", "device": platform.processor() or platform.machine(),
-              "python": sys.version.split()[0], "seed": SEED, "unix_time": round(time.time(), 3), **record}
+              "python": sys.version.split()[0], "seed": SEED, "unix_time": round(time.time(), 3),
+              "loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), **record}
     print(json.dumps(record), file=out, flush=True)
 
 
