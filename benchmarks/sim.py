@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -35,10 +36,23 @@ from unipage.sim.engine import Simulation
 SEED = 0
 
 
+def commit() -> str:
+    """The checkout's commit, with "+dirty" when tracked files differ from it ("" outside git)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
+
+
 def emit(record: dict, out) -> None:
     record = {"bench": "sim", "device": platform.processor() or platform.machine(),
               "python": sys.version.split()[0], "seed": SEED, "unix_time": round(time.time(), 3),
-              "loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), **record}
+              "commit": commit(), "loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), **record}
     print(json.dumps(record), file=out, flush=True)
 
 
