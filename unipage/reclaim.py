@@ -30,6 +30,7 @@ from unipage.eviction import Candidate, EvictionPolicy
 from unipage.pool import PageKind, PagePool
 
 _SEQ, _KIND, _KEY = 2, 3, 4  # fields of an entry
+_NONE: dict = {}  # no candidates of a kind (never written)
 
 
 class Reclaimer:
@@ -38,7 +39,8 @@ class Reclaimer:
         self._pool_free = pool.free_stack()  # read for its length: the number of free pages
         self.policy = policy
         self._clock = 0
-        self._live: dict[tuple[str, object], tuple[int, Candidate]] = {}  # (kind, key) -> (seq, cand)
+        self._live: dict[str, dict[object, tuple[int, Candidate]]] = {}  # kind -> key -> (seq, cand)
+        self._num_live = 0
         self._heap: list[tuple] = []  # entries (priority[0], priority, seq, kind, key)
         self._run: deque[tuple] = deque()  # entries in ascending order
         self._seq = 0
@@ -68,35 +70,37 @@ class Reclaimer:
 
     def add_many(self, cands) -> None:
         """`add` each candidate in order (distinct, and none evictable yet)."""
-        live, priority, push = self._live, self.policy.priority, self._push
+        lives, priority, push = self._live, self.policy.priority, self._push
         for cand in cands:
-            ident = (cand.kind, cand.key)
-            if ident in live:
+            live = lives.get(cand.kind) or lives.setdefault(cand.kind, {})
+            if cand.key in live:
                 raise ValueError(f"{cand.kind} {cand.key!r} is already evictable")
             self._seq += 1
-            live[ident] = (self._seq, cand)
+            live[cand.key] = (self._seq, cand)
+            self._num_live += 1
             self._evictable_pages += cand.pages
             prio = priority(cand)
             push((prio[0], prio, self._seq, cand.kind, cand.key))
-        if len(self._heap) + len(self._run) > 2 * len(live) + 64:
+        if len(self._heap) + len(self._run) > 2 * self._num_live + 64:
             self._compact()
 
     def remove(self, kind: str, key: object) -> Candidate | None:
-        entry = self._live.pop((kind, key), None)
+        entry = self._live.get(kind, _NONE).pop(key, None)
         if entry is None:
             return None
+        self._num_live -= 1
         self._evictable_pages -= entry[1].pages
         return entry[1]
 
     def __contains__(self, ident: tuple[str, object]) -> bool:
-        return ident in self._live
+        return ident[1] in self._live.get(ident[0], _NONE)
 
     @property
     def evictable_pages(self) -> int:
         return self._evictable_pages
 
     def candidates(self) -> list[Candidate]:
-        return [cand for _, cand in self._live.values()]
+        return [cand for live in self._live.values() for _, cand in live.values()]
 
     # -- decisions -------------------------------------------------------
     def choose_victim(self, protect: frozenset = frozenset()) -> Candidate | None:
@@ -123,8 +127,8 @@ class Reclaimer:
 
     def reclaim(self, pages: int, protect: frozenset = frozenset()) -> bool:
         """Evict until ``pages`` more pages are free; evict nothing and return False if impossible."""
-        live = self._live
-        protected = sum(live[i][1].pages for i in protect if i in live) if protect else 0
+        lives = self._live
+        protected = sum(lives[kind][key][1].pages for kind, key in protect if (kind, key) in self) if protect else 0
         if self._evictable_pages - protected < pages:
             return False
         free, heap, run, owners = self._pool_free, self._heap, self._run, self._owners
@@ -133,17 +137,19 @@ class Reclaimer:
         while len(free) < target:  # `choose_victim` + `evict`, inlined: under pressure this runs per page
             # `_pop`, inlined; never empty: the count above says enough is evictable
             entry = run.popleft() if run and (not heap or run[0] < heap[0]) else heapq.heappop(heap)
-            ident = entry[_KIND], entry[_KEY]
-            held = live.get(ident)
+            kind, key = entry[_KIND], entry[_KEY]
+            live = lives[kind]
+            held = live.get(key)
             if held is None or held[0] != entry[_SEQ]:
                 continue  # stale: removed, or re-added since
-            if ident in protect:
+            if protect and (kind, key) in protect:
                 skipped.append(entry)
                 continue
-            del live[ident]
+            del live[key]
+            self._num_live -= 1
             self._evictable_pages -= held[1].pages
-            self.evictions[ident[0]] += 1
-            owners[ident[0]](ident[1])
+            self.evictions[kind] += 1
+            owners[kind](key)
         for entry in skipped:
             self._push(entry)
         return True
@@ -170,7 +176,7 @@ class Reclaimer:
 
     def _held(self, entry: tuple) -> Candidate | None:
         """The live candidate an entry stands for; None if it is stale (removed or re-added since)."""
-        held = self._live.get((entry[_KIND], entry[_KEY]))
+        held = self._live[entry[_KIND]].get(entry[_KEY])
         return held[1] if held is not None and held[0] == entry[_SEQ] else None
 
     def _compact(self) -> None:
@@ -182,5 +188,6 @@ class Reclaimer:
         self._run.extend(fresh)
 
     def check(self) -> None:
-        assert self._evictable_pages == sum(c.pages for _, c in self._live.values())
+        assert self._evictable_pages == sum(c.pages for c in self.candidates())
+        assert self._num_live == sum(map(len, self._live.values()))
         assert all(a < b for a, b in zip(self._run, list(self._run)[1:])), "run out of order"
