@@ -163,12 +163,17 @@ class KVManager:
         if full <= done:
             return
         prev, pack, now = hashes[-1] if hashes else root_hash(seq.salt), _packer(block), self.reclaimer.tick()
-        for start in range(done * block, full * block, block):  # as `iter_block_hashes`, block by block
-            prev = chain_hash(prev, pack(*tokens[start:start + block]))
-            page = table[len(hashes)]
+        by_hash, blocks, new = self._by_hash, self._blocks, []
+        for index in range(done, full):  # as `iter_block_hashes`, block by block
+            prev = chain_hash(prev, pack(*tokens[index * block:index * block + block]))
             hashes.append(prev)
-            if prev not in self._by_hash and page not in self._blocks:
-                self._register(page, prev, seq.salt, now)
+            page = table[index]
+            if prev not in by_hash and page not in blocks:  # else an equal block was registered first
+                by_hash[prev] = page
+                blocks[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, prev, seq.salt)
+                new.append(page)
+        if new:
+            self._salt_pages(seq.salt).update(new)
 
     def free(self, seq_id) -> None:
         """Release a sequence's blocks: registered ones whose last user it was become cached, the rest free."""
@@ -222,13 +227,12 @@ class KVManager:
             block.last_used = block.inserted = now
         self.reclaimer.add_many(blocks)
 
-    def _register(self, page: int, h: bytes, salt: str, now: int) -> None:
-        self._by_hash[h] = page
-        self._blocks[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, h, salt)
+    def _salt_pages(self, salt: str) -> set[int]:
+        """The registered pages computed under ``salt``, created empty if none are."""
         pages = self._by_salt.get(salt)
         if pages is None:
             pages = self._by_salt[salt] = set()
-        pages.add(page)
+        return pages
 
     def _unregister(self, page: int) -> None:
         block = self._blocks.pop(page)

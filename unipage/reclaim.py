@@ -70,7 +70,7 @@ class Reclaimer:
 
     def add_many(self, cands) -> None:
         """`add` each candidate in order (distinct, and none evictable yet)."""
-        lives, priority, push = self._live, self.policy.priority, self._push
+        lives, priority, run, heap = self._live, self.policy.priority, self._run, self._heap
         for cand in cands:
             live = lives.get(cand.kind) or lives.setdefault(cand.kind, {})
             if cand.key in live:
@@ -80,7 +80,11 @@ class Reclaimer:
             self._num_live += 1
             self._evictable_pages += cand.pages
             prio = priority(cand)
-            push((prio[0], prio, self._seq, cand.kind, cand.key))
+            entry = (prio[0], prio, self._seq, cand.kind, cand.key)
+            if not run or entry > run[-1]:  # `_push`, inlined: a cached sequence offers a block per page
+                run.append(entry)
+            else:
+                heapq.heappush(heap, entry)
         if len(self._heap) + len(self._run) > 2 * self._num_live + 64:
             self._compact()
 
