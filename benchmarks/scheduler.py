@@ -19,6 +19,9 @@ evictions happen all the time (the fake executor completes a load one step
 after it starts).  Target: median
 <= 200 us per step on one core.  One row per policy and admission mode, plus
 FCFS without prefix caching.
+
+Every run starts from a collected heap (the previous row's scheduler freed),
+so rows do not depend on their order.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class Workload:
 
 
 def build(policy: str, admission: str, prefix_caching: bool) -> tuple[Scheduler, Workload, FakeExecutor]:
+    gc.collect()  # the last row's scheduler is garbage in reference cycles: left uncollected, it slows this row
     rng = random.Random(SEED)
     config = UnipageConfig(MODEL, PoolConfig(block_tokens=16, num_pages=PAGES, prefix_caching=prefix_caching),
                            LoRAConfig(max_rank=64, max_adapters_per_batch=ADAPTERS_PER_BATCH))
