@@ -10,17 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from unipage.config import int_at_least, require
+
 ADMISSION_MODES = ("optimistic", "reserve")
 VTC_CLIENTS = ("adapter", "tenant")
-
-
-def _require(cond: bool, name: str, allowed: str, value: object) -> None:
-    if not cond:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _int_at_least(value: object, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 @dataclass(frozen=True)
@@ -45,19 +38,19 @@ class SchedulerConfig:
     step_time_s: float = 0.03  # slo: duration of one step at the full token budget (the prediction model), > 0
 
     def __post_init__(self) -> None:
-        _require(_int_at_least(self.max_model_len, 2), "max_model_len", "an integer >= 2", self.max_model_len)
+        require(int_at_least(self.max_model_len, 2), "max_model_len", "an integer >= 2", self.max_model_len)
         for name in ("max_num_batched_tokens", "max_num_seqs", "lookahead"):
-            _require(_int_at_least(getattr(self, name), 1), name, "an integer >= 1", getattr(self, name))
+            require(int_at_least(getattr(self, name), 1), name, "an integer >= 1", getattr(self, name))
         for name in ("long_prefill_token_threshold", "max_skips", "prefetch_depth"):
-            _require(_int_at_least(getattr(self, name), 0), name, "an integer >= 0", getattr(self, name))
-        _require(self.admission in ADMISSION_MODES, "admission", f"one of {list(ADMISSION_MODES)}",
+            require(int_at_least(getattr(self, name), 0), name, "an integer >= 0", getattr(self, name))
+        require(self.admission in ADMISSION_MODES, "admission", f"one of {list(ADMISSION_MODES)}",
                  self.admission)
-        _require(self.vtc_client in VTC_CLIENTS, "vtc_client", f"one of {list(VTC_CLIENTS)}", self.vtc_client)
-        _require(isinstance(self.affinity_max_wait_s, (int, float)) and self.affinity_max_wait_s >= 0,
+        require(self.vtc_client in VTC_CLIENTS, "vtc_client", f"one of {list(VTC_CLIENTS)}", self.vtc_client)
+        require(isinstance(self.affinity_max_wait_s, (int, float)) and self.affinity_max_wait_s >= 0,
                  "affinity_max_wait_s", ">= 0", self.affinity_max_wait_s)
         for name in ("vtc_input_weight", "vtc_output_weight", "slo_ttft_s", "step_time_s"):
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and value > 0, name, "> 0", value)
+            require(isinstance(value, (int, float)) and value > 0, name, "> 0", value)
         from unipage.scheduler.policies import POLICIES  # late: policies import this module
 
-        _require(self.policy in POLICIES, "policy", f"one of {sorted(POLICIES)}", self.policy)
+        require(self.policy in POLICIES, "policy", f"one of {sorted(POLICIES)}", self.policy)

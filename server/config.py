@@ -9,16 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from unipage.config import int_at_least, require
 from unipage.server.protocol import DEFAULT_MAX_MESSAGE_BYTES
-
-
-def _require(cond: bool, name: str, allowed: str, value: object) -> None:
-    if not cond:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _int_at_least(value: object, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 @dataclass(frozen=True)
@@ -38,13 +30,13 @@ class ServerConfig:
     adapter_roots: tuple[str, ...] = ()  # directories LoadAdapter may read from; none = runtime loading off
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.bind, str) and "://" in self.bind, "bind", "a ZeroMQ endpoint like "
+        require(isinstance(self.bind, str) and "://" in self.bind, "bind", "a ZeroMQ endpoint like "
                  "tcp://127.0.0.1:5555", self.bind)
         for name in ("max_message_bytes", "max_active_requests", "client_backlog", "sndhwm", "rcvhwm"):
-            _require(_int_at_least(getattr(self, name), 1), name, "an integer >= 1", getattr(self, name))
-        _require(_int_at_least(self.sndbuf, 0), "sndbuf", "an integer >= 0", self.sndbuf)
+            require(int_at_least(getattr(self, name), 1), name, "an integer >= 1", getattr(self, name))
+        require(int_at_least(self.sndbuf, 0), "sndbuf", "an integer >= 0", self.sndbuf)
         for name in ("drain_timeout_s", "heartbeat_s"):
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and value >= 0, name, ">= 0", value)
+            require(isinstance(value, (int, float)) and value >= 0, name, ">= 0", value)
         roots = tuple(os.path.realpath(os.fspath(r)) for r in self.adapter_roots)
         object.__setattr__(self, "adapter_roots", roots)

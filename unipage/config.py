@@ -22,9 +22,15 @@ DENSE_TARGETS = ATTENTION_TARGETS + DENSE_MLP_TARGETS
 EXPERT_TARGETS = ("experts.gate_up", "experts.down")
 
 
-def _require(cond: bool, name: str, allowed: str, value: object) -> None:
+def require(cond: bool, name: str, allowed: str, value: object) -> None:
+    """Raise ``ValueError("<name> must be <allowed>, got <value>")`` unless ``cond`` (every config's check)."""
     if not cond:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def int_at_least(value: object, low: int) -> bool:
+    """An int (not a bool) ``>= low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _is_pow2(n: int) -> bool:
@@ -52,27 +58,27 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, name, "an integer >= 1", value)
+            require(isinstance(value, int) and value >= 1, name, "an integer >= 1", value)
         for name in ("intermediate_size", "num_experts", "top_k", "expert_intermediate_size"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 0, name, "an integer >= 0", value)
-        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+            require(isinstance(value, int) and value >= 0, name, "an integer >= 0", value)
+        require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
                  f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
-        _require(self.dtype in DTYPE_BYTES, "dtype", f"one of {sorted(DTYPE_BYTES)}", self.dtype)
+        require(self.dtype in DTYPE_BYTES, "dtype", f"one of {sorted(DTYPE_BYTES)}", self.dtype)
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if self.num_experts:
-            _require(1 <= self.top_k <= self.num_experts, "top_k",
+            require(1 <= self.top_k <= self.num_experts, "top_k",
                      f"in [1, num_experts={self.num_experts}]", self.top_k)
-            _require(self.expert_intermediate_size >= 1, "expert_intermediate_size",
+            require(self.expert_intermediate_size >= 1, "expert_intermediate_size",
                      ">= 1 for an MoE model", self.expert_intermediate_size)
             bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-            _require(not bad, "mlp_only_layers", f"layer indices in [0, {self.num_layers})", bad)
+            require(not bad, "mlp_only_layers", f"layer indices in [0, {self.num_layers})", bad)
         else:
-            _require(self.top_k == 0, "top_k", "0 for a dense model (num_experts=0)", self.top_k)
-            _require(not self.mlp_only_layers, "mlp_only_layers", "empty for a dense model",
+            require(self.top_k == 0, "top_k", "0 for a dense model (num_experts=0)", self.top_k)
+            require(not self.mlp_only_layers, "mlp_only_layers", "empty for a dense model",
                      self.mlp_only_layers)
         if self.num_dense_mlp_layers:
-            _require(self.intermediate_size >= 1, "intermediate_size",
+            require(self.intermediate_size >= 1, "intermediate_size",
                      ">= 1 when any layer has a dense MLP", self.intermediate_size)
 
     @property
@@ -147,15 +153,15 @@ class PoolConfig:
     prefix_caching: bool = True  # reuse full KV blocks across requests with the same prefix and adapter
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.block_tokens, int) and _is_pow2(self.block_tokens), "block_tokens",
+        require(isinstance(self.block_tokens, int) and _is_pow2(self.block_tokens), "block_tokens",
                  "a power of two >= 1", self.block_tokens)
-        _require((self.num_pages is None) != (self.memory_bytes is None), "num_pages/memory_bytes",
+        require((self.num_pages is None) != (self.memory_bytes is None), "num_pages/memory_bytes",
                  "exactly one of the two set", (self.num_pages, self.memory_bytes))
         if self.num_pages is not None:
-            _require(isinstance(self.num_pages, int) and self.num_pages >= 1, "num_pages",
+            require(isinstance(self.num_pages, int) and self.num_pages >= 1, "num_pages",
                      "an integer >= 1", self.num_pages)
         if self.memory_bytes is not None:
-            _require(isinstance(self.memory_bytes, int) and self.memory_bytes >= 1, "memory_bytes",
+            require(isinstance(self.memory_bytes, int) and self.memory_bytes >= 1, "memory_bytes",
                      "an integer >= 1", self.memory_bytes)
 
 
@@ -173,19 +179,19 @@ class LoRAConfig:
     recompute_s_per_token: float = 20e-6  # prefill time of one token, the cost of a lost KV block
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_rank, int) and 1 <= self.max_rank <= 1024, "max_rank",
+        require(isinstance(self.max_rank, int) and 1 <= self.max_rank <= 1024, "max_rank",
                  "an integer in [1, 1024]", self.max_rank)
-        _require(isinstance(self.max_adapters_per_batch, int) and self.max_adapters_per_batch >= 1,
+        require(isinstance(self.max_adapters_per_batch, int) and self.max_adapters_per_batch >= 1,
                  "max_adapters_per_batch", "an integer >= 1", self.max_adapters_per_batch)
-        _require(isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 0,
+        require(isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 0,
                  "host_cache_bytes", "an integer >= 0", self.host_cache_bytes)
         for name in ("h2d_bytes_per_s", "disk_bytes_per_s", "recompute_s_per_token"):
-            _require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
+            require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
         roots = tuple(os.path.realpath(os.fspath(r)) for r in self.adapter_roots)
         object.__setattr__(self, "adapter_roots", roots)
         from unipage.eviction import POLICIES  # late: eviction imports nothing from here
 
-        _require(self.eviction_policy in POLICIES, "eviction_policy", f"one of {sorted(POLICIES)}",
+        require(self.eviction_policy in POLICIES, "eviction_policy", f"one of {sorted(POLICIES)}",
                  self.eviction_policy)
 
 
@@ -198,10 +204,10 @@ class UnipageConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
-        _require(_is_pow2(self.page_elems) and self.page_elems >= 64, "pool.block_tokens",
+        require(_is_pow2(self.page_elems) and self.page_elems >= 64, "pool.block_tokens",
                  "such that block_tokens * 2 * num_kv_heads * head_dim is a power of two >= 64",
                  self.pool.block_tokens)
-        _require(self.num_pages >= 1, "pool.memory_bytes",
+        require(self.num_pages >= 1, "pool.memory_bytes",
                  f">= one page over all layers ({self.page_bytes_all_layers} bytes)", self.pool.memory_bytes)
 
     @property
