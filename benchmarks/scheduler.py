@@ -36,6 +36,10 @@ import statistics
 import sys
 import time
 
+try:
+    from benchmarks.cpu import calibrate
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from cpu import calibrate
 from unipage.adapter_info import synthetic_info
 from unipage.adapters import LoadAdapter
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
@@ -105,16 +109,6 @@ def build(policy: str, admission: str, prefix_caching: bool) -> tuple[Scheduler,
                                    policy=policy, admission=admission, slo_ttft_s=30.0)
     return Scheduler(memory, sched_config), Workload(rng), FakeExecutor(rng)
 
-
-def calibrate() -> float:
-    """Nanoseconds per iteration of ``for i in range(n): x += i``: how fast this machine runs Python."""
-    best = float("inf")
-    for _ in range(5):
-        x, start = 0, time.perf_counter()
-        for i in range(1_000_000):
-            x += i
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 MEMORY_CALLS = (("kv", ("open", "grow", "commit", "free", "match_prefix")),

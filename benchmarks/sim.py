@@ -30,6 +30,10 @@ import subprocess
 import sys
 import time
 
+try:
+    from benchmarks.cpu import calibrate
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from cpu import calibrate
 from unipage.sim import build_config, make_record
 from unipage.sim.engine import Simulation
 
@@ -55,15 +59,6 @@ def emit(record: dict, out) -> None:
               "commit": commit(), "loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), **record}
     print(json.dumps(record), file=out, flush=True)
 
-
-def calibrate() -> float:
-    best = float("inf")
-    for _ in range(5):
-        x, start = 0, time.perf_counter()
-        for i in range(1_000_000):
-            x += i
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def config(duration_s: float, rate: float):

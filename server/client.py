@@ -137,17 +137,10 @@ def _dealer(context: zmq.Context, address: str, heartbeat_s: float) -> zmq.Socke
 # -- blocking ----------------------------------------------------------------------------------------
 
 
-class Stream:
-    """The replies to one Generate: iterate for `TokenChunk`s; ``finished`` holds the `Finished` at the end.
+class _StreamView:
+    """What both stream kinds show of what they received so far (``self._acc``: an `_Accumulator`)."""
 
-    Leaving a ``with`` block (or `close`) before the end aborts the request.
-    """
-
-    def __init__(self, client: Client, request_id: str) -> None:
-        self._client = client
-        self._acc = _Accumulator(request_id)
-        self.request_id = request_id
-        self._closed = False
+    _acc: _Accumulator
 
     @property
     def finished(self) -> Finished | None:
@@ -160,6 +153,19 @@ class Stream:
     @property
     def text(self) -> str | None:
         return self._acc.text
+
+
+class Stream(_StreamView):
+    """The replies to one Generate: iterate for `TokenChunk`s; ``finished`` holds the `Finished` at the end.
+
+    Leaving a ``with`` block (or `close`) before the end aborts the request.
+    """
+
+    def __init__(self, client: Client, request_id: str) -> None:
+        self._client = client
+        self._acc = _Accumulator(request_id)
+        self.request_id = request_id
+        self._closed = False
 
     def __iter__(self) -> Stream:
         return self
@@ -313,7 +319,7 @@ class Client:
 # -- asyncio -----------------------------------------------------------------------------------------
 
 
-class AsyncStream:
+class AsyncStream(_StreamView):
     """``async for chunk in stream``; sent when iteration starts; ``finished`` at the end."""
 
     def __init__(self, client: AsyncClient, message: Generate) -> None:
@@ -323,18 +329,6 @@ class AsyncStream:
         self.request_id = message.request_id
         self._queue: asyncio.Queue | None = None
         self._closed = False
-
-    @property
-    def finished(self) -> Finished | None:
-        return self._acc.finished
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._acc.token_ids
-
-    @property
-    def text(self) -> str | None:
-        return self._acc.text
 
     async def start(self) -> AsyncStream:
         """Send the request now (iteration does it too)."""
