@@ -11,7 +11,7 @@ scaling is folded into B)::
 
     z        = x[t] @ A_gu[s, e].T                                              [R]
     h        = raw[p] + Σ_j place_j(z[a_row_j : a_row_j + r_j] @ B_gu_j[s, e])  [2I]
-    act[p]   = silu(h[:I]) · h[I:]                                              [I]
+    act[p]   = act_fn(h[:I], h[I:])   (silu(g)·u; GPT-OSS: the clamped SwiGLU)  [I]
     y[p]    += w[p] · (act[p] @ A_d[s, e].T) @ B_d[s, e]                        [H]
 
 where ``raw[p] = x[t] @ W_gu[e].T`` and ``y[p] = w[p] · act[p] @ W_d[e].T`` come

@@ -53,8 +53,8 @@ def default_pool(model: ModelConfig, device: torch.device, block_tokens: int = 1
         budget = int(free * GPU_POOL_FRACTION)
     else:
         budget = CPU_POOL_BYTES
-    page_elems = block_tokens * 2 * model.num_kv_heads * model.head_dim
-    pages = min(budget // (page_elems * model.num_layers * model.dtype_bytes), MAX_LAYER_ELEMS // page_elems)
+    one_page = UnipageConfig(model, PoolConfig(block_tokens=block_tokens, num_pages=1))
+    pages = min(budget // one_page.page_bytes_all_layers, MAX_LAYER_ELEMS // one_page.page_elems)
     return PoolConfig(block_tokens=block_tokens, num_pages=max(1, pages))
 
 
