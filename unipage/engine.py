@@ -26,6 +26,7 @@ from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
 from unipage.errors import AdapterBusyError
 from unipage.memory import UnifiedMemory
 from unipage.models.decoder import DecoderLM
+from unipage.models.dummy import DummyCheckpoint
 from unipage.models.ops import ops_for
 from unipage.models.weights import Checkpoint, read_config
 from unipage.runner import ModelRunner, StepOutput
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 CPU_POOL_BYTES = 256 << 20  # default pool on CPU
 GPU_POOL_FRACTION = 0.85  # default pool on CUDA: this share of the memory free after the weights
 MAX_LAYER_ELEMS = 2**31 - 1  # the kernels address one layer of the pool with 32-bit element offsets
+LOAD_FORMATS = ("safetensors", "dummy")
 STALL_STEPS = 1000  # empty steps in a row with work left and nothing in flight: report a stall
 
 
@@ -68,13 +70,20 @@ def check_pool_size(config: UnipageConfig) -> None:
 class Engine:
     def __init__(self, model_dir: str | os.PathLike, *, device: str | torch.device | None = None,
                  dtype: str | None = None, pool: PoolConfig | None = None, lora: LoRAConfig | None = None,
-                 scheduler: SchedulerConfig | None = None, kernels: str | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None, kernels: str | None = None,
+                 load_format: str = "safetensors") -> None:
+        """``load_format``: "safetensors" reads the checkpoint's weights; "dummy" needs only its
+        ``config.json`` and draws random weights on the device (benchmarks at real shapes)."""
         model_dir = os.fspath(model_dir)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         hf = read_config(model_dir)
         self.hf_config = hf
         model = ModelConfig.from_hf(hf, dtype)
-        ckpt = Checkpoint(model_dir, getattr(torch, model.dtype), self.device)
+        dtype_t = getattr(torch, model.dtype)
+        ckpt = (DummyCheckpoint(hf, dtype_t, self.device) if load_format == "dummy"
+                else Checkpoint(model_dir, dtype_t, self.device))
         self.model = DecoderLM(hf, model, ckpt, ops_for(self.device, kernels))
         del ckpt
         self.config = UnipageConfig(model, pool or default_pool(model, self.device), lora or LoRAConfig())
