@@ -29,7 +29,7 @@ from unipage.models.decoder import DecoderLM
 from unipage.models.dummy import DummyCheckpoint
 from unipage.models.ops import ops_for
 from unipage.models.weights import Checkpoint, read_config
-from unipage.runner import ModelRunner, StepOutput
+from unipage.runner import GraphLimits, ModelRunner, StepOutput
 from unipage.scheduler import (
     Request,
     RequestOutput,
@@ -71,9 +71,11 @@ class Engine:
     def __init__(self, model_dir: str | os.PathLike, *, device: str | torch.device | None = None,
                  dtype: str | None = None, pool: PoolConfig | None = None, lora: LoRAConfig | None = None,
                  scheduler: SchedulerConfig | None = None, kernels: str | None = None,
-                 load_format: str = "safetensors") -> None:
+                 load_format: str = "safetensors", cuda_graphs: bool | None = None) -> None:
         """``load_format``: "safetensors" reads the checkpoint's weights; "dummy" needs only its
-        ``config.json`` and draws random weights on the device (benchmarks at real shapes)."""
+        ``config.json`` and draws random weights on the device (benchmarks at real shapes).
+        ``cuda_graphs``: replay captured CUDA graphs for decode steps (default: on with the Triton
+        kernels on CUDA; `unipage.graphs`)."""
         model_dir = os.fspath(model_dir)
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -92,13 +94,23 @@ class Engine:
         self.storage = PoolStorage(self.config, self.device)
         max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)
         self.scheduler = Scheduler(self.memory, scheduler or SchedulerConfig(max_model_len=max_len))
-        self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device)
+        self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device,
+                                  graphs=self._graph_limits(cuda_graphs))
         self.vocab_size = int(hf["vocab_size"])
         self._done: list[str] = []  # loads complete, to report at the next update
         self._failed: list[str] = []
         self._in_flight: dict[str, int] = {}  # adapter -> slot, CUDA copies not yet complete
         self._idle_steps = 0
         self.last_step: StepOutput | None = None
+
+    def _graph_limits(self, wanted: bool | None) -> GraphLimits | None:
+        triton = self.model.ops.name == "triton"
+        if wanted and not triton:
+            raise ValueError("cuda_graphs needs the Triton kernels on a CUDA device")
+        if not (triton if wanted is None else wanted):
+            return None
+        sched = self.scheduler.config
+        return GraphLimits(sched.max_num_seqs, sched.max_model_len, self.config.lora.max_adapters_per_batch)
 
     # -- adapters ------------------------------------------------------------
     def add_adapter(self, name: str, path: str | os.PathLike) -> None:

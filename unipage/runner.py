@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unipage.graphs import DecodeGraphs
 from unipage.lora_layout import AdapterLayout
 from unipage.models.decoder import DecoderLM, StepBatch
 from unipage.models.lora_tables import LoraTables
@@ -32,6 +33,13 @@ class SeqState:
     generator: torch.Generator | None
 
 
+@dataclass(frozen=True)
+class GraphLimits:
+    max_seqs: int  # the largest decode batch captured (the scheduler's max_num_seqs)
+    max_model_len: int  # sets the block-table width of the graphs
+    max_adapters: int  # distinct adapters per step (the LoRA kernels' tile-height hint)
+
+
 @dataclass
 class StepOutput:
     sampled: list[list[int]]  # per SchedulerOutput.req_ids entry
@@ -40,9 +48,14 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, pool: torch.Tensor, block_tokens: int, device: torch.device,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, graphs: GraphLimits | None = None) -> None:
+        """``graphs``: capture CUDA graphs of decode steps within these limits (None: run eagerly)."""
         self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
         self.lora = LoraTables(model.model, device)
+        self.graphs = None
+        if graphs is not None:
+            self.graphs = DecodeGraphs(model, pool, self.lora, block_tokens, graphs.max_seqs,
+                                       -(-graphs.max_model_len // block_tokens), graphs.max_adapters, device)
         self.seqs: dict[str, SeqState] = {}
         self._generators: dict[str, torch.Generator | None] = {}  # of preempted requests, until resumed
         self.keep_logits = keep_logits
@@ -77,34 +90,40 @@ class ModelRunner:
         if not out.req_ids:
             return StepOutput([], {})
         self.lora.refresh()
-        batch, samplers = self._batch(out)
-        logits = self.model.forward(batch, self.pool, self.lora, self.block_tokens)
-        tokens = sample(logits, [self.seqs[r].sampling for r in samplers],
-                        [self.seqs[r].generator for r in samplers])
-        by_id = dict(zip(samplers, tokens))
-        sampled = []
-        for rid, n in zip(out.req_ids, out.num_scheduled_tokens):
-            seq = self.seqs[rid]
+        seqs = [self.seqs[rid] for rid in out.req_ids]
+        self._check_fits(out, seqs)
+        samplers = [i for i, (seq, n) in enumerate(zip(seqs, out.num_scheduled_tokens))
+                    if seq.num_computed + n == len(seq.token_ids)]
+        if self.graphs is not None and self.graphs.accepts(out.num_scheduled_tokens, [s.block_table for s in seqs]):
+            hidden = self.graphs.run(seqs)
+            logits = self.model.logits(hidden if len(samplers) == len(seqs) else hidden[samplers])
+        else:
+            logits = self.model.forward(self._batch(out, seqs), self.pool, self.lora, self.block_tokens)
+        tokens = sample(logits, [seqs[i].sampling for i in samplers], [seqs[i].generator for i in samplers])
+        sampled: list[list[int]] = [[] for _ in seqs]
+        for i, token in zip(samplers, tokens):
+            seqs[i].token_ids.append(token)
+            sampled[i] = [token]
+        for seq, n in zip(seqs, out.num_scheduled_tokens):
             seq.num_computed += n
-            if rid in by_id:
-                seq.token_ids.append(by_id[rid])
-                sampled.append([by_id[rid]])
-            else:
-                sampled.append([])
-        kept = {rid: logits[i].cpu() for i, rid in enumerate(samplers)} if self.keep_logits else {}
+        kept = {out.req_ids[i]: logits[row].cpu() for row, i in enumerate(samplers)} if self.keep_logits else {}
         return StepOutput(sampled, kept)
 
-    def _batch(self, out: SchedulerOutput) -> tuple[StepBatch, list[str]]:
+    def _check_fits(self, out: SchedulerOutput, seqs: list[SeqState]) -> None:
         bt = self.block_tokens
-        ids, positions, slots, token_slots, rows, samplers = [], [], [], [], [], []
+        for rid, seq, n in zip(out.req_ids, seqs, out.num_scheduled_tokens):
+            end = seq.num_computed + n
+            if end > len(seq.token_ids) or end > len(seq.block_table) * bt:
+                raise RuntimeError(f"request {rid!r}: {n} tokens scheduled at {seq.num_computed} exceed its "
+                                   f"{len(seq.token_ids)} tokens or {len(seq.block_table)} KV blocks")
+
+    def _batch(self, out: SchedulerOutput, seqs: list[SeqState]) -> StepBatch:
+        bt = self.block_tokens
+        ids, positions, slots, token_slots, rows = [], [], [], [], []
         tables, seq_lens, cu = [], [], [0]
         per_slot: dict[int, int] = {}
-        for rid, n in zip(out.req_ids, out.num_scheduled_tokens):
-            seq = self.seqs[rid]
+        for seq, n in zip(seqs, out.num_scheduled_tokens):
             start, end = seq.num_computed, seq.num_computed + n
-            if end > len(seq.token_ids) or end > len(seq.block_table) * bt:
-                raise RuntimeError(f"request {rid!r}: {n} tokens scheduled at {start} exceed its "
-                                   f"{len(seq.token_ids)} tokens or {len(seq.block_table)} KV blocks")
             ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table
@@ -117,18 +136,16 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             if end == len(seq.token_ids):
                 rows.append(cu[-1] - 1)
-                samplers.append(rid)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-        batch = StepBatch(
+        return StepBatch(
             input_ids=tensor(ids, torch.long), positions=tensor(positions, torch.long),
             slot_mapping=tensor(slots, torch.long), block_tables=tensor(padded, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32), cu_seqlens_q=tensor(cu, torch.int32),
             max_q_len=max(out.num_scheduled_tokens), token_slots=tensor(token_slots, torch.int32),
             logits_rows=tensor(rows, torch.long), any_lora=bool(per_slot),
             group_tokens=max(per_slot.values(), default=0), active_slots=len(per_slot))
-        return batch, samplers

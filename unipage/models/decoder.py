@@ -176,6 +176,17 @@ class DecoderLM:
     def forward(self, batch: StepBatch, pool: torch.Tensor, lora: LoraTables | None,
                 block_tokens: int) -> torch.Tensor:
         """Logits ``[R, V]`` float32 of ``batch.logits_rows``; writes the step's KV into ``pool [L, N, P]``."""
+        return self.logits(self.hidden_states(batch, pool, lora, block_tokens))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, V]`` float32 from the final norm's output ``[R, H]``."""
+        return (hidden @ self.lm_head.T).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: StepBatch, pool: torch.Tensor, lora: LoraTables | None,
+                      block_tokens: int) -> torch.Tensor:
+        """The final norm's output ``[R, H]`` at ``batch.logits_rows``; writes the step's KV into the pool."""
         cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.embed.dtype, self.rope_scale)
         lora_on = batch.any_lora and lora is not None and lora.page_table is not None
         plan = None
@@ -189,8 +200,7 @@ class DecoderLM:
             x = rms_norm(h, layer.post_norm, self.eps)
             mlp = self._moe if layer.router is not None else self._mlp
             h = h + mlp(layer, x, pool[i], layer_lora, ctx)
-        h = rms_norm(h[batch.logits_rows], self.norm, self.eps)
-        return (h @ self.lm_head.T).float()
+        return rms_norm(h[batch.logits_rows], self.norm, self.eps)
 
     def _lora(self, y, x, pool_l, meta, ctx: _Context) -> None:
         if ctx.lora is not None and meta is not None:

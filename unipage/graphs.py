@@ -1,0 +1,133 @@
+"""CUDA graphs of the decode step: one per batch-size bucket, serving any adapter mix.
+
+A *decode step* gives every scheduled request exactly one token.  Its forward
+pass is the same sequence of kernels whatever the requests, so `DecodeGraphs`
+captures it once per bucket of batch sizes (`bucket_sizes`) and replays it:
+one launch instead of hundreds, and no Python in the loop over layers.
+
+What a replay reads lives in static device buffers, refreshed by one or two
+host-to-device copies from pinned memory per step (no sync):
+
+    ids, positions, slot_mapping   [3, Bmax] int64
+    seq_lens, token_slots          [2, Bmax] int32
+    block_tables                   [Bmax, W] int32, W = max_model_len / block_tokens
+
+Rows past the batch (up to its bucket) are padding: token 0 at position 0,
+no KV write (slot -1), no adapter, a context of one token.  The LoRA tables
+(`LoraTables`) keep their tensors while their *signature* is unchanged, so a
+graph serves every adapter mix; when the signature changes (`generation`),
+the graphs are dropped and captured again on next use.  The graph ends at the
+final norm's output; the LM head runs outside it (a ``[B, V]`` float32 output
+per bucket would pin hundreds of MB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unipage.models.decoder import DecoderLM, StepBatch
+from unipage.models.lora_tables import LoraTables
+
+WARMUP_RUNS = 2  # eager runs before a capture (compile every kernel variant the graph needs)
+
+
+def bucket_sizes(max_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond; the last is ``max_seqs``."""
+    sizes, b = [], 1
+    while b < max_seqs:
+        sizes.append(b)
+        b = b * 2 if b < 8 else b + (8 if b < 64 else 16 if b < 128 else 32)
+    return [*sizes, max_seqs]
+
+
+class DecodeGraphs:
+    """Captured decode forward passes by bucket; `run` replays the one that fits a batch."""
+
+    def __init__(self, model: DecoderLM, pool: torch.Tensor, lora: LoraTables, block_tokens: int,
+                 max_seqs: int, max_blocks: int, max_adapters: int, device: torch.device) -> None:
+        self.model, self.pool, self.lora, self.block_tokens = model, pool, lora, block_tokens
+        self.buckets, self.max_adapters, self.device = bucket_sizes(max_seqs), max_adapters, device
+        rows = self.buckets[-1]
+        self.host64 = torch.zeros(3, rows, dtype=torch.int64).pin_memory()
+        self.host32 = torch.zeros(2 + rows, max_blocks, dtype=torch.int32).pin_memory()
+        self.dev64 = torch.zeros(3, rows, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(2 + rows, max_blocks, dtype=torch.int32, device=device)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(rows, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
+        self.generation = -1  # the LoRA tables' generation the graphs were captured with
+        self.replays = self.captures = 0  # counters, for tests and benchmarks
+        self.mempool = torch.cuda.graph_pool_handle()
+        self._copied = torch.cuda.Event()
+
+    @property
+    def max_blocks(self) -> int:
+        return self.dev32.shape[1]
+
+    def accepts(self, num_scheduled: list[int], tables: list[list[int]]) -> bool:
+        """Whether the step is a decode step these graphs cover."""
+        return (len(num_scheduled) <= self.buckets[-1] and all(n == 1 for n in num_scheduled)
+                and all(len(t) <= self.max_blocks for t in tables))
+
+    def run(self, seqs) -> torch.Tensor:
+        """Hidden states ``[B, H]`` (after the final norm) of one decode step of ``seqs`` (`SeqState`s)."""
+        if self.lora.generation != self.generation:
+            self.graphs.clear()
+            self.generation = self.lora.generation
+        count = len(seqs)
+        bucket = next(b for b in self.buckets if b >= count)
+        self._fill(seqs, bucket)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+            self.captures += 1
+        graph, hidden = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return hidden[:count]
+
+    # -- inputs ------------------------------------------------------------
+    def _fill(self, seqs, bucket: int) -> None:
+        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        np64, np32, bt = self.np64, self.np32, self.block_tokens
+        for i, seq in enumerate(seqs):
+            pos = seq.num_computed
+            table = seq.block_table
+            np64[0, i], np64[1, i] = seq.token_ids[pos], pos
+            np64[2, i] = table[pos // bt] * bt + pos % bt
+            np32[0, i], np32[1, i] = pos + 1, seq.slot
+            np32[2 + i, :len(table)] = table
+        self._pad(len(seqs), bucket)
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32[:2 + bucket].copy_(self.host32[:2 + bucket], non_blocking=True)
+        self._copied.record()
+
+    def _pad(self, start: int, end: int) -> None:
+        self.np64[:, start:end] = 0
+        self.np64[2, start:end] = -1  # no KV write
+        self.np32[0, start:end] = 1
+        self.np32[1, start:end] = -1  # no adapter
+
+    def _batch(self, bucket: int) -> StepBatch:
+        adapters = min(bucket, self.max_adapters)
+        return StepBatch(
+            input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
+            block_tables=self.dev32[2:2 + bucket], seq_lens=self.dev32[0, :bucket], cu_seqlens_q=self.cu[:bucket + 1],
+            max_q_len=1, token_slots=self.dev32[1, :bucket], logits_rows=self.rows[:bucket],
+            any_lora=self.lora.page_table is not None, group_tokens=-(-bucket // adapters), active_slots=adapters)
+
+    # -- capture -----------------------------------------------------------
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        batch = self._batch(bucket)
+        lora = self.lora if batch.any_lora else None
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self.model.hidden_states(batch, self.pool, lora, self.block_tokens)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            hidden = self.model.hidden_states(batch, self.pool, lora, self.block_tokens)
+        return graph, hidden
