@@ -72,13 +72,15 @@ class LLM:
                  device: str | torch.device | None = None, dtype: str | None = None,
                  pool: PoolConfig | None = None, lora: LoRAConfig | None = None,
                  scheduler: SchedulerConfig | None = None, kernels: str | None = None,
-                 load_format: str = "safetensors") -> None:
+                 load_format: str = "safetensors", cuda_graphs: bool | None = None) -> None:
         """Load ``model_dir`` (config.json + safetensors) onto ``device`` (default CUDA if present)
         in ``dtype`` (default the checkpoint's); register ``adapters`` {name: PEFT directory}.
-        ``load_format="dummy"``: random weights from config.json alone (benchmarks)."""
+        ``load_format="dummy"``: random weights from config.json alone (benchmarks).
+        ``cuda_graphs``: replay CUDA graphs for decode steps (default: on with the Triton kernels)."""
         model_dir = os.fspath(model_dir)
         self.engine = Engine(model_dir, device=device, dtype=dtype, pool=pool, lora=lora, scheduler=scheduler,
-                             kernels=kernels, load_format=load_format)
+                             kernels=kernels, load_format=load_format,
+                             cuda_graphs=cuda_graphs)
         has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
         self.tokenizer = Tokenizer(model_dir, self.engine.hf_config) if has_tokenizer else None
         self._ids = itertools.count()
