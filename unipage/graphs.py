@@ -9,8 +9,8 @@ What a replay reads lives in static device buffers, refreshed by one or two
 host-to-device copies from pinned memory per step (no sync):
 
     ids, positions, slot_mapping   [3, Bmax] int64
-    seq_lens, token_slots          [2, Bmax] int32
-    block_tables                   [Bmax, W] int32, W = max_model_len / block_tokens
+    seq_lens, token_slots, tables  [2·Bmax + Bmax·W] int32 (block tables [Bmax, W] last),
+                                   W = max_model_len / block_tokens
 
 Rows past the batch (up to its bucket) are padding: token 0 at position 0,
 no KV write (slot -1), no adapter, a context of one token.  The LoRA tables
@@ -49,10 +49,13 @@ class DecodeGraphs:
         self.buckets, self.max_adapters, self.device = bucket_sizes(max_seqs), max_adapters, device
         rows = self.buckets[-1]
         self.host64 = torch.zeros(3, rows, dtype=torch.int64).pin_memory()
-        self.host32 = torch.zeros(2 + rows, max_blocks, dtype=torch.int32).pin_memory()
+        self.host32 = torch.zeros(rows * (2 + max_blocks), dtype=torch.int32).pin_memory()
         self.dev64 = torch.zeros(3, rows, dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(2 + rows, max_blocks, dtype=torch.int32, device=device)
-        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.dev32 = torch.zeros(rows * (2 + max_blocks), dtype=torch.int32, device=device)
+        self.np64 = self.host64.numpy()
+        self.np_lens, self.np_slots = self.host32[:rows].numpy(), self.host32[rows:2 * rows].numpy()
+        self.np_tables = self.host32[2 * rows:].view(rows, max_blocks).numpy()
+        self.max_blocks = max_blocks
         self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(rows, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
@@ -60,10 +63,6 @@ class DecodeGraphs:
         self.replays = self.captures = 0  # counters, for tests and benchmarks
         self.mempool = torch.cuda.graph_pool_handle()
         self._copied = torch.cuda.Event()
-
-    @property
-    def max_blocks(self) -> int:
-        return self.dev32.shape[1]
 
     def accepts(self, num_scheduled: list[int], tables: list[list[int]]) -> bool:
         """Whether the step is a decode step these graphs cover."""
@@ -89,31 +88,33 @@ class DecodeGraphs:
     # -- inputs ------------------------------------------------------------
     def _fill(self, seqs, bucket: int) -> None:
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
-        np64, np32, bt = self.np64, self.np32, self.block_tokens
+        np64, lens, slots, tables, bt = self.np64, self.np_lens, self.np_slots, self.np_tables, self.block_tokens
         for i, seq in enumerate(seqs):
             pos = seq.num_computed
             table = seq.block_table
             np64[0, i], np64[1, i] = seq.token_ids[pos], pos
             np64[2, i] = table[pos // bt] * bt + pos % bt
-            np32[0, i], np32[1, i] = pos + 1, seq.slot
-            np32[2 + i, :len(table)] = table
+            lens[i], slots[i] = pos + 1, seq.slot
+            tables[i, :len(table)] = table
         self._pad(len(seqs), bucket)
+        used = self.buckets[-1] * 2 + bucket * self.max_blocks  # lengths, slots, the bucket's table rows
         self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32[:2 + bucket].copy_(self.host32[:2 + bucket], non_blocking=True)
+        self.dev32[:used].copy_(self.host32[:used], non_blocking=True)
         self._copied.record()
 
     def _pad(self, start: int, end: int) -> None:
         self.np64[:, start:end] = 0
         self.np64[2, start:end] = -1  # no KV write
-        self.np32[0, start:end] = 1
-        self.np32[1, start:end] = -1  # no adapter
+        self.np_lens[start:end] = 1
+        self.np_slots[start:end] = -1  # no adapter
 
     def _batch(self, bucket: int) -> StepBatch:
-        adapters = min(bucket, self.max_adapters)
+        adapters, rows = min(bucket, self.max_adapters), self.buckets[-1]
+        tables = self.dev32[2 * rows:].view(rows, self.max_blocks)
         return StepBatch(
             input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
-            block_tables=self.dev32[2:2 + bucket], seq_lens=self.dev32[0, :bucket], cu_seqlens_q=self.cu[:bucket + 1],
-            max_q_len=1, token_slots=self.dev32[1, :bucket], logits_rows=self.rows[:bucket],
+            block_tables=tables[:bucket], seq_lens=self.dev32[:bucket], cu_seqlens_q=self.cu[:bucket + 1],
+            max_q_len=1, token_slots=self.dev32[rows:rows + bucket], logits_rows=self.rows[:bucket],
             any_lora=self.lora.page_table is not None, group_tokens=-(-bucket // adapters), active_slots=adapters)
 
     # -- capture -----------------------------------------------------------
