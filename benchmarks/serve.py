@@ -1,0 +1,371 @@
+"""Serving performance of the engine on random-weight models at real shapes (issue 8), JSON lines.
+
+    python benchmarks/serve.py --setup a [--requests 48] [--layers N] [--out FILE] [--log-dir DIR]
+    python benchmarks/serve.py --setup b [--models llama3-8b qwen3-30b-a3b] [--requests 1024]
+    python benchmarks/serve.py --setup c [--counts 5 50 500 5000] [--workdir DIR]
+    python benchmarks/serve.py --setup d [--requests 128]
+    python benchmarks/serve.py --setup calibrate --logs DIR/*.json [--profile-dir sim/profiles]
+
+Setups (models are ``config.json`` + ``load_format="dummy"``: no downloads;
+every request is greedy with an exact output length, no stop tokens):
+
+- ``a``: GPT-OSS-20B shape, 8 adapters of rank 32 on attention and every
+  expert (PEFT ``target_parameters``), 1,600 in / 600 out, a closed loop of
+  16 requests in flight.  Output tokens/s (all and per request), TTFT p50/p99,
+  and the median decode step of the full batch against its HBM floor (bytes
+  of the weights, LoRA weights and KV it touches, over the copy bandwidth
+  measured in the same run; `serve_models.DecodeFloor`).
+- ``b``: Llama-3.1-8B and Qwen3-30B-A3B shapes, N requests submitted at once,
+  1K in / 1K out, up to 256 running; first with no adapter, then 16 adapters
+  round-robin on every linear layer: the throughput ratio.
+- ``c``: adapter scaling on a Llama-3.2-1B shape: 5 -> 50 -> 500 -> 5,000
+  registered adapters (rank 4 on q/k/v/o: 1.7 MB each, 8.5 GB for 5,000, written
+  once under ``--workdir``), Zipf popularity, a closed loop, a pool of
+  ``--pool-pages`` pages that cannot hold them all; a fresh engine per count.
+- ``d``: transformers + PEFT ``generate`` (one PeftModel, ``load_adapter``
+  for each adapter, ``set_adapter`` per group of same-adapter requests) against
+  the engine, Llama-3.2-1B shape, the same requests: the speed-up.
+- ``calibrate``: reads the run logs that ``--log-dir`` made the setups write,
+  fits one cost profile per model (`serve_calib`), writes it as
+  ``<profile-dir>/<model>-<gpu>.json`` and replays every run in unipage-sim:
+  simulated against measured throughput and p50 TTFT.  ``--profile FILE``
+  replays with a given profile instead (an out-of-sample check).
+
+Progress goes to stderr.  ``--tiny`` runs every setup at toy width on the CPU
+(the test does); ``--layers`` cuts a model's depth to fit a smaller GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy as np
+import serve_calib
+import serve_driver as drv
+import serve_models as sm
+import torch
+from timing import emit
+from unipage.scheduler import SchedulerConfig
+from unipage.sim import CostProfile
+
+from sim import commit
+from unipage.config import LoRAConfig, ModelConfig, PoolConfig
+from unipage.engine import Engine
+from unipage.models.weights import read_config
+
+DEFAULTS = {  # per setup: flags left unset take these
+    "a": {"requests": 48, "concurrency": 16, "prompt": 1600, "output": 600, "adapters": 8, "rank": 32, "max_running": 16,
+              "max_adapters_per_batch": 8},
+    "b": {"requests": 1024, "prompt": 1024, "output": 1024, "adapters": 16, "rank": 16, "max_running": 256,
+              "max_adapters_per_batch": 16},
+    "c": {"requests": 512, "concurrency": 64, "prompt": 512, "output": 128, "rank": 4, "max_running": 64,
+              "max_adapters_per_batch": 32, "pool_pages": 8192},
+    "d": {"requests": 128, "prompt": 256, "output": 128, "adapters": 8, "rank": 8, "max_running": 256,
+              "max_adapters_per_batch": 8},
+}
+
+
+@dataclasses.dataclass
+class Context:
+    args: argparse.Namespace
+    root: str  # model directories and adapters
+    out: object  # the JSON-lines sink
+    device: torch.device
+    bandwidth: float  # device memory bytes/s (read + written)
+    h2d: float  # host-to-device bytes/s
+    commit: str
+
+
+# -- engine runs ---------------------------------------------------------------------
+def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None = None) -> Engine:
+    a = ctx.args
+    sched = SchedulerConfig(max_model_len=a.prompt + a.output + 1, max_num_batched_tokens=a.max_batched_tokens,
+                            max_num_seqs=a.max_running)
+    lora = LoRAConfig(max_rank=max(rank, 1), max_adapters_per_batch=a.max_adapters_per_batch,
+                      host_cache_bytes=int(a.host_cache_gib * (1 << 30)))
+    pool = PoolConfig(num_pages=pool_pages) if pool_pages else None
+    drv.log(f"loading {os.path.basename(model_dir)} (dummy weights) on {ctx.device}")
+    return Engine(model_dir, device=ctx.device, dtype=a.dtype, pool=pool, lora=lora, scheduler=sched,
+                  load_format="dummy")
+
+
+def free(engine: Engine | None) -> None:
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key: str, targets: str,
+            rank: int, names: list[str]) -> dict:
+    """Warm up, run ``work`` with step and disk logs, emit its record (and write its run log)."""
+    a = ctx.args
+    ranks = dict.fromkeys(names, rank)
+    floor = sm.DecodeFloor(engine.hf_config, engine.config.model, targets, rank)
+    with drv.DiskLog(engine) as disk:
+        count = min(a.warmup_requests, work.concurrency, len(work.prompts))
+        warm = drv.warm_up(engine, dataclasses.replace(work, concurrency=count), a.warmup_tokens)
+        with drv.StepLog(engine, ranks, floor) as steps:
+            drv.log(f"{work.name}: {len(work.prompts)} requests, {work.concurrency} in flight")
+            timeline = drv.drive(engine, work, steps)
+    rows = np.asarray(steps.rows, dtype=np.float64).reshape(-1, len(drv.COLUMNS))
+    prompt = np.asarray([len(p) for p in work.prompts])
+    metrics = drv.serving_metrics(timeline, prompt)
+    batch = min(work.concurrency, a.max_running, len(work.prompts))
+    record = {"bench": "serve", "row": setup, "label": work.name, "model": key, "dtype": engine.config.model.dtype,
+              "adapters": len(names), "rank": rank if names else 0, "lora_targets": targets if names else None,
+              "prompt_tokens": a.prompt, "max_tokens": a.output, "concurrency": work.concurrency,
+              "max_running": a.max_running, "pool_pages": engine.config.num_pages, **metrics,
+              **drv.decode_summary(rows, batch, ctx.bandwidth), "memory_bytes_per_s": round(ctx.bandwidth),
+              "steps": len(rows), "commit": ctx.commit}
+    emit(record, ctx.out)
+    if a.log_dir:
+        write_run_log(ctx, engine, work, timeline, rows, disk, record, warm, names, targets, rank)
+    return record
+
+
+def write_run_log(ctx: Context, engine: Engine, work, timeline, rows, disk, record, warm, names, targets,
+                  rank) -> None:
+    """Everything `serve_calib` needs to fit and replay this run, as one JSON file."""
+    index = {n: i for i, n in enumerate(names)}
+    cfg = engine.config
+    model = dataclasses.asdict(cfg.model)
+    model["mlp_only_layers"] = list(model["mlp_only_layers"])
+    log = {"setup": record["row"], "label": work.name, "model_key": record["model"], "device": emit_device(),
+           "device_type": ctx.device.type, "commit": ctx.commit, "model": model,
+           "pool": {"num_pages": cfg.num_pages, "block_tokens": cfg.pool.block_tokens,
+                    "prefix_caching": cfg.pool.prefix_caching},
+           "lora": {k: getattr(cfg.lora, k) for k in ("max_rank", "max_adapters_per_batch", "host_cache_bytes",
+                                                      "eviction_policy")},
+           "scheduler": dataclasses.asdict(engine.scheduler.config), "targets": targets, "rank": max(rank, 1),
+           "adapter_names": names, "warm_adapters": warm, "concurrency": work.concurrency,
+           "requests": {"adapter": [index[x] if x is not None else -1 for x in work.adapters],
+                        "input": [len(p) for p in work.prompts], "output": list(work.outputs),
+                        "submit": timeline.submit.tolist(), "first": timeline.first.tolist(),
+                        "finish": timeline.finish.tolist(), "tokens": timeline.tokens.tolist()},
+           "columns": list(drv.COLUMNS), "steps": rows.tolist(), "h2d_bytes_per_s": ctx.h2d,
+           "memory_bytes_per_s": ctx.bandwidth, "disk_bytes": disk.bytes, "disk_seconds": disk.seconds,
+           "measured": record}
+    os.makedirs(ctx.args.log_dir, exist_ok=True)
+    with open(os.path.join(ctx.args.log_dir, f"{work.name}.json"), "w") as f:
+        json.dump(log, f)
+
+
+def emit_device() -> str:
+    from timing import device_name
+
+    return device_name()
+
+
+def register(engine: Engine, paths: list[str]) -> list[str]:
+    names = [f"a{i}" for i in range(len(paths))]
+    for name, path in zip(names, paths):
+        engine.add_adapter(name, path)
+    return names
+
+
+def adapters_for(ctx: Context, model, count: int, rank: int, targets: str, tag: str) -> list[str]:
+    root = os.path.join(ctx.root, f"adapters-{tag}-r{rank}-{targets}")
+    drv.log(f"writing {count} adapters of rank {rank} on {targets} under {root}")
+    return sm.write_adapters(root, model, count, rank, targets, drv.log)
+
+
+# -- setups --------------------------------------------------------------------------
+def setup_a(ctx: Context) -> None:
+    a, shape = ctx.args, "gpt-oss-20b"
+    key = sm.model_key(shape, a.tiny, a.layers)
+    engine = make_engine(ctx, sm.write_model_dir(ctx.root, shape, a.tiny, a.layers), a.rank, a.pool_pages)
+    paths = adapters_for(ctx, engine.config.model, a.adapters, a.rank, "all", key)
+    names = register(engine, paths)
+    work = drv.make_workload(f"a-{key}", a.requests, a.prompt, a.output,
+                             [names[i % len(names)] for i in range(a.requests)], a.concurrency,
+                             engine.vocab_size, a.seed)
+    measure(ctx, engine, work, setup="a", key=key, targets="all", rank=a.rank, names=names)
+
+
+def setup_b(ctx: Context) -> None:
+    a = ctx.args
+    for shape in a.models:
+        key = sm.model_key(shape, a.tiny, a.layers)
+        engine = make_engine(ctx, sm.write_model_dir(ctx.root, shape, a.tiny, a.layers), a.rank, a.pool_pages)
+        paths = adapters_for(ctx, engine.config.model, a.adapters, a.rank, "all", key)
+        names = register(engine, paths)
+        results = {}
+        for label, per_request in (("base", [None] * a.requests),
+                                   ("lora", [names[i % len(names)] for i in range(a.requests)])):
+            work = drv.make_workload(f"b-{key}-{label}", a.requests, a.prompt, a.output, per_request, a.requests,
+                                     engine.vocab_size, a.seed)
+            results[label] = measure(ctx, engine, work, setup="b", key=key, targets="all", rank=a.rank,
+                                     names=names if label == "lora" else [])
+        ratio = results["lora"]["output_tokens_per_s"] / results["base"]["output_tokens_per_s"]
+        emit({"bench": "serve", "row": "b-ratio", "model": key, "adapters": a.adapters, "rank": a.rank,
+              "requests": a.requests, "lora_output_tokens_per_s": results["lora"]["output_tokens_per_s"],
+              "base_output_tokens_per_s": results["base"]["output_tokens_per_s"],
+              "lora_over_base": round(ratio, 4), "target": 0.90, "commit": ctx.commit}, ctx.out)
+        free(engine)
+        engine = None
+
+
+def zipf_choice(count: int, n: int, s: float, seed: int) -> list[int]:
+    """``n`` adapter indices with P(i) proportional to 1/(i+1)^s (the simulator's zipf)."""
+    cdf = np.cumsum(1.0 / np.arange(1, count + 1) ** s)
+    rng = np.random.default_rng(seed)
+    return np.minimum(np.searchsorted(cdf, rng.random(n) * cdf[-1], side="right"), count - 1).tolist()
+
+
+def setup_c(ctx: Context) -> None:
+    a, shape = ctx.args, "llama-1b"
+    key = sm.model_key(shape, a.tiny, a.layers)
+    model_dir = sm.write_model_dir(ctx.root, shape, a.tiny, a.layers)
+    model = ModelConfig.from_hf(read_config(model_dir), a.dtype)
+    paths = adapters_for(ctx, model, max(a.counts), a.rank, "attention", key)  # once, for the largest count
+    results = []
+    for count in sorted(a.counts):
+        engine = make_engine(ctx, model_dir, a.rank, a.pool_pages)
+        names = register(engine, paths[:count])
+        pages = engine.memory.adapters.get(names[0]).num_pages
+        chosen = zipf_choice(count, a.requests, a.zipf, a.seed)
+        work = drv.make_workload(f"c-{key}-{count}", a.requests, a.prompt, a.output, [names[i] for i in chosen],
+                                 a.concurrency, engine.vocab_size, a.seed)
+        record = measure(ctx, engine, work, setup="c", key=key, targets="attention", rank=a.rank, names=names)
+        emit({"bench": "serve", "row": "c-count", "model": key, "adapters": count, "rank": a.rank,
+              "adapter_pages": pages, "adapter_file_bytes": engine.memory.adapters.get(names[0]).info.file_bytes,
+              "pool_pages": engine.config.num_pages, "pool_holds_adapters": engine.config.num_pages // pages,
+              "distinct_adapters_used": len(set(chosen)), "output_tokens_per_s": record["output_tokens_per_s"],
+              "ttft_p99_s": record["ttft_p99_s"], "commit": ctx.commit}, ctx.out)
+        results.append(record)
+        free(engine)
+        engine = None
+    ratio = results[-1]["output_tokens_per_s"] / results[0]["output_tokens_per_s"]
+    emit({"bench": "serve", "row": "c-scaling", "model": key, "counts": sorted(a.counts),
+          "output_tokens_per_s": [r["output_tokens_per_s"] for r in results],
+          "ttft_p99_s": [r["ttft_p99_s"] for r in results], "largest_over_smallest": round(ratio, 4),
+          "target": 0.95, "commit": ctx.commit}, ctx.out)
+
+
+def setup_d(ctx: Context) -> None:
+    import serve_hf
+
+    a, shape = ctx.args, "llama-1b"
+    key = sm.model_key(shape, a.tiny, a.layers)
+    engine = make_engine(ctx, sm.write_model_dir(ctx.root, shape, a.tiny, a.layers), a.rank, a.pool_pages)
+    paths = adapters_for(ctx, engine.config.model, a.adapters, a.rank, "attention", key)
+    names = register(engine, paths)
+    work = drv.make_workload(f"d-{key}-unipage", a.requests, a.prompt, a.output,
+                             [names[i % len(names)] for i in range(a.requests)], a.requests,
+                             engine.vocab_size, a.seed)
+    ours = measure(ctx, engine, work, setup="d", key=key, targets="attention", rank=a.rank, names=names)
+    dtype = engine.config.model.dtype
+    free(engine)
+    engine = None
+    config = sm.hf_config(shape, a.tiny, a.layers)
+    theirs = serve_hf.run_peft(config, dict(zip(names, paths)), work, ctx.device, getattr(torch, dtype),
+                               a.hf_batch, a.warmup_tokens)
+    emit({"bench": "serve", "row": "d-baseline", "model": key, "baseline": "transformers+peft generate",
+          "hf_batch": a.hf_batch, **theirs}, ctx.out)
+    emit({"bench": "serve", "row": "d-speedup", "model": key, "requests": a.requests,
+          "unipage_output_tokens_per_s": ours["output_tokens_per_s"],
+          "peft_output_tokens_per_s": theirs["output_tokens_per_s"],
+          "speedup": round(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 3), "target": 30,
+          "commit": ctx.commit}, ctx.out)
+
+
+def calibrate(ctx: Context) -> None:
+    a = ctx.args
+    if not a.logs:
+        raise SystemExit("--setup calibrate needs --logs: the run logs the other setups wrote with --log-dir")
+    logs = []
+    for path in a.logs:
+        with open(path) as f:
+            logs.append(json.load(f))
+    groups: dict[tuple, list[dict]] = {}
+    for lg in logs:
+        groups.setdefault((lg["model_key"], lg["device"]), []).append(lg)
+    for group in groups.values():
+        if a.profile:
+            profile, path, fitted = CostProfile.from_json(a.profile), a.profile, set()
+        else:
+            profile, quality = serve_calib.fit_profile(group, ctx.commit)
+            path, fitted = serve_calib.write_profile(profile, a.profile_dir), {lg["label"] for lg in group}
+            emit({"bench": "serve", "row": "profile", "profile": profile.name, "path": str(path), **quality,
+                  **profile.to_dict(), "commit": ctx.commit}, ctx.out)
+        for lg in group:
+            drv.log(f"replaying {lg['label']} in unipage-sim with {profile.name}")
+            emit({**serve_calib.compare(lg, profile, path, lg["label"] in fitted), "commit": ctx.commit}, ctx.out)
+
+
+SETUPS = {"a": setup_a, "b": setup_b, "c": setup_c, "d": setup_d, "calibrate": calibrate}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setup", required=True, choices=sorted(SETUPS))
+    p.add_argument("--requests", type=int, help="requests per run")
+    p.add_argument("--concurrency", type=int, help="a, c: requests kept in flight (closed loop)")
+    p.add_argument("--prompt", type=int, help="prompt tokens per request")
+    p.add_argument("--output", type=int, help="generated tokens per request (exact)")
+    p.add_argument("--adapters", type=int, help="a, b, d: adapters, round-robin over the requests")
+    p.add_argument("--rank", type=int, help="LoRA rank of every adapter")
+    p.add_argument("--max-running", type=int, help="the scheduler's max_num_seqs")
+    p.add_argument("--max-adapters-per-batch", type=int, help="LoRAConfig.max_adapters_per_batch")
+    p.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one step")
+    p.add_argument("--pool-pages", type=int, help="pool size (default: the engine's; c: 8192)")
+    p.add_argument("--host-cache-gib", type=float, default=8.0, help="pinned host tier for adapters")
+    p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
+                   help="b: model shapes")
+    p.add_argument("--counts", nargs="+", type=int, default=[5, 50, 500, 5000], help="c: registered adapters")
+    p.add_argument("--zipf", type=float, default=1.0, help="c: popularity exponent")
+    p.add_argument("--hf-batch", type=int, default=8, help="d: requests per transformers generate call")
+    p.add_argument("--warmup-requests", type=int, default=16, help="requests of the warm-up pass before a run")
+    p.add_argument("--warmup-tokens", type=int, default=4, help="output tokens of each warm-up request")
+    p.add_argument("--layers", type=int, help="cut the model to this many layers (to fit a smaller GPU)")
+    p.add_argument("--tiny", action="store_true", help="toy widths (CPU test)")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="model configs and adapters (kept; default: a temp dir)")
+    p.add_argument("--out", default=None, help="append JSON lines here (default: stdout)")
+    p.add_argument("--log-dir", default=None, help="write one run log per run here (for --setup calibrate)")
+    p.add_argument("--logs", nargs="*", default=[], help="calibrate: run logs to fit and replay")
+    p.add_argument("--profile-dir", default="sim/profiles", help="calibrate: where the fitted profiles go")
+    p.add_argument("--profile", default=None, help="calibrate: replay with this profile instead of fitting")
+    args = p.parse_args(argv)
+    for name, value in DEFAULTS.get(args.setup, {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("requests", "concurrency", "prompt", "output", "adapters", "rank", "max_running"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.setup == "c" and min(args.counts) < 1:
+        p.error(f"--counts must be >= 1, got {args.counts}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115
+    workdir = contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(
+        prefix="unipage-serve-")
+    with sink as out, workdir as root:
+        calibrating = args.setup == "calibrate"
+        ctx = Context(args, root, out, device, 0.0 if calibrating else drv.memory_bandwidth(device),
+                      0.0 if calibrating else drv.h2d_bandwidth(device), commit())
+        start = time.perf_counter()
+        SETUPS[args.setup](ctx)
+        drv.log(f"setup {args.setup} done in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Calibrate `unipage-sim` against the engine: fit a `CostProfile` from measured step times, and replay
+each measured workload in the simulator with it.
+
+Fit: each engine step that ran a batch is one row ``seconds = c . [1, terms]``
+with the simulator's terms (`serve_driver.TERMS`); the coefficients are a
+non-negative least-squares fit (Lawson-Hanson, columns scaled to unit norm)
+over every step of the runs of one model.  Steps that read an adapter file
+are left out: the engine reads files inside the step, the simulator overlaps
+reads with compute and charges them to ``disk_bytes_per_s`` instead (the
+measured read-and-pack rate).
+
+Replay: the same requests (adapters, lengths, submission order) as a `Trace`.
+Adapters the measured run had warmed up are made resident first by one tiny
+request each, ``WARM_OFFSET_S`` before the workload.  An all-at-once run
+keeps its submission times; a closed loop of concurrency C is solved as a
+fixed point: request ``C + k`` arrives when the k-th request finishes in the
+simulation, iterated from the measured times until nothing changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+from serve_driver import COLUMNS, TERMS, Timeline, serving_metrics
+from unipage.sim import CostProfile, Trace, build_config, simulate
+from unipage.sim.profile import _COEFFICIENTS as COEFFICIENTS
+
+WARM_OFFSET_S = 1000.0  # simulated seconds between the warm-up requests and the workload
+THROUGHPUT_TOLERANCE, TTFT_TOLERANCE = 0.05, 0.10  # the issue's targets
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin ||a x - b||`` subject to ``x >= 0`` (Lawson and Hanson's active-set method)."""
+    n = a.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(1.0, float(np.abs(a).max()) * float(np.abs(b).max()) * len(b))
+    for _ in range(3 * n + 10):
+        grad = a.T @ (b - a @ x)
+        if passive.all() or grad[~passive].max() <= tol:
+            break
+        passive[int(np.argmax(np.where(passive, -np.inf, grad)))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if z[passive].min() > 0:
+                x = z
+                break
+            bad = passive & (z <= 0)
+            step = float(np.min(x[bad] / (x[bad] - z[bad])))
+            x = x + step * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+def fit_coefficients(runs: list[np.ndarray]) -> tuple[dict, dict]:
+    """Coefficients by `CostProfile` field, and the fit's quality, from each run's step rows (`COLUMNS`).
+
+    Each run's rows are weighted by one over its mean step time, so a run of short steps counts as much
+    as a run of long ones (each run's throughput matters equally)."""
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    runs = [r[r[:, col["loads_disk"]] == 0] for r in runs]
+    runs = [r for r in runs if len(r)]
+    rows = np.concatenate(runs) if runs else np.zeros((0, len(COLUMNS)))
+    if len(rows) < len(COEFFICIENTS):
+        raise ValueError(f"{len(rows)} steps without file reads: too few to fit {len(COEFFICIENTS)} coefficients")
+    weight = np.concatenate([np.full(len(r), 1.0 / r[:, col["seconds"]].mean()) for r in runs])
+    design = np.column_stack([np.ones(len(rows))] + [rows[:, col[t]] for t in TERMS])
+    seconds = rows[:, col["seconds"]]
+    weighted = design * weight[:, None]
+    scale = np.linalg.norm(weighted, axis=0)
+    used = scale > 0
+    coef = np.zeros(design.shape[1])
+    coef[used] = nnls(weighted[:, used] / scale[used], seconds * weight) / scale[used]
+    predicted = design @ coef
+    quality = {"steps": len(rows), "total_ratio": round(float(predicted.sum() / seconds.sum()), 4),
+               "rms_rel_error": round(float(np.sqrt(np.mean(((predicted - seconds) / seconds) ** 2))), 4)}
+    return dict(zip(COEFFICIENTS, (float(c) for c in coef))), quality
+
+
+def gpu_tag(device: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``; a CPU -> ``"cpu"``."""
+    found = re.search(r"\b([a-z]{1,2}\d{2,3}[a-z]?)\b", device.lower())
+    return found.group(1) if found and "cpu" not in device.lower() else "cpu"
+
+
+def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
+    """One profile from the run logs of one model on one device."""
+    keys = {(lg["model_key"], lg["device"], lg["device_type"]) for lg in logs}
+    if len(keys) != 1:
+        raise ValueError(f"one profile fits the runs of one model on one device; got {sorted(keys)}")
+    (key, device, device_type), = keys
+    coef, quality = fit_coefficients([np.asarray(lg["steps"], dtype=np.float64).reshape(-1, len(COLUMNS))
+                                      for lg in logs])
+    disk_bytes, disk_s = sum(lg["disk_bytes"] for lg in logs), sum(lg["disk_seconds"] for lg in logs)
+    disk = disk_bytes / disk_s if disk_s > 0 else CostProfile.__dataclass_fields__["disk_bytes_per_s"].default
+    tag = "cpu" if device_type == "cpu" else gpu_tag(device)
+    runs = ", ".join(lg["label"] for lg in logs)
+    source = (f"measured by benchmarks/serve.py on {device} at commit {commit}: non-negative least-squares fit "
+              f"of {quality['steps']} engine step times (runs: {runs}); predicted/measured total step time "
+              f"{quality['total_ratio']}, RMS relative error per step {quality['rms_rel_error']}; "
+              f"h2d = pinned copy measured in the run; disk = the engine's adapter read-and-pack rate"
+              f"{'' if disk_s > 0 else ' (no file reads measured: the default)'}")
+    profile = CostProfile(name=f"{key}-{tag}", **coef, h2d_bytes_per_s=float(np.median([lg["h2d_bytes_per_s"]
+                                                                                         for lg in logs])),
+                          disk_bytes_per_s=float(disk), source=source)
+    return profile, quality
+
+
+def write_profile(profile: CostProfile, directory: str | Path) -> Path:
+    path = Path(directory) / f"{profile.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    return path
+
+
+# -- replay ----------------------------------------------------------------------
+def sim_config(lg: dict, profile_path: Path):
+    raw = {"name": lg["label"], "seed": 0, "model": lg["model"], "pool": lg["pool"],
+           "lora": {k: lg["lora"][k] for k in ("max_rank", "max_adapters_per_batch", "host_cache_bytes",
+                                               "eviction_policy")},
+           "scheduler": lg["scheduler"],
+           "workload": {"num_adapters": len(lg["adapter_names"]), "ranks": [lg["rank"]], "targets": lg["targets"]},
+           "sim": {"profile": str(Path(profile_path).resolve())}}
+    return build_config(raw, where=f"replay of {lg['label']}")
+
+
+def sim_trace(lg: dict) -> tuple[Trace, int]:
+    """The run's requests after one 1-token request per warmed-up adapter; and how many of those come first."""
+    req, names = lg["requests"], lg["adapter_names"]
+    index = {name: i for i, name in enumerate(names)}
+    warm = [index[a] for a in lg["warm_adapters"]]
+    n, w = len(req["input"]), len(warm)
+    arrival = np.concatenate([np.zeros(w), WARM_OFFSET_S + np.asarray(req["submit"], dtype=np.float64)])
+    ints = lambda xs: np.asarray(xs, dtype=np.int32)
+    trace = Trace(arrival, ints(warm + req["adapter"]), ints([1] * w + req["input"]),
+                  ints([1] * w + req["output"]), np.zeros(n + w, dtype=np.int32), list(names),
+                  [lg["rank"]] * len(names), ["t0"])
+    return trace, w
+
+
+def replay(lg: dict, profile_path: Path) -> tuple[Timeline, int]:
+    """The simulated timeline of a measured run (seconds from its first submission), and the iterations."""
+    config = sim_config(lg, profile_path)
+    trace, w = sim_trace(lg)
+    n, c = len(trace) - w, lg["concurrency"]
+    arrival = trace.arrival[w:].copy()
+    for iteration in range(1, math.ceil(n / c) + 3):
+        result = simulate(config, dataclasses.replace(trace, arrival=np.concatenate([trace.arrival[:w], arrival])))
+        finish = result.finish[w:]
+        if np.isnan(finish).any() or np.isnan(result.first_token[w:]).any():
+            raise RuntimeError(f"replay of {lg['label']}: {int(np.isnan(finish).sum())} requests never finished")
+        if c >= n:
+            break
+        closed = arrival.copy()
+        closed[c:] = np.sort(finish)[:n - c]
+        if np.array_equal(closed, arrival):
+            break
+        arrival = closed
+    off = WARM_OFFSET_S
+    return Timeline(arrival - off, result.first_token[w:] - off, finish - off, result.num_output[w:]), iteration
+
+
+def compare(lg: dict, profile: CostProfile, profile_path: Path, in_sample: bool) -> dict:
+    """Simulated against measured throughput and p50 TTFT of one run (``in_sample``: the profile was fit
+    on it)."""
+    timeline, iterations = replay(lg, profile_path)
+    sim = serving_metrics(timeline, np.asarray(lg["requests"]["input"]))
+    meas = lg["measured"]
+    tput = sim["output_tokens_per_s"] / meas["output_tokens_per_s"]
+    ttft = sim["ttft_p50_s"] / meas["ttft_p50_s"] if meas["ttft_p50_s"] else float("nan")
+    return {"bench": "serve", "row": "calibration", "setup": lg["setup"], "label": lg["label"],
+            "model": lg["model_key"], "profile": profile.name, "fit_on_this_run": in_sample,
+            "measured_output_tokens_per_s": meas["output_tokens_per_s"],
+            "sim_output_tokens_per_s": sim["output_tokens_per_s"], "throughput_ratio": round(tput, 4),
+            "measured_ttft_p50_s": meas["ttft_p50_s"], "sim_ttft_p50_s": sim["ttft_p50_s"],
+            "ttft_p50_ratio": round(ttft, 4),
+            "throughput_within_target": abs(tput - 1) <= THROUGHPUT_TOLERANCE,
+            "ttft_p50_within_target": abs(ttft - 1) <= TTFT_TOLERANCE,
+            "measured_ttft_p99_s": meas["ttft_p99_s"], "sim_ttft_p99_s": sim["ttft_p99_s"],
+            "closed_loop_iterations": iterations}
