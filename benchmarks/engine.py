@@ -78,12 +78,14 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     args = parser.parse_args(argv)
     sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115
     with sink as out, tempfile.TemporaryDirectory(prefix="unipage-bench-") as root:
         model_dir = build_checkpoint(root, args.layers)
         llm = LLM(model_dir, device="cuda", lora=LoRAConfig(max_rank=RANK, max_adapters_per_batch=ADAPTERS),
-                  scheduler=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=4096))
+                  scheduler=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=4096),
+                  cuda_graphs=not args.eager)
         model = llm.engine.config.model
         for i in range(ADAPTERS):
             path = write_random_adapter(os.path.join(root, f"a{i}"), model, rank=RANK, alpha=2 * RANK, seed=i,
@@ -91,7 +93,7 @@ def main(argv=None) -> None:
             llm.add_adapter(f"a{i}", path)
         base = {"bench": "engine", "model": describe(model), "requests": args.requests,
                 "prompt_tokens": PROMPT, "max_tokens": OUTPUT, "rank": RANK,
-                "pool_pages": llm.engine.config.num_pages}
+                "pool_pages": llm.engine.config.num_pages, "cuda_graphs": not args.eager}
         for label, adapters in (("lora", [f"a{i}" for i in range(ADAPTERS)]), ("base", [None])):
             emit({**base, "row": label, "adapters": len([a for a in adapters if a]), **run(llm, args.requests,
                                                                                          adapters)}, out)

@@ -2,7 +2,9 @@
 
 A *decode step* gives every scheduled request exactly one token.  Its forward
 pass is the same sequence of kernels whatever the requests, so `DecodeGraphs`
-captures it once per bucket of batch sizes (`bucket_sizes`) and replays it:
+captures it once per bucket of batch sizes (`bucket_sizes`) — twice where
+adapters are resident: with the LoRA kernels, and without them for steps in
+which no request has an adapter — and replays it:
 one launch instead of hundreds, and no Python in the loop over layers.
 
 What a replay reads lives in static device buffers, refreshed by one or two
@@ -58,7 +60,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(rows, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, LoRA) ->
         self.generation = -1  # the LoRA tables' generation the graphs were captured with
         self.replays = self.captures = 0  # counters, for tests and benchmarks
         self.mempool = torch.cuda.graph_pool_handle()
@@ -76,11 +78,12 @@ class DecodeGraphs:
             self.generation = self.lora.generation
         count = len(seqs)
         bucket = next(b for b in self.buckets if b >= count)
+        key = (bucket, self.lora.page_table is not None and any(seq.slot >= 0 for seq in seqs))
         self._fill(seqs, bucket)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
             self.captures += 1
-        graph, hidden = self.graphs[bucket]
+        graph, hidden = self.graphs[key]
         graph.replay()
         self.replays += 1
         return hidden[:count]
@@ -108,18 +111,18 @@ class DecodeGraphs:
         self.np_lens[start:end] = 1
         self.np_slots[start:end] = -1  # no adapter
 
-    def _batch(self, bucket: int) -> StepBatch:
+    def _batch(self, bucket: int, lora: bool) -> StepBatch:
         adapters, rows = min(bucket, self.max_adapters), self.buckets[-1]
         tables = self.dev32[2 * rows:].view(rows, self.max_blocks)
         return StepBatch(
             input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
             block_tables=tables[:bucket], seq_lens=self.dev32[:bucket], cu_seqlens_q=self.cu[:bucket + 1],
             max_q_len=1, token_slots=self.dev32[rows:rows + bucket], logits_rows=self.rows[:bucket],
-            any_lora=self.lora.page_table is not None, group_tokens=-(-bucket // adapters), active_slots=adapters)
+            any_lora=lora, group_tokens=-(-bucket // adapters), active_slots=adapters)
 
     # -- capture -----------------------------------------------------------
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        batch = self._batch(bucket)
+    def _capture(self, bucket: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        batch = self._batch(bucket, lora)
         lora = self.lora if batch.any_lora else None
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
