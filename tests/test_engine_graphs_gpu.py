@@ -54,5 +54,5 @@ def test_graphs_match_eager(family):
                 scale = torch.stack(want.logits[:same]).abs().mean()
                 assert diff.mean() <= 0.01 * scale, f"{got.adapter}: mean logit difference {diff.mean():.4g}"
     graphs = graphed.engine.runner.graphs
-    assert graphs.replays > 0 and graphs.captures <= 2 * len(graphs.buckets)
+    assert graphs.replays > 0 and graphs.captures <= 4 * len(graphs.buckets)
     assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"
