@@ -43,6 +43,7 @@ import dataclasses
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +58,6 @@ from timing import emit
 from unipage.scheduler import SchedulerConfig
 from unipage.sim import CostProfile
 
-from sim import commit
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig
 from unipage.engine import Engine
 from unipage.models.weights import read_config
@@ -301,6 +301,16 @@ def calibrate(ctx: Context) -> None:
         for lg in group:
             drv.log(f"replaying {lg['label']} in unipage-sim with {profile.name}")
             emit({**serve_calib.compare(lg, profile, path, lg["label"] in fitted), "commit": ctx.commit}, ctx.out)
+
+
+def commit() -> str:
+    """``git describe --always --dirty`` of this checkout ("" outside git)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
 
 
 SETUPS = {"a": setup_a, "b": setup_b, "c": setup_c, "d": setup_d, "calibrate": calibrate}

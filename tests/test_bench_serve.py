@@ -1,0 +1,170 @@
+"""benchmarks/serve.py end to end at toy widths on the CPU: every setup's records, the run logs, the fitted
+cost profiles and their replay in unipage-sim; and the pieces with exact answers (the HBM floor's bytes,
+the non-negative fit, the closed loop's fixed point)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import serve
+import serve_calib
+import serve_models
+from unipage.sim import CostProfile
+
+from unipage.config import ModelConfig
+
+SMALL = ["--tiny", "--prompt", "12", "--output", "4", "--warmup-tokens", "2", "--device", "cpu"]
+COUNTS = (2, 6)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every setup once at toy size; the records by row, and where the logs and profiles went."""
+    root = tmp_path_factory.mktemp("serve")
+    out, logs, profiles = root / "out.jsonl", root / "logs", root / "profiles"
+    common = SMALL + ["--out", str(out), "--log-dir", str(logs), "--workdir", str(root / "work")]
+    serve.main(["--setup", "a", "--requests", "6", "--concurrency", "3", "--adapters", "2", "--rank", "4",
+                "--max-running", "3", *common])
+    serve.main(["--setup", "b", "--models", "llama3-8b", "--requests", "4", "--adapters", "2", "--rank", "2",
+                "--max-running", "4", *common])
+    serve.main(["--setup", "c", "--counts", *map(str, COUNTS), "--requests", "8", "--concurrency", "2",
+                "--max-running", "2", "--pool-pages", "10", *common])
+    serve.main(["--setup", "d", "--requests", "4", "--adapters", "2", "--rank", "2", "--hf-batch", "2", *common])
+    log_files = sorted(str(p) for p in logs.glob("*.json"))
+    serve.main(["--setup", "calibrate", "--logs", *log_files, "--profile-dir", str(profiles), "--out", str(out)])
+    records: dict[str, list[dict]] = {}
+    for line in out.read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record["row"], []).append(record)
+    return records, log_files, profiles
+
+
+def test_setup_a_reports_throughput_ttft_and_the_decode_floor(runs):
+    (a,) = runs[0]["a"]
+    assert a["model"] == "gpt-oss-20b-tiny" and a["adapters"] == 2 and a["concurrency"] == 3
+    assert a["requests"] == 6 and a["output_tokens"] == 6 * 4  # exact lengths: no stop tokens
+    assert 0 < a["ttft_p50_s"] <= a["ttft_p99_s"] and a["output_tokens_per_s"] > 0
+    assert a["per_request_output_tokens_per_s"] > 0
+    assert a["decode_steps"] >= 1 and a["decode_batch"] == 3
+    assert a["floor_bytes"] == a["floor_weights_bytes"] + a["floor_lora_bytes"] + a["floor_kv_bytes"]
+    assert min(a["floor_lora_bytes"], a["floor_kv_bytes"]) > 0 and a["step_over_floor"] > 0
+    assert a["floor_s"] == pytest.approx(a["floor_bytes"] / a["memory_bytes_per_s"], rel=1e-3, abs=1e-6)
+
+
+def test_setup_b_compares_lora_with_the_base_model(runs):
+    records = runs[0]
+    assert [r["label"] for r in records["b"]] == ["b-llama3-8b-tiny-base", "b-llama3-8b-tiny-lora"]
+    base, lora = records["b"]
+    assert (base["adapters"], lora["adapters"]) == (0, 2)
+    (ratio,) = records["b-ratio"]
+    assert ratio["lora_over_base"] == pytest.approx(lora["output_tokens_per_s"] / base["output_tokens_per_s"],
+                                                    rel=1e-3)
+
+
+def test_setup_c_scales_the_adapter_count_past_the_pool(runs):
+    records = runs[0]
+    counts = records["c-count"]
+    assert [r["adapters"] for r in counts] == list(COUNTS)
+    assert all(r["pool_holds_adapters"] < max(COUNTS) for r in counts)  # the pool cannot hold them all
+    assert all(1 <= r["distinct_adapters_used"] <= r["adapters"] for r in counts)
+    (scaling,) = records["c-scaling"]
+    assert scaling["counts"] == list(COUNTS) and scaling["largest_over_smallest"] > 0
+
+
+def test_setup_d_measures_the_peft_baseline_on_the_same_requests(runs):
+    records = runs[0]
+    (ours,), (theirs,), (speedup,) = records["d"], records["d-baseline"], records["d-speedup"]
+    assert ours["output_tokens"] == theirs["output_tokens"] == 4 * 4
+    assert theirs["generate_calls"] == 2  # two adapters, two requests each, batches of two
+    assert speedup["speedup"] == pytest.approx(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"],
+                                               rel=1e-3)
+
+
+def test_calibration_writes_profiles_and_replays_every_run(runs):
+    records, log_files, profiles = runs
+    names = sorted(p.stem for p in profiles.glob("*.json"))
+    assert names == ["gpt-oss-20b-tiny-cpu", "llama-1b-tiny-cpu", "llama3-8b-tiny-cpu"]
+    for name in names:
+        profile = CostProfile.from_json(profiles / f"{name}.json")  # what unipage-sim reads
+        assert profile.name == name and "measured by benchmarks/serve.py" in profile.source
+    labels = sorted(r["label"] for r in records["calibration"])
+    assert labels == sorted(os.path.basename(f)[:-5] for f in log_files)
+    for row in records["calibration"]:
+        assert row["throughput_ratio"] > 0 and row["ttft_p50_ratio"] > 0 and row["fit_on_this_run"]
+        assert row["sim_output_tokens_per_s"] == pytest.approx(
+            row["throughput_ratio"] * row["measured_output_tokens_per_s"], rel=1e-3)
+
+
+def test_closed_loop_replay_is_a_fixed_point(runs):
+    _, log_files, profiles = runs
+    with open(next(f for f in log_files if "c-llama-1b-tiny-6" in f)) as f:
+        log = json.load(f)
+    timeline, _ = serve_calib.replay(log, profiles / "llama-1b-tiny-cpu.json")
+    c = log["concurrency"]
+    assert np.array_equal(timeline.submit[c:], np.sort(timeline.finish)[:-c])  # each finish releases one
+    assert (timeline.first > timeline.submit).all() and (timeline.tokens == 4).all()
+
+
+def test_decode_floor_counts_the_bytes_by_hand():
+    model = ModelConfig(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                        intermediate_size=16, dtype="bfloat16")
+    hf = {"vocab_size": 10, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}
+    floor = serve_models.DecodeFloor(hf, model, "attention", rank=2)
+    got = floor.bytes(contexts=[5, 2], adapter_tokens=[1, 1])
+    per_layer = 8 * 8 + 8 * 4 + 8 * 4 + 8 * 8 + 3 * 8 * 16  # q, k, v, o, gate/up/down
+    assert got["weights"] == 2 * (2 * per_layer + (10 + 2) * 8)  # + lm_head and two embedding rows
+    lora_per_layer = 2 * ((8 + 8) + (8 + 4) + (8 + 4) + (8 + 8))
+    assert got["lora"] == 2 * 2 * (2 * lora_per_layer)  # two adapters, two layers
+    kv_reads = (5 + 2) + (3 + 2)  # the full layer reads the whole context, the sliding one its window
+    assert got["kv"] == 2 * kv_reads * 2 * 1 * 4
+
+
+def test_decode_floor_reads_only_the_experts_touched():
+    model = ModelConfig(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, num_experts=4,
+                        top_k=1, expert_intermediate_size=4, dtype="float32")
+    floor = serve_models.DecodeFloor({"vocab_size": 10}, model, "all", rank=1)
+    one, two = floor.weights(1), floor.weights(2)
+    assert two - one == pytest.approx(8 + (4 * (1 - 0.75**2) - 1) * 3 * 8 * 4)  # an embedding row + 0.75 expert
+
+
+def test_nnls_matches_the_constrained_optimum():
+    rng = np.random.default_rng(0)
+    a = rng.random((40, 4))
+    truth = np.array([2.0, 0.0, 1.0, 0.5])
+    assert np.allclose(serve_calib.nnls(a, a @ truth), truth, atol=1e-9)
+    b = a @ np.array([1.0, -3.0, 0.0, 2.0])  # unconstrained optimum has a negative entry
+    x = serve_calib.nnls(a, b)
+    grad = a.T @ (b - a @ x)
+    assert (x >= 0).all() and np.allclose(grad[x > 0], 0, atol=1e-8) and (grad[x == 0] <= 1e-8).all()  # KKT
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--setup", "a", "--requests", "0"], "--requests must be >= 1"),
+    (["--setup", "c", "--counts", "0", "5"], "--counts must be >= 1"),
+])
+def test_bad_flags_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_calibrate_needs_logs(tmp_path):
+    with pytest.raises(SystemExit, match="needs --logs"):
+        serve.main(["--setup", "calibrate", "--out", str(tmp_path / "out.jsonl")])
+
+
+def test_unknown_shape_is_an_error():
+    with pytest.raises(ValueError, match="unknown model shape"):
+        serve_models.hf_config("gpt-5")
+
+
+def test_gpu_tag():
+    assert serve_calib.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert serve_calib.gpu_tag("NVIDIA H200") == "h200"
+    assert serve_calib.gpu_tag("x86_64") == "cpu"
