@@ -22,10 +22,14 @@ takes ``bytes / h2d_bytes_per_s``; one that misses the host cache first reads
 the adapter file, ``file_bytes / disk_bytes_per_s``.  Disk reads are one FIFO
 queue and host-to-device copies another (a two-stage pipeline).
 
-A profile is a JSON object of these fields (`CostProfile.from_json`); the GPU
-benchmarks will write measured ones.  Until then the built-in profiles
-(`BUILTIN_PROFILES`) are *estimates* from public roofline numbers (see each
-one's ``source``), documented in docs/sim.md.  Pure Python.
+A profile is a JSON object of these fields (`CostProfile.from_json`).  The
+built-in profiles (`BUILTIN_PROFILES`) are the *estimates* below, from public
+roofline numbers (see each one's ``source``), plus every measured profile
+committed under ``sim/profiles/`` (``<model>-<gpu>.json``, written by
+``benchmarks/serve.py --setup calibrate``: a fit of the engine's step times
+on that GPU).  A measured profile named like an estimate without its
+``-estimate`` suffix replaces it as the default (`preferred`).  See
+docs/sim.md.  Pure Python.
 """
 
 from __future__ import annotations
@@ -101,7 +105,10 @@ class CostProfile:
         return dataclasses.asdict(self)
 
 
-BUILTIN_PROFILES = {
+ESTIMATE_SUFFIX = "-estimate"
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"  # measured profiles, shipped as package data
+
+ESTIMATES = {
     p.name: p for p in (
         CostProfile(
             name="llama3-8b-h100-estimate",
@@ -124,7 +131,34 @@ BUILTIN_PROFILES = {
                    "one expert of one layer = 9.4 MB at ~3 TB/s; expert LoRA = 12.8 KB per rank"),
     )
 }
-DEFAULT_PROFILE = "llama3-8b-h100-estimate"
+
+
+def measured_profiles(directory: Path = PROFILE_DIR) -> dict[str, CostProfile]:
+    """The measured profiles in ``directory`` by name (each file's name is its profile's name + ``.json``)."""
+    out = {}
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+        profile = CostProfile.from_json(path)
+        if profile.name != path.stem:
+            raise SimInputError(f"profile {str(path)!r}: name {profile.name!r} must match the file name")
+        if profile.name in ESTIMATES:
+            raise SimInputError(f"profile {str(path)!r}: {profile.name!r} is a built-in estimate's name")
+        out[profile.name] = profile
+    return out
+
+
+MEASURED_PROFILES = measured_profiles()
+BUILTIN_PROFILES = {**ESTIMATES, **MEASURED_PROFILES}
+
+
+def preferred(name: str, measured: dict[str, CostProfile] | None = None) -> str:
+    """``name``, or the measured profile that replaces it: ``X`` for the estimate ``X-estimate``."""
+    measured = MEASURED_PROFILES if measured is None else measured
+    if name.endswith(ESTIMATE_SUFFIX) and name[:-len(ESTIMATE_SUFFIX)] in measured:
+        return name[:-len(ESTIMATE_SUFFIX)]
+    return name
+
+
+DEFAULT_PROFILE = preferred("llama3-8b-h100-estimate")  # llama3-8b-h100 once measured and committed
 
 
 def load_profile(spec: str, base_dir: Path | None = None) -> CostProfile:

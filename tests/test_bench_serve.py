@@ -168,3 +168,25 @@ def test_gpu_tag():
     assert serve_calib.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
     assert serve_calib.gpu_tag("NVIDIA H200") == "h200"
     assert serve_calib.gpu_tag("x86_64") == "cpu"
+
+
+def test_measured_profiles_load_from_their_folder_and_replace_the_estimate(runs, tmp_path):
+    from unipage.sim import profile as prof
+
+    _, _, profiles = runs
+    measured = prof.measured_profiles(profiles)
+    assert sorted(measured) == ["gpt-oss-20b-tiny-cpu", "llama-1b-tiny-cpu", "llama3-8b-tiny-cpu"]
+    assert prof.preferred("llama3-8b-tiny-cpu-estimate", measured) == "llama3-8b-tiny-cpu"
+    assert prof.preferred("llama3-8b-h100-estimate", measured) == "llama3-8b-h100-estimate"
+    assert prof.measured_profiles(tmp_path / "absent") == {}
+    (tmp_path / "other-name.json").write_text((profiles / "llama-1b-tiny-cpu.json").read_text())
+    with pytest.raises(prof.SimInputError, match="must match the file name"):
+        prof.measured_profiles(tmp_path)
+
+
+def test_the_committed_profiles_are_valid():
+    from unipage.sim import profile as prof
+
+    for name, profile in prof.measured_profiles().items():
+        assert "measured by benchmarks/serve.py" in profile.source, name
+    assert prof.DEFAULT_PROFILE in prof.BUILTIN_PROFILES
