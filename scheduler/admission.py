@@ -34,7 +34,7 @@ from unipage.adapters import Residency
 from unipage.eviction import ADAPTER
 from unipage.scheduler.output import NewRequestData, SchedulerOutput
 from unipage.scheduler.policies import StepContext
-from unipage.scheduler.request import NEVER, FinishReason, Request, RequestStatus
+from unipage.scheduler.request import NEVER, FinishReason, Request, RequestStatus, next_check
 
 if TYPE_CHECKING:
     from unipage.scheduler.scheduler import Scheduler
@@ -230,6 +230,7 @@ class Admission:
         req.transition(_RUNNING)
         req.skips = 0
         req.next_commit = cached + self.block_tokens if self.kv.prefix_caching else NEVER
+        req.next_check = next_check(req)
         out.new_requests.append(NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                                                name, req.slot, req.sampling, list(req.block_table), cached))
         if cached + n < req.num_tokens:

@@ -135,6 +135,8 @@ class Request:
     block_table: list[int] | None = field(default=None, init=False)  # live KV table while running
     capacity: int = field(default=0, init=False)  # tokens its block table holds
     next_commit: int = field(default=NEVER, init=False)  # computed tokens at which a block fills
+    next_check: int = field(default=0, init=False)  # computed tokens from which update() looks closer: a block
+    #   fills, the length limit is one token away, or no token was sampled yet (0)
     skips: int = field(default=0, init=False)  # times passed over since it last entered the queue
     num_preemptions: int = field(default=0, init=False)
     first_token_time: float | None = field(default=None, init=False)
@@ -163,3 +165,8 @@ class Request:
             raise InvalidTransitionError(f"request {self.request_id!r}: {self.status.name} -> {new.name} "
                                          f"is not a legal transition")
         self.status = new
+
+
+def next_check(req: Request) -> int:
+    """``req.next_check`` for its current state: update() treats it as a plain decode until then."""
+    return min(req.next_commit, req.max_len - 1) if req.first_token_time is not None else 0

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import count
 from typing import Callable
 
 from unipage.memory import UnifiedMemory
@@ -42,7 +43,7 @@ from unipage.scheduler.admission import Admission, Step
 from unipage.scheduler.config import SchedulerConfig
 from unipage.scheduler.output import RequestOutput, SchedulerOutput, StepResult
 from unipage.scheduler.policies import StepContext, make_policy
-from unipage.scheduler.request import NEVER, FinishReason, Request, RequestStatus
+from unipage.scheduler.request import NEVER, FinishReason, Request, RequestStatus, next_check
 from unipage.scheduler.validate import validate_request, validate_result
 
 _RUNNING = RequestStatus.RUNNING
@@ -155,7 +156,7 @@ class Scheduler:
         self._in_flight = None
         self._apply_loads(result)
         outputs, self._pending = self._pending, []
-        single = self._apply_tokens(step.reqs, result.sampled_token_ids, outputs)
+        single = self._apply_tokens(step, result.sampled_token_ids, outputs)
         # Next step, may every running request simply decode one token?  Yes if each sampled one just now.
         self._all_decoding = single and step.all_running and not step.partial
         self.policy.on_step(step.reqs, result.sampled_token_ids)
@@ -287,36 +288,52 @@ class Scheduler:
             for req in list(self._awaiting.get(name, {}).values()):
                 self._drop(req, RequestStatus.ABORTED, FinishReason.LOAD_FAILED, f"adapter {name!r} failed to load")
 
-    def _apply_tokens(self, reqs: list[Request], sampled: list[list[int]], outputs: list[RequestOutput]) -> bool:
+    def _apply_tokens(self, step: Step, sampled: list[list[int]], outputs: list[RequestOutput]) -> bool:
         """Append sampled tokens, finish on a stop token or the length, commit newly full KV blocks.
 
-        Returns whether every request sampled at most one token.
+        Most requests decode one token that changes nothing else: the hot loop does only that, and leaves the
+        others ("events": a prefill chunk, a block to commit, a first or last token) to `_apply_event`, in
+        batch order.  Returns whether every request sampled at most one token.
         """
-        now, single, append, running, output = self.clock(), True, outputs.append, _RUNNING, RequestOutput
-        for req, tokens in zip(reqs, sampled):  # the hot loop: one new token each for most requests
-            if req.status is not running:  # aborted while the step ran
-                continue
-            if not tokens:  # a prefill chunk
-                if req.num_computed_tokens >= req.next_commit:
-                    self._commit(req)
-                continue
-            all_tokens = req.all_token_ids
-            if len(tokens) == 1:
-                token = tokens[0]
-                all_tokens.append(token)
-                reason = _STOP if token in req.stop_set else _LENGTH if len(all_tokens) >= req.max_len else None
+        reqs, running, events = step.reqs, _RUNNING, []
+        for i, req, tokens in zip(count(), reqs, sampled):  # the hot loop: one new token each for most requests
+            if (req.status is running and len(tokens) == 1 and req.num_computed_tokens < req.next_check
+                    and tokens[0] not in req.stop_set):
+                req.all_token_ids.append(tokens[0])
             else:
-                tokens, reason = _append_tokens(req, tokens)
-                single = False
-            if req.first_token_time is None:
-                req.first_token_time = now
+                events.append(i)
+        made = list(map(RequestOutput, step.out.req_ids, sampled))  # batch order; events replace theirs
+        now, single, silent = self.clock(), True, False
+        for i in events:
+            made[i] = output = self._apply_event(reqs[i], sampled[i], now)
+            silent = silent or output is None
+            single = single and (output is None or len(sampled[i]) == 1)
+        outputs += [o for o in made if o is not None] if silent else made
+        return single
+
+    def _apply_event(self, req: Request, tokens: list[int], now: float) -> RequestOutput | None:
+        """A request off the hot loop; returns its output (None: aborted while the step ran, or mid-prefill)."""
+        if req.status is not _RUNNING:
+            return None
+        if not tokens:  # a prefill chunk
             if req.num_computed_tokens >= req.next_commit:
                 self._commit(req)
-            append(output(req.request_id, tokens, reason))
-            if reason is not None:
-                self._drop(req, RequestStatus.FINISHED, reason)
-                self.running.remove(req)  # O(running) in C; finishes are few per step
-        return single
+            return None
+        if len(tokens) == 1:
+            token = tokens[0]
+            req.all_token_ids.append(token)
+            reason = _STOP if token in req.stop_set else _LENGTH if len(req.all_token_ids) >= req.max_len else None
+        else:
+            tokens, reason = _append_tokens(req, tokens)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.num_computed_tokens >= req.next_commit:
+            self._commit(req)
+        req.next_check = next_check(req)
+        if reason is not None:
+            self._drop(req, RequestStatus.FINISHED, reason)
+            self.running.remove(req)  # O(running) in C; finishes are few per step
+        return RequestOutput(req.request_id, tokens, reason)
 
     def _commit(self, req: Request) -> None:
         """Register the request's newly full blocks of computed tokens in the prefix cache."""

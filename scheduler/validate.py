@@ -87,6 +87,14 @@ def validate_result(sched: "Scheduler", reqs: list[Request], partial: list[int],
     sampled = result.sampled_token_ids
     if len(sampled) != len(reqs):
         raise ValueError(f"sampled_token_ids has {len(sampled)} entries for {len(reqs)} scheduled requests")
+    if partial or not all(sampled):  # else every request sampled, as expected (the common step)
+        _check_sampled(reqs, partial, sampled)
+    names = list(result.loads_done) + list(result.loads_failed)
+    if names:
+        _check_loads(sched, names)
+
+
+def _check_sampled(reqs: list[Request], partial: list[int], sampled: list[list[int]]) -> None:
     expected = [True] * len(reqs)
     for i in partial:
         expected[i] = False
@@ -94,7 +102,9 @@ def validate_result(sched: "Scheduler", reqs: list[Request], partial: list[int],
         i = next(i for i, (t, e) in enumerate(zip(sampled, expected)) if bool(t) != e)
         raise ValueError(f"request {reqs[i].request_id!r}: " + ("tokens sampled in the middle of its prefill"
                          if sampled[i] else "no token sampled although all its tokens were computed"))
-    names = list(result.loads_done) + list(result.loads_failed)
+
+
+def _check_loads(sched: "Scheduler", names: list[str]) -> None:
     if len(set(names)) != len(names):
         raise ValueError(f"an adapter is reported more than once in loads_done/loads_failed: {names}")
     for name in names:

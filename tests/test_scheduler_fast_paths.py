@@ -17,6 +17,8 @@ from unipage.adapters import LoadAdapter
 from unipage.config import LoRAConfig, PoolConfig, UnipageConfig
 from unipage.memory import UnifiedMemory
 from unipage.scheduler import Request, Scheduler, SchedulerConfig, StepResult
+from unipage.scheduler import admission as admission_module
+from unipage.scheduler import scheduler as scheduler_module
 
 CONFIGS = {  # name -> (pages, admission, eviction policy, several tokens per sample)
     "roomy": (160, "optimistic", "lru", False),
@@ -34,11 +36,13 @@ def run_workload(pages, admission, eviction, speculative, steps=150, seed=0):
     memory = UnifiedMemory(config)
     for i in range(6):
         memory.adapters.register(f"a{i}", synthetic_info(MODEL, 2 + i % 3, digest=f"digest-{i}"))
+    clock = Clock()
     sched = Scheduler(memory, SchedulerConfig(max_model_len=64, max_num_batched_tokens=24, max_num_seqs=8,
-                                              admission=admission), clock=Clock())
+                                              admission=admission), clock=clock)
     prefixes = [[rng.randrange(3, 40) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
     records, loading, next_id = [], [], 0
     for _ in range(steps):
+        clock.now += 0.01
         while sched.num_waiting < 6:
             prompt = rng.choice(prefixes) + [rng.randrange(3, 40) for _ in range(rng.randrange(1, 12))]
             adapter = rng.choice([None, "a0", "a1", "a2", "a3", "a4", "a5"])
@@ -59,7 +63,8 @@ def run_workload(pages, admission, eviction, speculative, steps=150, seed=0):
         sched.check()
         records.append((dataclasses.asdict(out), [vars_of(o) for o in outputs], memory.occupancy(),
                         sorted((c.kind, str(c.key), c.last_used, c.uses) for c in memory.reclaimer.candidates()),
-                        list(memory.pool._free)))
+                        list(memory.pool._free),
+                        sorted((r.request_id, r.first_token_time, r.num_tokens) for r in sched.requests.values())))
     return records
 
 
@@ -85,3 +90,11 @@ def test_the_all_decode_step_equals_the_general_loop(name, monkeypatch):
     assert calls["fast"] > (0 if name == "speculative" else 20)  # speculative: rarely one token each
     if name == "preempting":
         assert calls["short"] > 0  # it handed over to the general loop to preempt
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_plain_decode_update_equals_the_event_path(name, monkeypatch):
+    with_hot_loop = run_workload(*CONFIGS[name])
+    for module in (scheduler_module, admission_module):  # every request an event, every step
+        monkeypatch.setattr(module, "next_check", lambda req: 0)
+    assert run_workload(*CONFIGS[name]) == with_hot_loop
