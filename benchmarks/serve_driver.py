@@ -199,11 +199,14 @@ def drive(engine, work: Workload, steps: StepLog | None = None, progress_s: floa
 
 
 def warm_up(engine, work: Workload, tokens: int) -> list[str]:
-    """Run the first ``concurrency`` requests with ``tokens`` output tokens (kernels compile, adapters load);
-    returns the adapters they used, in first-use order."""
+    """Run ``concurrency`` requests like the first ones (the same lengths and adapters, reversed tokens, so
+    the measured run finds no cached prefix) with ``tokens`` output tokens — kernels compile, adapters
+    load — then capture the decode CUDA graphs; returns the adapters used, in first-use order."""
     count = min(work.concurrency, len(work.prompts))
-    warm = Workload(f"{work.name}-warm", work.prompts[:count], work.adapters[:count], [tokens] * count, count)
+    prompts = [p[::-1] for p in work.prompts[:count]]  # random tokens reversed: no shared first block
+    warm = Workload(f"{work.name}-warm", prompts, work.adapters[:count], [tokens] * count, count)
     drive(engine, warm)
+    engine.capture_graphs()
     return [a for a in dict.fromkeys(work.adapters[:count]) if a is not None]
 
 

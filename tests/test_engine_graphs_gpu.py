@@ -56,3 +56,7 @@ def test_graphs_match_eager(family):
     graphs = graphed.engine.runner.graphs
     assert graphs.replays > 0 and graphs.captures <= 4 * len(graphs.buckets)
     assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"
+    assert graphed.engine.capture_graphs() > 0  # every bucket, both variants, at the current tables
+    captured = graphs.captures
+    _run(graphed, prompts, mixes[3])
+    assert graphs.captures == captured  # nothing left to capture while the tables keep their shape

@@ -112,6 +112,14 @@ class Engine:
         sched = self.scheduler.config
         return GraphLimits(sched.max_num_seqs, sched.max_model_len, self.config.lora.max_adapters_per_batch)
 
+    def capture_graphs(self) -> int:
+        """Capture the decode CUDA graphs of every batch-size bucket now rather than on first use
+        (a serving start-up step: call it once the adapters in use are resident); returns how many
+        were captured, 0 without graphs.  A later change of the LoRA tables' shape (`LoraTables`)
+        drops them, and they are captured again as batches need them."""
+        graphs = self.runner.graphs
+        return 0 if graphs is None else graphs.capture_all()
+
     # -- adapters ------------------------------------------------------------
     def add_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Register a PEFT adapter directory under ``name`` (loaded into the pool when first used)."""

@@ -88,6 +88,24 @@ class DecodeGraphs:
         self.replays += 1
         return hidden[:count]
 
+    def capture_all(self) -> int:
+        """Capture every bucket now (largest first, so smaller graphs reuse its memory), with and
+        without the LoRA kernels where adapters are resident; returns the graphs captured."""
+        self.lora.refresh()
+        if self.lora.generation != self.generation:
+            self.graphs.clear()
+            self.generation = self.lora.generation
+        variants = (False, True) if self.lora.page_table is not None else (False,)
+        before = len(self.graphs)
+        for bucket in reversed(self.buckets):
+            self._pad(0, bucket)
+            self._copy(bucket)
+            for lora in variants:
+                if (bucket, lora) not in self.graphs:
+                    self.graphs[bucket, lora] = self._capture(bucket, lora)
+                    self.captures += 1
+        return len(self.graphs) - before
+
     # -- inputs ------------------------------------------------------------
     def _fill(self, seqs, bucket: int) -> None:
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
@@ -100,6 +118,9 @@ class DecodeGraphs:
             lens[i], slots[i] = pos + 1, seq.slot
             tables[i, :len(table)] = table
         self._pad(len(seqs), bucket)
+        self._copy(bucket)
+
+    def _copy(self, bucket: int) -> None:
         used = self.buckets[-1] * 2 + bucket * self.max_blocks  # lengths, slots, the bucket's table rows
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32[:used].copy_(self.host32[:used], non_blocking=True)
