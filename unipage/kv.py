@@ -41,9 +41,14 @@ def _packer(block_tokens: int):
     return struct.Struct(f"={block_tokens}q").pack
 
 
+_new_hasher = blake2b(digest_size=16).copy  # a fresh 16-byte BLAKE2b state: cheaper than parsing its arguments
+
+
 def chain_hash(prev: bytes, block: bytes) -> bytes:
-    """The hash of a block (its packed token ids) after the block hashed ``prev``."""
-    return blake2b(prev + block, digest_size=16).digest()
+    """The hash of a block (its packed token ids) after the block hashed ``prev``: BLAKE2b-128(prev + block)."""
+    h = _new_hasher()
+    h.update(prev + block)
+    return h.digest()
 
 
 def iter_block_hashes(tokens, block_tokens: int, salt: str = "", parent: bytes = b""):
@@ -85,9 +90,11 @@ class KVManager:
         self.block_tokens = block_tokens
         self.prefix_caching = prefix_caching
         self.block_cost_s = block_tokens * recompute_s_per_token
+        self._pack = _packer(block_tokens)
         self._seqs: dict[object, _Sequence] = {}
         self._by_hash: dict[bytes, int] = {}  # hash -> page
         self._blocks: dict[int, _Block] = {}  # page -> registration
+        self._block_at: list[_Block | None] = [None] * pool.num_pages  # page -> its last registration, to reuse
         self._by_salt: dict[str, set[int]] = {}  # salt -> registered pages
         reclaimer.register_owner(KV_BLOCK, self._evict_cached)
         self.hits = 0  # prefix blocks reused
@@ -158,32 +165,37 @@ class KVManager:
         if not self.prefix_caching:
             return
         block, hashes, table = self.block_tokens, seq.hashes, seq.table
-        num_tokens = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
-        full, done = min(num_tokens // block, len(table)), len(hashes)
+        if num_tokens is None or num_tokens > len(tokens):
+            num_tokens = len(tokens)
+        full, done = num_tokens // block, len(hashes)
+        if full > len(table):
+            full = len(table)
         if full <= done:
             return
-        prev, pack, now = hashes[-1] if hashes else root_hash(seq.salt), _packer(block), self.reclaimer.tick()
-        by_hash, blocks, new = self._by_hash, self._blocks, []
-        for index in range(done, full):  # as `iter_block_hashes`, block by block
-            prev = chain_hash(prev, pack(*tokens[index * block:index * block + block]))
+        prev, pack, now = hashes[-1] if hashes else root_hash(seq.salt), self._pack, self.reclaimer.tick()
+        by_hash, blocks, salt_pages, hasher = self._by_hash, self._blocks, None, _new_hasher
+        for index in range(done, full):  # as `iter_block_hashes` with `chain_hash` inlined, block by block
+            h = hasher()
+            h.update(prev + pack(*tokens[index * block:index * block + block]))
+            prev = h.digest()
             hashes.append(prev)
             page = table[index]
             if prev not in by_hash and page not in blocks:  # else an equal block was registered first
                 by_hash[prev] = page
-                blocks[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, prev, seq.salt)
-                new.append(page)
-        if new:
-            self._salt_pages(seq.salt).update(new)
+                blocks[page] = self._new_block(page, now, prev, seq.salt)
+                if salt_pages is None:
+                    salt_pages = self._salt_pages(seq.salt)
+                salt_pages.add(page)
 
     def free(self, seq_id) -> None:
         """Release a sequence's blocks: registered ones whose last user it was become cached, the rest free."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
-        blocks, refcount = self._blocks, self.pool.refcount
+        blocks, refs = self._blocks, self.pool.refcounts()
         cached, unshared = [], []
         for page in reversed(seq.table):  # tail first: the tail is older under LRU
-            if page in blocks and refcount(page) == 1:
+            if page in blocks and refs[page] == 1:
                 cached.append(page)
             else:
                 unshared.append(page)
@@ -227,6 +239,18 @@ class KVManager:
             block.last_used = block.inserted = now
         self.reclaimer.add_many(blocks)
 
+    def _new_block(self, page: int, now: int, block_hash: bytes, salt: str) -> _Block:
+        """The registration of ``page``: its last one reset (no one holds an unregistered block), or a new one."""
+        block = self._block_at[page]
+        if block is None:
+            block = self._block_at[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, block_hash, salt)
+        else:
+            block.inserted = block.last_used = now
+            block.uses = 1
+            block.hash = block_hash
+            block.salt = salt
+        return block
+
     def _salt_pages(self, salt: str) -> set[int]:
         """The registered pages computed under ``salt``, created empty if none are."""
         pages = self._by_salt.get(salt)
@@ -243,8 +267,13 @@ class KVManager:
             del self._by_salt[block.salt]
 
     def _evict_cached(self, page: int) -> None:
-        """Reclaimer callback: drop a cached block."""
-        self._unregister(page)
+        """Reclaimer callback: drop a cached block (`_unregister` inlined: under pressure this runs per page)."""
+        block = self._blocks.pop(page)
+        del self._by_hash[block.hash]
+        pages = self._by_salt[block.salt]
+        pages.discard(page)
+        if not pages:
+            del self._by_salt[block.salt]
         self.pool.drop(page)
 
     def check(self) -> None:

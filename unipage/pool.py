@@ -62,6 +62,10 @@ class PagePool:
         """The free page ids, as the pool's own live list (the same object for the pool's life): read only."""
         return self._free
 
+    def refcounts(self) -> list[int]:
+        """Every page's reference count, as the pool's own live list (indexed by page id): read only."""
+        return self._ref
+
     def count(self, kind: PageKind) -> int:
         return self._counts[kind]
 
