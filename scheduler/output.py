@@ -22,6 +22,8 @@ at positions ``num_computed ...``, and it samples a token when
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 
 from unipage.adapters import DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.scheduler.request import FinishReason, SamplingParams
@@ -90,27 +92,49 @@ class StepResult:
     loads_failed: list[str] = field(default_factory=list)  # adapters whose LoadAdapter failed
 
 
-class RequestOutput:
-    """New tokens of one request in one step; ``finish_reason`` is set on its last output."""
+class RequestOutput(tuple):
+    """New tokens of one request in one step; ``finish_reason`` is set on its last output.
 
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "detail")
+    An immutable record over a tuple ``(request_id, new_token_ids, finish_reason, detail)``: `update` makes
+    one per running request every step, and a tuple's can be made in C (`make_outputs`).  Equal only to
+    another `RequestOutput` with equal fields.
+    """
 
-    def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: FinishReason | None = None,
-                 detail: str = "") -> None:
-        self.request_id = request_id
-        self.new_token_ids = new_token_ids  # tokens generated this step (may be empty on a final output)
-        self.finish_reason = finish_reason  # None while the request goes on
-        self.detail = detail  # why it was dropped (SLO, LOAD_FAILED), for the caller
+    __slots__ = ()
+
+    def __new__(cls, request_id: str, new_token_ids: list[int], finish_reason: FinishReason | None = None,
+                detail: str = "") -> "RequestOutput":
+        return tuple.__new__(cls, (request_id, new_token_ids, finish_reason, detail))
+
+    request_id = property(itemgetter(0), doc="the request's id")
+    new_token_ids = property(itemgetter(1), doc="tokens generated this step (may be empty on a final output)")
+    finish_reason = property(itemgetter(2), doc="None while the request goes on")
+    detail = property(itemgetter(3), doc="why it was dropped (SLO, LOAD_FAILED), for the caller")
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self[2] is not None
+
+    def __getnewargs__(self) -> tuple:
+        return tuple(self)
 
     def __repr__(self) -> str:
         reason = self.finish_reason.name if self.finish_reason else None
         return f"RequestOutput({self.request_id!r}, {self.new_token_ids}, {reason}, {self.detail!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RequestOutput) and (self.request_id, self.new_token_ids, self.finish_reason,
-                                                     self.detail) == (other.request_id, other.new_token_ids,
-                                                                      other.finish_reason, other.detail)
+        return isinstance(other, RequestOutput) and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # new_token_ids is a list
+
+
+def make_outputs(request_ids: list[str], sampled: list[list[int]]) -> list[RequestOutput]:
+    """``[RequestOutput(r, t) for r, t in zip(request_ids, sampled)]``, made in C."""
+    n = len(request_ids)
+    return list(map(_new_tuple, repeat(RequestOutput, n), zip(request_ids, sampled, repeat(None, n), repeat("", n))))
+
+
+_new_tuple = tuple.__new__

@@ -41,7 +41,7 @@ from typing import Callable
 from unipage.memory import UnifiedMemory
 from unipage.scheduler.admission import Admission, Step
 from unipage.scheduler.config import SchedulerConfig
-from unipage.scheduler.output import RequestOutput, SchedulerOutput, StepResult
+from unipage.scheduler.output import RequestOutput, SchedulerOutput, StepResult, make_outputs
 from unipage.scheduler.policies import StepContext, make_policy
 from unipage.scheduler.request import NEVER, FinishReason, Request, RequestStatus, next_check
 from unipage.scheduler.validate import validate_request, validate_result
@@ -302,17 +302,20 @@ class Scheduler:
                 req.all_token_ids.append(tokens[0])
             else:
                 events.append(i)
-        made = list(map(RequestOutput, step.out.req_ids, sampled))  # batch order; events replace theirs
+        made = make_outputs(step.out.req_ids, sampled)  # batch order; events replace theirs
         now, single, silent = self.clock(), True, False
         for i in events:
-            made[i] = output = self._apply_event(reqs[i], sampled[i], now)
+            made[i] = output = self._apply_event(reqs[i], sampled[i], now, made[i])
             silent = silent or output is None
             single = single and (output is None or len(sampled[i]) == 1)
         outputs += [o for o in made if o is not None] if silent else made
         return single
 
-    def _apply_event(self, req: Request, tokens: list[int], now: float) -> RequestOutput | None:
-        """A request off the hot loop; returns its output (None: aborted while the step ran, or mid-prefill)."""
+    def _apply_event(self, req: Request, tokens: list[int], now: float, plain: RequestOutput) -> RequestOutput | None:
+        """A request off the hot loop; returns its output (None: aborted while the step ran, or mid-prefill).
+
+        ``plain``: its output had it simply decoded, returned if it stands.
+        """
         if req.status is not _RUNNING:
             return None
         if not tokens:  # a prefill chunk
@@ -333,6 +336,8 @@ class Scheduler:
         if reason is not None:
             self._drop(req, RequestStatus.FINISHED, reason)
             self.running.remove(req)  # O(running) in C; finishes are few per step
+        elif tokens is plain.new_token_ids:
+            return plain
         return RequestOutput(req.request_id, tokens, reason)
 
     def _commit(self, req: Request) -> None:
