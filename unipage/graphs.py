@@ -74,8 +74,7 @@ class DecodeGraphs:
     def run(self, seqs) -> torch.Tensor:
         """Hidden states ``[B, H]`` (after the final norm) of one decode step of ``seqs`` (`SeqState`s)."""
         if self.lora.generation != self.generation:
-            self.graphs.clear()
-            self.generation = self.lora.generation
+            self._drop()
         count = len(seqs)
         bucket = next(b for b in self.buckets if b >= count)
         key = (bucket, self.lora.page_table is not None and any(seq.slot >= 0 for seq in seqs))
@@ -93,8 +92,7 @@ class DecodeGraphs:
         without the LoRA kernels where adapters are resident; returns the graphs captured."""
         self.lora.refresh()
         if self.lora.generation != self.generation:
-            self.graphs.clear()
-            self.generation = self.lora.generation
+            self._drop()
         variants = (False, True) if self.lora.page_table is not None else (False,)
         before = len(self.graphs)
         for bucket in reversed(self.buckets):
@@ -105,6 +103,13 @@ class DecodeGraphs:
                     self.graphs[bucket, lora] = self._capture(bucket, lora)
                     self.captures += 1
         return len(self.graphs) - before
+
+    def _drop(self) -> None:
+        """Forget the graphs (the LoRA tables changed shape); their memory pool goes with them, so
+        later captures take a new one (PyTorch does not reuse a pool whose graphs are all gone)."""
+        self.graphs.clear()
+        self.mempool = torch.cuda.graph_pool_handle()
+        self.generation = self.lora.generation
 
     # -- inputs ------------------------------------------------------------
     def _fill(self, seqs, bucket: int) -> None:
