@@ -234,9 +234,11 @@ class KVManager:
     def _cache(self, pages: list[int]) -> None:
         """Keep registered pages whose last user left as cached blocks, stamped in order, and offer them."""
         self.pool.cache_many(pages)
-        blocks = [self._blocks[page] for page in pages]
-        for block, now in zip(blocks, self.reclaimer.ticks(len(pages))):
+        registered, blocks = self._blocks, []
+        for page, now in zip(pages, self.reclaimer.ticks(len(pages))):
+            block = registered[page]
             block.last_used = block.inserted = now
+            blocks.append(block)
         self.reclaimer.add_many(blocks)
 
     def _new_block(self, page: int, now: int, block_hash: bytes, salt: str) -> _Block:

@@ -70,21 +70,25 @@ class Reclaimer:
 
     def add_many(self, cands) -> None:
         """`add` each candidate in order (distinct, and none evictable yet)."""
-        lives, priority, run, heap = self._live, self.policy.priority, self._run, self._heap
-        for cand in cands:
-            live = lives.get(cand.kind) or lives.setdefault(cand.kind, {})
-            if cand.key in live:
-                raise ValueError(f"{cand.kind} {cand.key!r} is already evictable")
-            self._seq += 1
-            live[cand.key] = (self._seq, cand)
-            self._num_live += 1
-            self._evictable_pages += cand.pages
-            prio = priority(cand)
-            entry = (prio[0], prio, self._seq, cand.kind, cand.key)
-            if not run or entry > run[-1]:  # `_push`, inlined: a cached sequence offers a block per page
-                run.append(entry)
-            else:
-                heapq.heappush(heap, entry)
+        lives, priority, run, heap, seq = self._live, self.policy.priority, self._run, self._heap, self._seq
+        try:
+            for cand in cands:  # a cached sequence offers a block per page
+                kind, key = cand.kind, cand.key
+                live = lives.get(kind) or lives.setdefault(kind, {})
+                if key in live:
+                    raise ValueError(f"{kind} {key!r} is already evictable")
+                seq += 1
+                live[key] = (seq, cand)
+                self._evictable_pages += cand.pages
+                prio = priority(cand)
+                entry = (prio[0], prio, seq, kind, key)
+                if not run or entry > run[-1]:  # `_push`, inlined
+                    run.append(entry)
+                else:
+                    heapq.heappush(heap, entry)
+        finally:  # the counters of those added, even if one was refused
+            self._num_live += seq - self._seq
+            self._seq = seq
         if len(self._heap) + len(self._run) > 2 * self._num_live + 64:
             self._compact()
 
@@ -132,7 +136,8 @@ class Reclaimer:
     def reclaim(self, pages: int, protect: frozenset = frozenset()) -> bool:
         """Evict until ``pages`` more pages are free; evict nothing and return False if impossible."""
         lives = self._live
-        protected = sum(lives[kind][key][1].pages for kind, key in protect if (kind, key) in self) if protect else 0
+        protected = sum(lives[kind][key][1].pages for kind, key in protect if key in lives.get(kind, _NONE)) \
+            if protect else 0
         if self._evictable_pages - protected < pages:
             return False
         free, heap, run, owners = self._pool_free, self._heap, self._run, self._owners
