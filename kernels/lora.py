@@ -48,6 +48,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from unipage.kernels.common import fit_stages
 from unipage.kernels.lora_meta import (
     DenseLoraMeta,
     LoraBatch,
@@ -329,7 +330,9 @@ def _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous) -> t
     rows = rows_block(meta, cfg)
     row_blocks = -(-(meta.num_slices * meta.rank_block) // rows)
     programs = batch.num_row_tiles * row_blocks
-    block_k, split_k, k_per_split = split_k_plan(meta.d_in, cfg["block_k"], programs, cfg, x.device)
+    block_k, stages = fit_stages(cfg["block_k"], cfg["shrink_stages"], batch.block_m + rows, x.element_size(),
+                                 x.device)  # x rows and A rows per stage
+    block_k, split_k, k_per_split = split_k_plan(meta.d_in, block_k, programs, cfg, x.device)
     count = x.shape[0]
     part = torch.empty(split_k, count, meta.num_slices * meta.rank_block, dtype=torch.float32, device=x.device)
     args, consts = _common(pool, page_table, token_slots, meta, batch, contiguous)
@@ -338,7 +341,7 @@ def _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous) -> t
         x, x.stride(0), *args, meta.a_offset, part,
         count, meta.d_in, round_up(meta.d_in), k_per_split,
         ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=cfg["pdl"], **consts,
-        num_warps=cfg["shrink_warps"], num_stages=cfg["shrink_stages"])
+        num_warps=cfg["shrink_warps"], num_stages=stages)
     return part, split_k
 
 

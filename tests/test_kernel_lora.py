@@ -379,3 +379,14 @@ def test_gpu_compiled_kernels_on_the_small_cases(dtype):
                                                   batch=plan(slots, world, grouped))
                 assert_close(y_out, y_ref, y0)
                 assert_untouched(y_out, y0, slots, meta)
+
+
+def test_tuned_configs_are_cut_to_fit_shared_memory():
+    from unipage.kernels.common import fit_stages, shared_memory_bytes
+
+    cpu = torch.device("cpu")
+    budget = shared_memory_bytes(cpu) - 4096
+    assert fit_stages(128, 2, 64, 2, cpu) == (128, 2)  # fits: unchanged
+    block_k, stages = fit_stages(512, 2, 128, 2, cpu)  # 256 KiB asked (the H100 failure, scaled down)
+    assert stages * 128 * block_k * 2 <= budget and block_k >= 64 and stages >= 1
+    assert fit_stages(64, 4, 512, 4, cpu) == (64, 1)  # block_k at its floor: stages give way
