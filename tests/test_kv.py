@@ -220,3 +220,20 @@ def test_free_stamps_cached_blocks_tail_first_one_tick_each_and_keeps_shared_one
     assert stamps == {2: start + 1, 1: start + 2, 0: start + 3}
     assert pool.kind(3) == PageKind.FREE and pool.occupancy()["cached_kv"] == 3
     kv.check()
+
+
+def test_a_page_registered_again_after_eviction_starts_a_fresh_registration():
+    pool, reclaimer, kv = make(num_pages=2)
+    run_sequence(kv, "a", [1] * 4, salt="s1")  # page 0
+    kv.free("a")
+    assert kv.open("hit", [1] * 5, "s1") == 4  # a prefix hit: page 0 has two uses
+    kv.free("hit")
+    run_sequence(kv, "b", [2] * 8, salt="s2")  # page 0 (its cached block evicted) and page 1
+    assert kv.block_table("b") == [0, 1] and reclaimer.evictions["kv"] == 1
+    assert kv.match_prefix([1] * 4, "s1") == [] and kv.match_prefix([2] * 8, "s2") == [0, 1]
+    kv.free("b")
+    blocks = {c.key: c for c in reclaimer.candidates()}
+    assert (blocks[0].uses, blocks[0].salt, blocks[0].hash) == (1, "s2", block_hashes([2] * 8, B, "s2")[0])
+    assert kv.invalidate("s1") == 0 and kv.invalidate("s2") == 2
+    assert pool.occupancy()["free"] == 2
+    kv.check()

@@ -336,3 +336,16 @@ def test_the_documented_example_runs(policy, admission, capsys):
     example = runpy.run_path(str(pathlib.Path(__file__).parent.parent / "docs" / "scheduler_example.py"))
     example["main"](["--policy", policy, "--admission", admission])
     assert "16 requests done" in capsys.readouterr().out
+
+
+def test_request_outputs_are_immutable_records_equal_only_to_request_outputs():
+    import pickle
+
+    out = RequestOutput("r0", [5], FinishReason.STOP)
+    assert (out.request_id, out.new_token_ids, out.finish_reason, out.detail, out.finished) == \
+        ("r0", [5], FinishReason.STOP, "", True)
+    assert out == RequestOutput("r0", [5], FinishReason.STOP) and not out != RequestOutput("r0", [5], FinishReason.STOP)
+    assert out != ("r0", [5], FinishReason.STOP, "") and out != RequestOutput("r0", [5])
+    assert pickle.loads(pickle.dumps(out)) == out and repr(out) == "RequestOutput('r0', [5], STOP, '')"
+    with pytest.raises(AttributeError):
+        out.detail = "changed"
