@@ -21,10 +21,13 @@ MODEL = ModelConfig(num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1, h
                     intermediate_size=64, dtype="float32")
 RANKS = {"a": 1, "b": 2, "c": 3, "d": 4, "twin": 2}
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]
+# The built-in policies: one registered elsewhere (the simulator's Belady, once unipage.sim is imported by
+# another test module) may need more than the bookkeeping.
+BUILT_IN = sorted(name for name, cls in POLICIES.items() if cls.__module__ == "unipage.eviction")
 
 
 class MemoryMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(sorted(POLICIES)), pages=st.integers(6, 14))
+    @initialize(policy=st.sampled_from(BUILT_IN), pages=st.integers(6, 14))
     def setup(self, policy, pages):
         config = UnipageConfig(MODEL, PoolConfig(block_tokens=4, num_pages=pages),
                                LoRAConfig(max_rank=8, eviction_policy=policy, host_cache_bytes=6000))
