@@ -1,5 +1,6 @@
 """Paged dense LoRA shrink/expand on a GPU: Llama-3.1-8B q/k/v (4096 -> 4096 / 1024 / 1024),
-rank 16, 16 adapters, bf16, tokens spread round-robin over the adapters.
+rank 16, 16 adapters, bf16, tokens spread round-robin over the adapters.  ``--targets``
+picks another of the model's LoRA calls (o, gate_up, down) to measure or tune.
 
 One JSON line per token count: kernel time (CUDA graph, L2 flushed), the HBM
 floor (distinct LoRA weights touched + x read + y read and written, over the
@@ -10,6 +11,7 @@ paged within 10 % of contiguous.  A failing row is reported and skipped.
 
     python -m benchmarks.kernels_lora            # measure
     python -m benchmarks.kernels_lora --tune     # tune launch configs into kernels/configs/lora_dense.json
+    python -m benchmarks.kernels_lora --tune --targets down --tokens 256 1024
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from unipage.lora_layout import TargetSpec, build_layout
 log = logging.getLogger("benchmarks.kernels_lora")
 
 QKV = ("q_proj", "k_proj", "v_proj")
+GROUPS = {"qkv": QKV, "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 ADAPTERS, RANK, SEED = 16, 16, 0
 LLAMA_8B = ModelConfig(num_layers=1, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -49,10 +52,10 @@ PAGE_ELEMS = 16 * 2 * 8 * 128  # one KV block of 16 tokens
 class Setup:
     """Both pools (adapters at shuffled pages among noise, and consecutive), tables and metadata."""
 
-    def __init__(self, dtype=torch.bfloat16, adapters=ADAPTERS, rank=RANK, seed=SEED, device="cuda"):
+    def __init__(self, dtype=torch.bfloat16, adapters=ADAPTERS, rank=RANK, seed=SEED, device="cuda", targets=QKV):
         gen = torch.Generator().manual_seed(seed)
-        self.dtype, self.adapters, self.device = dtype, adapters, torch.device(device)
-        layout = build_layout(LLAMA_8B, [tuple(TargetSpec(t, (rank,)) for t in QKV)])
+        self.dtype, self.adapters, self.device, self.targets = dtype, adapters, torch.device(device), targets
+        layout = build_layout(LLAMA_8B, [tuple(TargetSpec(t, (rank,)) for t in targets)])
         pages = layout.num_pages(PAGE_ELEMS)
         packed = [pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), PAGE_ELEMS, dtype)[0]
                   for _ in range(adapters)]
@@ -66,21 +69,21 @@ class Setup:
         self.pool, self.flat_pool = self.pool.to(device), self.flat_pool.to(device)
         self.table = ids.to(torch.int32).to(device)
         self.flat_table = torch.arange(adapters * pages, dtype=torch.int32).view(adapters, pages).to(device)
-        self.meta = dense_lora_meta([layout] * adapters, 0, QKV, device=device)
-        self.weight_bytes = sum(layout.layers[0].targets[(t, -1)].a.rows * 4096 for t in QKV) * 2
-        self.weight_bytes += sum(s.b.rows * s.b.cols for t in QKV
-                                 for s in layout.layers[0].targets[(t, -1)].slices) * 2
+        self.meta = dense_lora_meta([layout] * adapters, 0, targets, device=device)
+        entries = [layout.layers[0].targets[(t, -1)] for t in targets]
+        self.weight_bytes = sum(e.a.rows * e.a.cols for e in entries) * 2
+        self.weight_bytes += sum(s.b.rows * s.b.cols for e in entries for s in e.slices) * 2
 
     def inputs(self, tokens: int, seed: int = SEED):
         gen = torch.Generator(device=self.device).manual_seed(seed)
         slots = (torch.arange(tokens, dtype=torch.int32) % self.adapters).to(self.device)
-        x = torch.randn(tokens, 4096, device=self.device, generator=gen).to(self.dtype)
+        x = torch.randn(tokens, self.meta.d_in, device=self.device, generator=gen).to(self.dtype)
         y = torch.randn(tokens, self.meta.out_cols, device=self.device, generator=gen).to(self.dtype) * 0.01
         return slots, x, y
 
     def floor_bytes(self, tokens: int) -> int:
         touched = min(tokens, self.adapters) * self.weight_bytes
-        return touched + tokens * 4096 * 2 + 2 * tokens * self.meta.out_cols * 2
+        return touched + tokens * self.meta.d_in * 2 + 2 * tokens * self.meta.out_cols * 2
 
 
 def timed(fn) -> tuple[float, bool]:
@@ -128,7 +131,7 @@ def row(setup: Setup, tokens: int, bandwidth: float) -> dict:
     slots, x, y = setup.inputs(tokens)
     config = launch_config(setup.meta, batch, setup.dtype, x.device)
     return {
-        "bench": "lora_dense_qkv", "model": "Llama-3.1-8B", "tokens": tokens, "adapters": setup.adapters,
+        "bench": "lora_dense_qkv", "model": "Llama-3.1-8B", "targets": "+".join(setup.targets), "tokens": tokens, "adapters": setup.adapters,
         "rank": RANK, "dtype": str(setup.dtype).removeprefix("torch."), "seed": SEED,
         "path": "grouped" if batch.grouped else "gemv",
         "block_m": batch.block_m, "us": seconds * 1e6, "floor_us": floor * 1e6, "x_floor": seconds / floor,
@@ -140,11 +143,11 @@ def row(setup: Setup, tokens: int, bandwidth: float) -> dict:
     }
 
 
-def run(out=None, tokens=TOKENS) -> None:
+def run(out=None, tokens=TOKENS, targets=QKV) -> None:
     """Emit one JSON line per token count to ``out`` (stdout by default); failures become error rows."""
     bandwidth = copy_bandwidth()
     emit({"bench": "lora_dense_qkv", "copy_gbps": bandwidth / 1e9}, out)
-    setup = Setup()
+    setup = Setup(targets=targets)
     for count in tokens:
         try:
             emit(row(setup, count, bandwidth), out)
@@ -181,9 +184,9 @@ def tune_one(setup: Setup, tokens: int) -> tuple[str, dict, float]:
     return path, {k: v for k, v in best.items() if default.get(k) != v}, best_s
 
 
-def tune(out=None, tokens=TOKENS, path: Path = lora_meta.CONFIG_PATH) -> None:
+def tune(out=None, tokens=TOKENS, targets=QKV, path: Path = lora_meta.CONFIG_PATH) -> None:
     """Tune each token count's config on this GPU and write the overrides into ``path``."""
-    setup = Setup()
+    setup = Setup(targets=targets)
     data = json.loads(path.read_text())
     key = lora_meta.shape_key(setup.meta, setup.dtype)
     entry = data.setdefault("tuned", {}).setdefault(device_key("cuda"), {}).setdefault(key, {})
@@ -195,7 +198,7 @@ def tune(out=None, tokens=TOKENS, path: Path = lora_meta.CONFIG_PATH) -> None:
             emit({"bench": "lora_dense_qkv_tune", "tokens": count, "error": repr(exc)}, out)
             continue
         entry.setdefault(kind, {})[str(count)] = overrides
-        emit({"bench": "lora_dense_qkv_tune", "tokens": count, "path": kind, "us": seconds * 1e6,
+        emit({"bench": "lora_dense_qkv_tune", "shape": key, "tokens": count, "path": kind, "us": seconds * 1e6,
               "overrides": overrides}, out)
         path.write_text(json.dumps(data, indent=2) + "\n")
     lora_meta._load_json.cache_clear()
@@ -205,11 +208,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="tune launch configs and write them to the JSON")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS), help="token counts")
+    parser.add_argument("--targets", choices=sorted(GROUPS), default="qkv", help="which LoRA call of the model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.kernels_lora needs a CUDA GPU")
-    (tune if args.tune else run)(tokens=tuple(args.tokens))
+    (tune if args.tune else run)(tokens=tuple(args.tokens), targets=GROUPS[args.targets])
 
 
 if __name__ == "__main__":
