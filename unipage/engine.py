@@ -179,9 +179,13 @@ class Engine:
 
     def _poll_loads(self) -> None:
         if self._in_flight:
-            for name in self.storage.poll():
+            result = self.storage.poll()
+            for name in result.done:
                 self._in_flight.pop(name, None)
                 self._done.append(name)
+            for name, _ in result.failed:  # a file read in the background failed
+                self.runner.slot_evicted(self._in_flight.pop(name))
+                self._failed.append(name)
 
     def _watch_progress(self, out, outputs) -> None:
         busy = out.req_ids or out.adapter_effects or outputs or self._in_flight

@@ -9,12 +9,17 @@ CUDA exists), so bringing it onto the GPU is one page-wise ``index_copy_``
 into the pages of its page table.  On CUDA the copy runs on a side stream and
 records an event: ``poll()`` reports loads whose event has completed, and the
 engine makes its compute stream wait on ``load_event(name)`` before a batch
-that uses the adapter.  On CPU a load completes inside ``apply``.
+that uses the adapter.  A load without a host copy first reads and packs the
+adapter's files: on CUDA in a background thread (`READ_THREADS`), so a step
+never waits on a disk read — ``poll()`` starts the page copy once the packed
+buffer is ready, and reports a read that failed.  On CPU a load completes
+inside ``apply``.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +30,7 @@ from unipage.config import UnipageConfig
 from unipage.errors import AdapterError
 
 log = logging.getLogger(__name__)
+READ_THREADS = 2  # background readers of adapter files (CUDA)
 
 
 @dataclass
@@ -43,7 +49,9 @@ class PoolStorage:
         self._host: dict[str, torch.Tensor] = {}  # name -> [L, n, P] on the CPU
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._events: dict[str, torch.cuda.Event] = {}  # loads in flight (CUDA)
+        self._events: dict[str, torch.cuda.Event] = {}  # page copies in flight (CUDA)
+        self._reads: dict[str, tuple[Future, LoadAdapter]] = {}  # file reads in flight (CUDA)
+        self._reader = ThreadPoolExecutor(READ_THREADS, "unipage-adapter-read") if self._cuda else None
 
     def apply(self, effects) -> ApplyResult:
         """Perform the effects in order; report which loads completed or failed."""
@@ -53,18 +61,35 @@ class PoolStorage:
                 self._load(effect, result)
             elif isinstance(effect, EvictAdapter):
                 self._events.pop(effect.name, None)
+                self._reads.pop(effect.name, None)  # a read still running is dropped when it ends
             elif isinstance(effect, DropHostCopy):
                 self._host.pop(effect.name, None)
             else:
                 raise TypeError(f"unknown effect {effect!r}")
         return result
 
-    def poll(self) -> list[str]:
-        """CUDA: names whose page copies have completed since the last poll."""
-        done = [name for name, event in self._events.items() if event.query()]
-        for name in done:
+    def poll(self) -> ApplyResult:
+        """CUDA: start the page copies of reads that finished; report the loads whose copies
+        have completed since the last poll, and the reads that failed."""
+        result = ApplyResult()
+        for name in [n for n, (future, _) in self._reads.items() if future.done()]:
+            future, effect = self._reads.pop(name)
+            try:
+                buf = future.result()
+            except (AdapterError, OSError) as err:
+                log.warning("loading adapter %r failed: %s", name, err)
+                result.failed.append((name, str(err)))
+                continue
+            self._finish_read(effect, buf)
+        result.done = [name for name, event in self._events.items() if event.query()]
+        for name in result.done:
             del self._events[name]
-        return done
+        return result
+
+    def close(self) -> None:
+        """Stop the background readers (reads in flight are abandoned)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
 
     def load_event(self, name: str):
         """The CUDA event of a load still in flight, or None."""
@@ -74,15 +99,26 @@ class PoolStorage:
         return name in self._host
 
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
+        buf = self._host.get(effect.name) if effect.from_host else None
+        if buf is None and self._reader is not None:
+            self._reads[effect.name] = (self._reader.submit(self.read_packed, effect), effect)
+            return
         try:
-            buf = self._host_buffer(effect)
+            buf = buf if buf is not None else self.read_packed(effect)
         except (AdapterError, OSError) as err:
             log.warning("loading adapter %r failed: %s", effect.name, err)
             result.failed.append((effect.name, str(err)))
             return
+        self._finish_read(effect, buf)
+        if not self._cuda:
+            result.done.append(effect.name)
+
+    def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor) -> None:
+        """Keep the host copy if asked, and copy the pages into the pool (on CUDA: on the side stream)."""
+        if effect.cache_on_host:
+            self._host[effect.name] = buf
         if not self._cuda:
             self.pool.index_copy_(1, torch.tensor(effect.pages, dtype=torch.long), buf)
-            result.done.append(effect.name)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -93,14 +129,6 @@ class PoolStorage:
             event = torch.cuda.Event()
             event.record(self._stream)
         self._events[effect.name] = event
-
-    def _host_buffer(self, effect: LoadAdapter) -> torch.Tensor:
-        buf = self._host.get(effect.name) if effect.from_host else None
-        if buf is None:
-            buf = self.read_packed(effect)
-        if effect.cache_on_host:
-            self._host[effect.name] = buf
-        return buf
 
     def read_packed(self, effect: LoadAdapter) -> torch.Tensor:
         """Read the adapter's files and pack them into a host page buffer ``[L, n, P]``."""
