@@ -101,7 +101,9 @@ class PoolStorage:
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
         buf = self._host.get(effect.name) if effect.from_host else None
         if buf is None and self._reader is not None:
-            self._reads[effect.name] = (self._reader.submit(self.read_packed, effect), effect)
+            # The thread makes no CUDA call (no pinning there): a graph capture on the main thread
+            # would fail on another thread's cudaHostAlloc.
+            self._reads[effect.name] = (self._reader.submit(self.read_packed, effect, pin=False), effect)
             return
         try:
             buf = buf if buf is not None else self.read_packed(effect)
@@ -115,6 +117,8 @@ class PoolStorage:
 
     def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor) -> None:
         """Keep the host copy if asked, and copy the pages into the pool (on CUDA: on the side stream)."""
+        if self._cuda and not buf.is_pinned():
+            buf = buf.pin_memory()
         if effect.cache_on_host:
             self._host[effect.name] = buf
         if not self._cuda:
@@ -130,8 +134,9 @@ class PoolStorage:
             event.record(self._stream)
         self._events[effect.name] = event
 
-    def read_packed(self, effect: LoadAdapter) -> torch.Tensor:
-        """Read the adapter's files and pack them into a host page buffer ``[L, n, P]``."""
+    def read_packed(self, effect: LoadAdapter, pin: bool = True) -> torch.Tensor:
+        """Read the adapter's files and pack them into a host page buffer ``[L, n, P]`` (pinned on CUDA
+        if ``pin``)."""
         from unipage.peft_io import load_adapter_weights
 
         weights = load_adapter_weights(effect.info, self.config.model)
@@ -139,7 +144,7 @@ class PoolStorage:
         if len(effect.pages) != buf.shape[1]:
             raise AdapterError(f"adapter {effect.name!r}: packed {buf.shape[1]} pages, "
                                f"{len(effect.pages)} assigned")
-        return buf.pin_memory() if self._cuda else buf
+        return buf.pin_memory() if self._cuda and pin else buf
 
     def gather(self, record: AdapterRecord) -> LoraWeights:
         """Read a resident adapter's matrices back out of the pool through its page table."""
