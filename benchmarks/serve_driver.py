@@ -131,10 +131,10 @@ class DiskLog:
         storage = self.engine.storage
         read = storage.read_packed
 
-        def timed_read(effect):
+        def timed_read(effect, **options):  # on CUDA called from the storage's reader threads
             start = time.perf_counter()
             try:
-                return read(effect)
+                return read(effect, **options)
             finally:
                 self.seconds += time.perf_counter() - start
                 self.bytes += effect.info.file_bytes
