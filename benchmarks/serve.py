@@ -181,15 +181,23 @@ def adapters_for(ctx: Context, model, count: int, rank: int, targets: str, tag: 
 
 # -- setups --------------------------------------------------------------------------
 def setup_a(ctx: Context) -> None:
-    a, shape = ctx.args, "gpt-oss-20b"
+    a = ctx.args
+    key, engine, _, names, work = round_robin_run(ctx, "gpt-oss-20b", "all", "a", "", a.concurrency)
+    measure(ctx, engine, work, setup="a", key=key, targets="all", rank=a.rank, names=names)
+
+
+def round_robin_run(ctx: Context, shape: str, targets: str, setup: str, suffix: str, concurrency: int):
+    """``(key, engine, adapter paths, their names, workload)``: a fresh engine of ``shape`` with ``--adapters`` adapters
+    on ``targets`` and ``--requests`` requests round-robin over them."""
+    a = ctx.args
     key = sm.model_key(shape, a.tiny, a.layers)
     engine = make_engine(ctx, sm.write_model_dir(ctx.root, shape, a.tiny, a.layers), a.rank, a.pool_pages)
-    paths = adapters_for(ctx, engine.config.model, a.adapters, a.rank, "all", key)
+    paths = adapters_for(ctx, engine.config.model, a.adapters, a.rank, targets, key)
     names = register(engine, paths)
-    work = drv.make_workload(f"a-{key}", a.requests, a.prompt, a.output,
-                             [names[i % len(names)] for i in range(a.requests)], a.concurrency,
+    work = drv.make_workload(f"{setup}-{key}{suffix}", a.requests, a.prompt, a.output,
+                             [names[i % len(names)] for i in range(a.requests)], concurrency,
                              engine.vocab_size, a.seed)
-    measure(ctx, engine, work, setup="a", key=key, targets="all", rank=a.rank, names=names)
+    return key, engine, paths, names, work
 
 
 def setup_b(ctx: Context) -> None:
@@ -255,19 +263,13 @@ def setup_c(ctx: Context) -> None:
 def setup_d(ctx: Context) -> None:
     import serve_hf
 
-    a, shape = ctx.args, "llama-1b"
-    key = sm.model_key(shape, a.tiny, a.layers)
-    engine = make_engine(ctx, sm.write_model_dir(ctx.root, shape, a.tiny, a.layers), a.rank, a.pool_pages)
-    paths = adapters_for(ctx, engine.config.model, a.adapters, a.rank, "attention", key)
-    names = register(engine, paths)
-    work = drv.make_workload(f"d-{key}-unipage", a.requests, a.prompt, a.output,
-                             [names[i % len(names)] for i in range(a.requests)], a.requests,
-                             engine.vocab_size, a.seed)
+    a = ctx.args
+    key, engine, paths, names, work = round_robin_run(ctx, "llama-1b", "attention", "d", "-unipage", a.requests)
     ours = measure(ctx, engine, work, setup="d", key=key, targets="attention", rank=a.rank, names=names)
     dtype = engine.config.model.dtype
     free(engine)
     engine = None
-    config = sm.hf_config(shape, a.tiny, a.layers)
+    config = sm.hf_config("llama-1b", a.tiny, a.layers)
     theirs = serve_hf.run_peft(config, dict(zip(names, paths)), work, ctx.device, getattr(torch, dtype),
                                a.hf_batch, a.warmup_tokens)
     emit({"bench": "serve", "row": "d-baseline", "model": key, "baseline": "transformers+peft generate",

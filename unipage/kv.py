@@ -269,13 +269,8 @@ class KVManager:
             del self._by_salt[block.salt]
 
     def _evict_cached(self, page: int) -> None:
-        """Reclaimer callback: drop a cached block (`_unregister` inlined: under pressure this runs per page)."""
-        block = self._blocks.pop(page)
-        del self._by_hash[block.hash]
-        pages = self._by_salt[block.salt]
-        pages.discard(page)
-        if not pages:
-            del self._by_salt[block.salt]
+        """Reclaimer callback: drop a cached block."""
+        self._unregister(page)
         self.pool.drop(page)
 
     def check(self) -> None:
