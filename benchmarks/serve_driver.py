@@ -16,6 +16,7 @@ of measured step times gives the coefficients of a `CostProfile`.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -126,6 +127,7 @@ class DiskLog:
 
     def __init__(self, engine) -> None:
         self.engine, self.bytes, self.seconds = engine, 0, 0.0
+        self._lock = threading.Lock()  # reads run in the storage's threads on CUDA
 
     def __enter__(self) -> Self:
         storage = self.engine.storage
@@ -136,8 +138,9 @@ class DiskLog:
             try:
                 return read(effect, **options)
             finally:
-                self.seconds += time.perf_counter() - start
-                self.bytes += effect.info.file_bytes
+                with self._lock:
+                    self.seconds += time.perf_counter() - start
+                    self.bytes += effect.info.file_bytes
 
         storage.read_packed = timed_read
         return self

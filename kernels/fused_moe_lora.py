@@ -149,7 +149,7 @@ def lora_config(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = Non
                          load, device_key(topk_ids.device))
 
 
-def _pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
+def lora_pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
     """Power-of-two widths (>= 16, the tensor-core minimum) of z, of a slice rank, of the down rank."""
     return tuple(max(16, triton.next_power_of_2(max(n, 1)))
                  for n in (meta.max_gate_up_rows, meta.max_gate_up_rank, meta.max_down_rank))
@@ -168,7 +168,7 @@ def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) 
     align = None
     if cfg["block_m"] > 1:
         align = align_fn(topk_ids, meta.num_experts, cfg["block_m"], lora.token_slots, meta.slot_flags)
-    r_pad, _, rd_pad = _pads(meta)
+    r_pad, _, rd_pad = lora_pads(meta)
     splits, _ = _split_k(meta.hidden, cfg["split_k"])
     num_pairs, device = topk_ids.numel(), topk_ids.device
     return MoeLoraPlan(lora, topk_ids, cfg, align,
@@ -490,7 +490,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden), raw=(raw, num_pairs, 2 * meta.inter),
                  act=(act, num_pairs, meta.inter))
     cfg, tiles, page_shift = plan.config, _num_tile_bound(plan), plan.lora.pool.shape[1].bit_length() - 1
-    r_pad, rk_pad, rd_pad = _pads(meta)
+    r_pad, rk_pad, rd_pad = lora_pads(meta)
     splits, per_split = _split_k(meta.hidden, cfg["split_k"])
     pdl, precision = _use_pdl(plan), "ieee" if x.dtype == torch.float32 else "tf32"
     stride_pt = plan.lora.page_table.stride(0)
@@ -527,7 +527,7 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
     block_n = max(64, min(cfg["down"]["block_n"], triton.next_power_of_2(meta.hidden)))
     _expand_down_kernel[(_num_tile_bound(plan) * triton.cdiv(meta.hidden, block_n),)](
         y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
-        plan.lora.page_table.stride(0), RD_PAD=_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
+        plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,
         EVEN_N=meta.hidden % block_n == 0, DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         **_launch_opts(cfg["down"]))

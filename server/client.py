@@ -211,18 +211,25 @@ class Stream(_StreamView):
         self.close()
 
 
-class Client:
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", *, timeout: float | None = 60.0,
-                 heartbeat_s: float = 5.0, context: zmq.Context | None = None) -> None:
-        """Connect to ``address``.  ``timeout``: seconds to wait for any one reply (None = forever)."""
-        self.address, self.timeout = address, timeout
-        self._sock = _dealer(context or zmq.Context.instance(), address, heartbeat_s)
-        self._inbox: dict[str, deque] = {}  # request id -> replies received and not yet read
+class _RequestIds:
+    """Request ids unique to this client: a random prefix and a counter."""
+
+    def __init__(self) -> None:
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
 
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
+
+
+class Client(_RequestIds):
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", *, timeout: float | None = 60.0,
+                 heartbeat_s: float = 5.0, context: zmq.Context | None = None) -> None:
+        """Connect to ``address``.  ``timeout``: seconds to wait for any one reply (None = forever)."""
+        self.address, self.timeout = address, timeout
+        self._sock = _dealer(context or zmq.Context.instance(), address, heartbeat_s)
+        super().__init__()
+        self._inbox: dict[str, deque] = {}  # request id -> replies received and not yet read
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, prompt: list[int] | str, *, adapter: str | None = None, max_tokens: int = 16,
@@ -379,18 +386,14 @@ class AsyncStream(_StreamView):
         await self.close()
 
 
-class AsyncClient:
+class AsyncClient(_RequestIds):
     def __init__(self, address: str = "tcp://127.0.0.1:5555", *, timeout: float | None = 60.0,
                  heartbeat_s: float = 5.0, context: zmq.asyncio.Context | None = None) -> None:
         self.address, self.timeout = address, timeout
         self._sock = _dealer(context or zmq.asyncio.Context.instance(), address, heartbeat_s)
         self._queues: dict[str, asyncio.Queue] = {}
+        super().__init__()
         self._reader: asyncio.Task | None = None
-        self._prefix = uuid.uuid4().hex[:8]
-        self._ids = itertools.count()
-
-    def new_id(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
 
     def generate(self, prompt: list[int] | str, *, adapter: str | None = None, max_tokens: int = 16,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

@@ -231,24 +231,22 @@ def encode(message: _Msg) -> bytes:
 
 def decode_request(frame: bytes) -> Request:
     """The request in ``frame``, or a `ProtocolError` saying why it is not one."""
-    try:
-        message = _request_decoder.decode(frame)
-    except msgspec.DecodeError as err:
-        raise _classify(frame, err, REQUEST_TYPES) from None
-    if message.v != VERSION:
-        raise ProtocolError(ErrorCode.VERSION, f"protocol version {message.v} is not supported; "
-                            f"this server speaks version {VERSION}", message.request_id)
-    return message
+    return _decode(frame, _request_decoder, REQUEST_TYPES, "protocol version {v} is not supported; "
+                   "this server speaks version {ours}")
 
 
 def decode_reply(frame: bytes) -> Reply:
+    return _decode(frame, _reply_decoder, REPLY_TYPES, "reply of protocol version {v}; this client speaks "
+                   "version {ours}")
+
+
+def _decode(frame: bytes, decoder, types, wrong_version: str):
     try:
-        message = _reply_decoder.decode(frame)
+        message = decoder.decode(frame)
     except msgspec.DecodeError as err:
-        raise _classify(frame, err, REPLY_TYPES) from None
+        raise _classify(frame, err, types) from None
     if message.v != VERSION:
-        raise ProtocolError(ErrorCode.VERSION, f"reply of protocol version {message.v}; this client speaks "
-                            f"version {VERSION}", message.request_id)
+        raise ProtocolError(ErrorCode.VERSION, wrong_version.format(v=message.v, ours=VERSION), message.request_id)
     return message
 
 

@@ -24,6 +24,7 @@ import torch
 
 from unipage.config import ModelConfig
 from unipage.kernels import DenseLoraMeta, MoeLoraMeta, dense_lora_meta, moe_lora_meta
+from unipage.kernels.fused_moe_lora import lora_pads
 from unipage.kernels.lora_meta import next_pow2
 from unipage.lora_layout import AdapterLayout
 
@@ -120,8 +121,7 @@ def _dense_signature(meta: DenseLoraMeta | None) -> tuple | None:
 def _moe_signature(meta: MoeLoraMeta | None) -> tuple | None:
     if meta is None:
         return None
-    pads = tuple(next_pow2(max(16, n)) for n in (meta.max_gate_up_rows, meta.max_gate_up_rank, meta.max_down_rank))
-    return meta.hidden, meta.inter, meta.num_experts, pads, meta.any_lora
+    return meta.hidden, meta.inter, meta.num_experts, lora_pads(meta), meta.any_lora
 
 
 def _layer_signature(layer: LayerLora) -> tuple:
