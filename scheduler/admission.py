@@ -218,6 +218,8 @@ class Admission:
             return 0
         req.num_cached_tokens = req.num_computed_tokens = cached
         req.block_table = kv.block_table(rid)
+        if kv.num_groups > 1:
+            req.window_table = kv.window_table(rid)
         req.capacity = len(req.block_table) * block
         return n
 
@@ -231,8 +233,10 @@ class Admission:
         req.skips = 0
         req.next_commit = cached + self.block_tokens if self.kv.prefix_caching else NEVER
         req.next_check = next_check(req)
+        window = list(req.window_table) if req.window_table is not None else None
         out.new_requests.append(NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                                               name, req.slot, req.sampling, list(req.block_table), cached))
+                                               name, req.slot, req.sampling, list(req.block_table), cached,
+                                               window))
         if cached + n < req.num_tokens:
             step.partial.append(len(step.reqs))
         out.num_scheduled_tokens.append(n)

@@ -9,7 +9,8 @@ sampled itself), and its state is dropped when its id shows up in
 ``finished_ids``, ``aborted_ids`` or ``preempted_ids`` (ids it never saw are
 ignored).  The executor applies a step's output in this order: drop
 finished/aborted/preempted, perform ``adapter_effects`` in order, add
-``new_requests``, extend block tables by ``new_block_ids``, run the batch.
+``new_requests``, extend block tables by ``new_block_ids`` (and window tables
+by ``new_window_block_ids``), run the batch.
 
 Batch order (``req_ids``): the running requests scheduled this step, in the
 scheduler's running order, then the new ones.  Token ``t`` of the batch
@@ -43,6 +44,8 @@ class NewRequestData:
     sampling: SamplingParams
     block_table: list[int]  # page ids of its KV blocks, in token order (a copy; later growth comes as diffs)
     num_computed_tokens: int  # tokens whose KV is already in the pool (prefix-cache hit) before this step
+    window_table: list[int] | None = None  # models with full and sliding-window layers: the sliding
+    #   layers' block table (a copy, as long as block_table; NO_PAGE (-1) before the window); else None
 
 
 @dataclass(slots=True)
@@ -55,6 +58,9 @@ class SchedulerOutput:
     #   batch order (the first len(running_ids) of req_ids)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # running requests whose block table
     #   grew this step -> the page ids appended (the others' tables are unchanged)
+    new_window_block_ids: dict[str, list[int]] = field(default_factory=dict)  # the same for the window
+    #   tables (models with full and sliding-window layers).  Entries of blocks that left the window are
+    #   not sent: attention never reads them, so the executor's copies may keep the old page ids
     req_ids: list[str] = field(default_factory=list)  # batch order: running_ids, then the new requests' ids
     num_scheduled_tokens: list[int] = field(default_factory=list)  # per req_ids entry: tokens this step
     total_num_scheduled_tokens: int = 0  # sum of num_scheduled_tokens (<= max_num_batched_tokens)

@@ -133,6 +133,8 @@ class Request:
     slot: int = field(default=-1, init=False)  # adapter slot while running; -1 = base model
     salt: str = field(default="", init=False)  # prefix-hash salt: its adapter's content digest at admission
     block_table: list[int] | None = field(default=None, init=False)  # live KV table while running
+    window_table: list[int] | None = field(default=None, init=False)  # live table of the sliding-window
+    #   layers' KV while running, when the model mixes them with full layers (else None)
     capacity: int = field(default=0, init=False)  # tokens its block table holds
     next_commit: int = field(default=NEVER, init=False)  # computed tokens at which a block fills
     next_check: int = field(default=0, init=False)  # computed tokens from which update() looks closer: a block

@@ -89,6 +89,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.stats = SchedulerStats()
         self._reserve = config.admission == "reserve"
+        self._slides = bool(self.kv.window)  # sliding-window layers return pages that leave the window
+        self._grouped = self.kv.num_groups > 1  # ... from a block table of their own
         self._chunk = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.running_adapters: dict[str, int] = {}  # adapter -> running requests using it (read-only)
         self._awaiting: dict[str, dict[str, Request]] = {}  # adapter -> its WAITING_FOR_ADAPTER requests
@@ -171,6 +173,10 @@ class Scheduler:
     def _schedule_running(self, step: Step) -> None:
         """Every running request gets its next tokens while the budget lasts: grow KV, else reclaim, else preempt."""
         start = 0
+        if self._slides:
+            slide = self.kv.slide
+            for req in self.running:
+                slide(req.request_id, req.num_computed_tokens)
         if self._all_decoding and len(self.running) <= step.budget:
             start = self._schedule_decodes(step)
         if start < len(self.running):
@@ -246,6 +252,8 @@ class Scheduler:
         if not self.kv.grow(req.request_id, tokens):
             return False
         step.out.new_block_ids[req.request_id] = req.block_table[have:]
+        if self._grouped:
+            step.out.new_window_block_ids[req.request_id] = req.window_table[have:]
         req.capacity = len(req.block_table) * self.block_tokens
         return True
 
@@ -365,7 +373,7 @@ class Scheduler:
     def _release_running(self, req: Request) -> None:
         """Free a running request's KV and unpin its adapter (the caller updates ``self.running``)."""
         self.kv.free(req.request_id)
-        req.block_table = None
+        req.block_table = req.window_table = None
         req.capacity = 0
         req.next_commit = NEVER
         name = req.adapter

@@ -123,6 +123,7 @@ def check_scheduler(sched: "Scheduler") -> None:
     for req in sched.running:
         assert sched.requests[req.request_id] is req and req.status is RequestStatus.RUNNING
         assert req.block_table is sched.kv.block_table(req.request_id)
+        assert req.window_table is (sched.kv.window_table(req.request_id) if sched.kv.num_groups > 1 else None)
         assert req.num_computed_tokens <= req.num_tokens
         if req.adapter is not None:
             counts[req.adapter] = counts.get(req.adapter, 0) + 1
@@ -132,7 +133,7 @@ def check_scheduler(sched: "Scheduler") -> None:
     awaiting = {rid for reqs in sched._awaiting.values() for rid in reqs}
     for req in waiting:
         assert sched.requests[req.request_id] is req and req.status.is_waiting
-        assert req.request_id not in sched.kv and req.block_table is None
+        assert req.request_id not in sched.kv and req.block_table is None and req.window_table is None
         assert (req.status is RequestStatus.WAITING_FOR_ADAPTER) == (req.request_id in awaiting)
     assert len(awaiting) == sum(map(len, sched._awaiting.values()))
     sched.memory.check()

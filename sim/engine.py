@@ -195,7 +195,7 @@ class Simulation:
         self.sched = Scheduler(self.memory, config.scheduler, clock=self.clock)
         self.cost = StepCost(config.profile, config, self.ranks)
         ucfg = config.unipage_config
-        self.loads = LoadQueue(ucfg.page_bytes_all_layers, config.lora.h2d_bytes_per_s,
+        self.loads = LoadQueue(ucfg.page_bytes, config.lora.h2d_bytes_per_s,
                                config.lora.disk_bytes_per_s)
         self.oracle: BeladyOracle | None = None
         policy = self.memory.reclaimer.policy
@@ -237,7 +237,8 @@ class Simulation:
             return
         pages = np.asarray([self.memory.adapters.get(a).num_pages for a in t.adapter_names] + [0])
         longest = np.minimum(t.input_tokens.astype(np.int64) + t.output_tokens, cfg.scheduler.max_model_len) - 1
-        need = -(-longest // cfg.pool.block_tokens) + pages[t.adapter]  # adapter -1 -> the trailing 0
+        kv_pages = -(-longest // cfg.pool.block_tokens) * self.memory.kv.num_groups  # = kv.blocks_needed
+        need = kv_pages + pages[t.adapter]  # adapter -1 -> the trailing 0
         bad = np.flatnonzero(need > self.memory.pool.num_pages)
         if bad.size:
             i = int(bad[0])

@@ -85,3 +85,37 @@ def test_from_hf_qwen3_moe_and_mixtral():
     assert (model.head_dim, model.num_experts, model.expert_intermediate_size, model.intermediate_size) == \
         (128, 8, 14336, 0)
     assert model.dtype == "float16" and model.mlp_only_layers == ()
+
+
+def test_sliding_layers_make_kv_groups_and_pool_rows():
+    model = ModelConfig(**(DENSE | {"num_layers": 4}), sliding_layers=(2, 0, 0), sliding_window=16)
+    assert model.sliding_layers == (0, 2) and model.hybrid_kv
+    assert model.kv_groups == ((1, 3), (0, 2)) and model.pool_rows == 2 and model.layer_rows == (0, 0, 1, 1)
+    assert [model.window(i) for i in range(4)] == [16, 0, 16, 0]
+    plain = ModelConfig(**(DENSE | {"num_layers": 3}))
+    assert plain.kv_groups == ((0, 1, 2),) and plain.pool_rows == 3 and not plain.hybrid_kv
+    # a page covers one row of every group: with two groups a page is half as large, so twice as many fit
+    budget = 64 * UnipageConfig(ModelConfig(**(DENSE | {"num_layers": 4})), PoolConfig(num_pages=1)).page_bytes
+    assert UnipageConfig(model, PoolConfig(memory_bytes=budget)).num_pages == 128
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sliding_layers": (0,), "sliding_window": 0}, "sliding_window"),
+    ({"sliding_layers": (), "sliding_window": 8}, "sliding_window"),
+    ({"sliding_layers": (9,), "sliding_window": 8}, "sliding_layers"),
+])
+def test_sliding_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**DENSE, **kwargs)
+
+
+def test_from_hf_reads_gpt_oss_layer_types():
+    hf = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+          "intermediate_size": 32, "sliding_window": 128,
+          "layer_types": ["sliding_attention", "full_attention"] * 2}
+    model = ModelConfig.from_hf(hf)
+    assert model.sliding_layers == (0, 2) and model.sliding_window == 128 and model.pool_rows == 2
+    qwen = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "intermediate_size": 32, "sliding_window": None, "layer_types": ["full_attention"] * 2}
+    assert ModelConfig.from_hf(qwen).sliding_layers == ()

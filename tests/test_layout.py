@@ -1,9 +1,11 @@
 """The adapter buffer layout: exact offsets on a small case, and invariants on random shapes."""
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unipage.adapter_pack import gather_adapter, pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
 from unipage.lora_layout import TargetSpec, build_layout, round_up
 
@@ -51,11 +53,14 @@ def test_wrong_specs_are_refused():
 def models_and_specs(draw):
     heads = draw(st.sampled_from([1, 2, 4]))
     experts = draw(st.sampled_from([0, 2, 5]))
-    model = ModelConfig(num_layers=draw(st.integers(1, 3)), hidden_size=draw(st.integers(8, 200)),
+    num_layers = draw(st.integers(1, 4))
+    sliding = tuple(draw(st.sets(st.integers(0, num_layers - 1))))  # with full layers too: two share a row
+    model = ModelConfig(num_layers=num_layers, hidden_size=draw(st.integers(8, 200)),
                         num_heads=heads, num_kv_heads=draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0])),
                         head_dim=draw(st.integers(4, 40)), intermediate_size=draw(st.integers(8, 150)),
                         num_experts=experts, top_k=min(experts, 1),
-                        expert_intermediate_size=draw(st.integers(4, 70)) if experts else 0)
+                        expert_intermediate_size=draw(st.integers(4, 70)) if experts else 0,
+                        sliding_layers=sliding, sliding_window=4 if sliding else 0)
     layers = []
     for layer in range(model.num_layers):
         specs = []
@@ -75,8 +80,10 @@ def models_and_specs(draw):
 def test_blocks_are_aligned_disjoint_and_inside_the_layer(case):
     model, layers = case
     layout = build_layout(model, layers)
+    assert layout.num_rows == model.pool_rows and layout.rows == model.layer_rows
+    row_spans: dict[int, list] = {}
     for index, layer in enumerate(layout.layers):
-        spans = []
+        spans = row_spans.setdefault(layout.rows[index], [])  # the layers sharing a row share its buffer
         for entry in layer.targets.values():
             d_in, d_out = model.target_dims(entry.target, index)
             assert entry.a.cols == d_in
@@ -89,6 +96,27 @@ def test_blocks_are_aligned_disjoint_and_inside_the_layer(case):
             if entry.expert >= 0:
                 first = layer.targets[(entry.target, 0)]
                 assert entry.a.offset == first.a.offset + entry.expert * layer.expert_stride
+        assert all(0 <= start and end <= layer.size <= layout.layer_elems for start, end in spans)
+    for spans in row_spans.values():
         spans.sort()
         assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "blocks overlap"
-        assert all(0 <= start and end <= layer.size for start, end in spans)
+
+
+def test_layers_sharing_a_pool_row_pack_into_one_buffer_and_read_back():
+    """GPT-OSS-like: layer 0 slides, layer 1 does not; both live in pool row 0, one after the other."""
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=96, sliding_layers=(0,), sliding_window=8, dtype="float32")
+    layers = [(TargetSpec("q_proj", (4,)), TargetSpec("down_proj", (2,)))] * 2
+    layout = build_layout(model, layers)
+    assert layout.rows == (0, 0) and layout.num_rows == 1
+    assert layout.layers[1].targets[("q_proj", -1)].a.offset == layout.layers[0].size
+    weights = random_lora_weights(layout, torch.Generator().manual_seed(0))
+    packed = pack_adapter(layout, weights, 256, torch.float32)
+    assert packed.shape == (1, layout.num_pages(256), 256)
+    pool = torch.randn(1, 40, 256)
+    pages = [37, 3, 21, 8, 30, 12, 25, 1, 17][:layout.num_pages(256)]
+    assert len(pages) == layout.num_pages(256)
+    pool[:, pages] = packed
+    back = gather_adapter(pool, pages, layout)
+    for key, mats in weights.items():
+        assert torch.equal(back[key].a, mats.a) and all(map(torch.equal, back[key].b, mats.b))

@@ -8,6 +8,7 @@ after draining, every request has finished or been aborted — none lost, none
 stuck — and the pool holds nothing but what could be reclaimed at once.
 """
 
+import dataclasses
 import random
 
 from hypothesis import settings
@@ -21,7 +22,8 @@ from unipage.config import LoRAConfig, PoolConfig, UnipageConfig
 from unipage.memory import UnifiedMemory
 from unipage.scheduler import POLICIES, Request, Scheduler, SchedulerConfig, StepResult
 
-ADAPTERS = [f"lora{i}" for i in range(50)]  # rank 4: 4 pages each; 2 fit in the 11-page pool, 3 never do
+HYBRID = dataclasses.replace(MODEL, sliding_layers=(0,), sliding_window=3)
+ADAPTERS = [f"lora{i}" for i in range(50)]  # rank 4: 4 pages each (8 hybrid); 2 fit in the pool, 3 never do
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 6]
 STOP = 0
 
@@ -31,15 +33,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 eviction=st.sampled_from(["lru", "lfu", "idle", "cost"]), max_adapters=st.integers(1, 3),
                 max_skips=st.integers(0, 3), prefix_caching=st.booleans(), budget=st.sampled_from([4, 12]),
                 seqs=st.sampled_from([1, 4]), lookahead=st.sampled_from([1, 8]), prefetch=st.sampled_from([0, 2]),
-                chunk=st.sampled_from([0, 3]), seed=st.integers(0, 2**16))
+                chunk=st.sampled_from([0, 3]), seed=st.integers(0, 2**16), window=st.sampled_from([0, 0, 3, 6]))
     def setup(self, policy, admission, eviction, max_adapters, max_skips, prefix_caching, budget, seqs, lookahead,
-              prefetch, chunk, seed):
-        config = UnipageConfig(MODEL, PoolConfig(block_tokens=4, num_pages=11, prefix_caching=prefix_caching),
+              prefetch, chunk, seed, window):
+        # window > 0: layer 0 slides (its KV in a group of its own, pages half as large: twice as many)
+        model = MODEL if not window else dataclasses.replace(HYBRID, sliding_window=window)
+        pages = 11 * (2 if window else 1)
+        config = UnipageConfig(model, PoolConfig(block_tokens=4, num_pages=pages, prefix_caching=prefix_caching),
                                LoRAConfig(max_rank=8, max_adapters_per_batch=max_adapters, eviction_policy=eviction,
                                           host_cache_bytes=1 << 20))
         memory = UnifiedMemory(config)
         for name in ADAPTERS:
-            memory.adapters.register(name, synthetic_info(MODEL, 4, digest=f"digest-{name}"))
+            memory.adapters.register(name, synthetic_info(model, 4, digest=f"digest-{name}"))
         sched_config = SchedulerConfig(max_model_len=24, max_num_batched_tokens=budget, max_num_seqs=seqs,
                                        long_prefill_token_threshold=chunk, policy=policy, admission=admission,
                                        max_skips=max_skips, lookahead=lookahead, prefetch_depth=prefetch,

@@ -1,6 +1,7 @@
 """Move LoRA matrices into and out of the paged layout of `unipage.lora_layout`.
 
-Shape legend: L = model layers, N = pages in the pool, P = page_elems,
+Shape legend: L = pool rows (the layers, or pairs of them: `ModelConfig.layer_rows`),
+N = pages in the pool, P = page_elems,
 n = pages of one adapter, R = rows of a target's A, r = rank of one slice.
 
 ``LoraWeights`` maps ``(layer, target, expert)`` (expert -1 for dense and
@@ -38,7 +39,7 @@ def pack_adapter(layout: AdapterLayout, weights: LoraWeights, page_elems: int,
     Page ``i`` of the result is what goes into pool page ``page_table[i]``.
     """
     num_pages = layout.num_pages(page_elems)
-    buf = torch.zeros(len(layout.layers), num_pages * page_elems, dtype=dtype, device=device)
+    buf = torch.zeros(layout.num_rows, num_pages * page_elems, dtype=dtype, device=device)
     for layer, entry in layout.entries():
         key = (layer, entry.target, entry.expert)
         if key not in weights:
@@ -46,10 +47,11 @@ def pack_adapter(layout: AdapterLayout, weights: LoraWeights, page_elems: int,
         mats = weights[key]
         if len(mats.b) != len(entry.slices):
             raise ValueError(f"{key}: expected {len(entry.slices)} B slices, got {len(mats.b)}")
-        _write_block(buf[layer], entry.a, mats.a, key, "A")
+        row = buf[layout.rows[layer]]
+        _write_block(row, entry.a, mats.a, key, "A")
         for index, (piece, tensor) in enumerate(zip(entry.slices, mats.b)):
-            _write_block(buf[layer], piece.b, tensor, key, f"B[{index}]")
-    return buf.view(len(layout.layers), num_pages, page_elems)
+            _write_block(row, piece.b, tensor, key, f"B[{index}]")
+    return buf.view(layout.num_rows, num_pages, page_elems)
 
 
 def _write_block(flat: torch.Tensor, block: Block, tensor: torch.Tensor, key, what: str) -> None:
@@ -81,12 +83,13 @@ def gather_block(pool_layer: torch.Tensor, page_table: torch.Tensor, block: Bloc
 
 def gather_adapter(pool: torch.Tensor, page_table: list[int] | torch.Tensor,
                    layout: AdapterLayout) -> LoraWeights:
-    """Read every matrix of a resident adapter back out of ``pool`` ``[L, N, P]``."""
+    """Read every matrix of a resident adapter back out of ``pool`` ``[L, N, P]`` (L pool rows)."""
     table = torch.as_tensor(page_table, dtype=torch.int64, device=pool.device)
     out = {}
     for layer, entry in layout.entries():
-        a = gather_block(pool[layer], table, entry.a)
-        b = tuple(gather_block(pool[layer], table, piece.b) for piece in entry.slices)
+        row = pool[layout.rows[layer]]
+        a = gather_block(row, table, entry.a)
+        b = tuple(gather_block(row, table, piece.b) for piece in entry.slices)
         out[(layer, entry.target, entry.expert)] = LoraMatrices(a, b)
     return out
 

@@ -134,7 +134,7 @@ class AdapterManager:
         if num_pages > self.pool.num_pages:
             raise AdapterShapeError(f"adapter {name!r} needs {num_pages} pages; the pool has "
                                     f"{self.pool.num_pages}")
-        nbytes = num_pages * self.config.page_bytes_all_layers
+        nbytes = num_pages * self.config.page_bytes
         record = AdapterRecord(name, info, layout, num_pages, nbytes)
         self._adapters[name] = record
         return record

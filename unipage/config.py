@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -53,6 +54,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
     gate_up_interleaved: bool = False  # MoE: the checkpoint's fused gate/up columns alternate gate, up
     #   (GPT-OSS); the engine de-interleaves weights and adapters to gate columns first
+    sliding_layers: tuple[int, ...] = ()  # layers with sliding-window attention (GPT-OSS: every other one)
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (>= 1 when it has any)
     dtype: str = "bfloat16"  # weights and pool: bfloat16, float16 or float32
 
     def __post_init__(self) -> None:
@@ -66,6 +69,11 @@ class ModelConfig:
                  f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
         require(self.dtype in DTYPE_BYTES, "dtype", f"one of {sorted(DTYPE_BYTES)}", self.dtype)
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(self, "sliding_layers", tuple(sorted(set(self.sliding_layers))))
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        require(not bad, "sliding_layers", f"layer indices in [0, {self.num_layers})", bad)
+        require(isinstance(self.sliding_window, int) and (self.sliding_window >= 1) == bool(self.sliding_layers),
+                 "sliding_window", ">= 1 when sliding_layers is set, else 0", self.sliding_window)
         if self.num_experts:
             require(1 <= self.top_k <= self.num_experts, "top_k",
                      f"in [1, num_experts={self.num_experts}]", self.top_k)
@@ -88,6 +96,43 @@ class ModelConfig:
     @property
     def num_dense_mlp_layers(self) -> int:
         return sum(1 for i in range(self.num_layers) if not self.is_moe_layer(i))
+
+    # -- KV groups and pool rows ---------------------------------------------
+    # Layers whose KV blocks share one block table form a *KV group*: the
+    # full-attention layers, and the sliding-window layers, whose blocks leave
+    # the pool once they fall out of the window.  A page id names one slot in
+    # every *pool row*; the i-th layer of each group lives in row i, so a page
+    # holds one KV block of one group's layers (or one row's adapter buffer).
+
+    @cached_property
+    def kv_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The full-attention layers, then the sliding-window ones; a single group when only one kind exists."""
+        sliding = set(self.sliding_layers)
+        full = tuple(i for i in range(self.num_layers) if i not in sliding)
+        return tuple(group for group in (full, self.sliding_layers) if group)
+
+    @cached_property
+    def pool_rows(self) -> int:
+        """Rows of the pool tensor: the largest KV group's layer count."""
+        return max(len(group) for group in self.kv_groups)
+
+    @cached_property
+    def layer_rows(self) -> tuple[int, ...]:
+        """The pool row of each layer (its index inside its KV group)."""
+        rows = [0] * self.num_layers
+        for group in self.kv_groups:
+            for row, layer in enumerate(group):
+                rows[layer] = row
+        return tuple(rows)
+
+    @property
+    def hybrid_kv(self) -> bool:
+        """Both full and sliding-window layers: two KV groups, each with its own block table."""
+        return len(self.kv_groups) > 1
+
+    def window(self, layer: int) -> int:
+        """The attention window of ``layer``; 0 for full attention."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.mlp_only_layers
@@ -122,6 +167,8 @@ class ModelConfig:
             mlp_only = tuple(sorted(set(mlp_only) | {i for i in range(hf["num_hidden_layers"])
                                                      if (i + 1) % step != 0}))
         expert_width = hf.get("moe_intermediate_size") or (hf.get("intermediate_size") if num_experts else 0)
+        window = int(hf.get("sliding_window") or 0)
+        sliding = tuple(i for i, kind in enumerate(hf.get("layer_types") or ()) if kind == "sliding_attention")
         return cls(
             num_layers=hf["num_hidden_layers"],
             hidden_size=hf["hidden_size"],
@@ -134,6 +181,8 @@ class ModelConfig:
             expert_intermediate_size=expert_width or 0,
             mlp_only_layers=mlp_only,
             gate_up_interleaved=hf.get("model_type") == "gpt_oss",
+            sliding_layers=sliding if window else (),
+            sliding_window=window if sliding else 0,
             dtype=dtype or _hf_dtype(hf),
         )
 
@@ -145,11 +194,11 @@ def _hf_dtype(hf: dict) -> str:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """The unified page pool: one page is one KV block of one layer."""
+    """The unified page pool: a page is one KV block of every layer of one KV group (see `ModelConfig.kv_groups`)."""
 
     block_tokens: int = 16  # tokens per KV block, a power of two
     num_pages: int | None = None  # pages in the pool; or give memory_bytes instead
-    memory_bytes: int | None = None  # pool byte budget over all layers; sets num_pages
+    memory_bytes: int | None = None  # pool byte budget over all pool rows; sets num_pages
     prefix_caching: bool = True  # reuse full KV blocks across requests with the same prefix and adapter
 
     def __post_init__(self) -> None:
@@ -208,23 +257,24 @@ class UnipageConfig:
                  "such that block_tokens * 2 * num_kv_heads * head_dim is a power of two >= 64",
                  self.pool.block_tokens)
         require(self.num_pages >= 1, "pool.memory_bytes",
-                 f">= one page over all layers ({self.page_bytes_all_layers} bytes)", self.pool.memory_bytes)
+                 f">= one page over all pool rows ({self.page_bytes} bytes)", self.pool.memory_bytes)
 
     @property
     def page_elems(self) -> int:
-        """Elements in one page of one layer: one KV block (K and V) of one layer."""
+        """Elements in one page of one pool row: one KV block (K and V) of one layer."""
         m = self.model
         return self.pool.block_tokens * 2 * m.num_kv_heads * m.head_dim
 
     @property
-    def page_bytes_all_layers(self) -> int:
-        return self.page_elems * self.model.num_layers * self.model.dtype_bytes
+    def page_bytes(self) -> int:
+        """Bytes of one page over all pool rows."""
+        return self.page_elems * self.model.pool_rows * self.model.dtype_bytes
 
     @property
     def num_pages(self) -> int:
         if self.pool.num_pages is not None:
             return self.pool.num_pages
-        return self.pool.memory_bytes // self.page_bytes_all_layers
+        return self.pool.memory_bytes // self.page_bytes
 
     def replace(self, **changes) -> "UnipageConfig":
         return dataclasses.replace(self, **changes)

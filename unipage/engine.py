@@ -56,7 +56,7 @@ def default_pool(model: ModelConfig, device: torch.device, block_tokens: int = 1
     else:
         budget = CPU_POOL_BYTES
     one_page = UnipageConfig(model, PoolConfig(block_tokens=block_tokens, num_pages=1))
-    pages = min(budget // one_page.page_bytes_all_layers, MAX_LAYER_ELEMS // one_page.page_elems)
+    pages = min(budget // one_page.page_bytes, MAX_LAYER_ELEMS // one_page.page_elems)
     return PoolConfig(block_tokens=block_tokens, num_pages=max(1, pages))
 
 

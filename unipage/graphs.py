@@ -10,12 +10,15 @@ one launch instead of hundreds, and no Python in the loop over layers.
 What a replay reads lives in static device buffers, refreshed by one or two
 host-to-device copies from pinned memory per step (no sync):
 
-    ids, positions, slot_mapping   [3, Bmax] int64
-    seq_lens, token_slots, tables  [2·Bmax + Bmax·W] int32 (block tables [Bmax, W] last),
+    ids, positions, slot_mapping   [2 + G, Bmax] int64
+    seq_lens, token_slots, tables  [2·Bmax + Bmax·G·W] int32 (block tables [Bmax, G, W] last),
                                    W = max_model_len / block_tokens
 
+G is the number of KV groups: 2 for a model with full and sliding-window
+layers (a slot mapping and a block table each), else 1.
+
 Rows past the batch (up to its bucket) are padding: token 0 at position 0,
-no KV write (slot -1), no adapter, a context of one token.  The LoRA tables
+no KV write (slot -1), no adapter, a context of one token in page 0.  The LoRA tables
 (`LoraTables`) keep their tensors while their *signature* is unchanged, so a
 graph serves every adapter mix; when the signature changes (`generation`),
 the graphs are dropped and captured again on next use.  The graph ends at the
@@ -49,15 +52,15 @@ class DecodeGraphs:
                  max_seqs: int, max_blocks: int, max_adapters: int, device: torch.device) -> None:
         self.model, self.pool, self.lora, self.block_tokens = model, pool, lora, block_tokens
         self.buckets, self.max_adapters, self.device = bucket_sizes(max_seqs), max_adapters, device
-        rows = self.buckets[-1]
-        self.host64 = torch.zeros(3, rows, dtype=torch.int64).pin_memory()
-        self.host32 = torch.zeros(rows * (2 + max_blocks), dtype=torch.int32).pin_memory()
-        self.dev64 = torch.zeros(3, rows, dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(rows * (2 + max_blocks), dtype=torch.int32, device=device)
+        rows, groups = self.buckets[-1], 2 if model.model.hybrid_kv else 1
+        self.host64 = torch.zeros(2 + groups, rows, dtype=torch.int64).pin_memory()
+        self.host32 = torch.zeros(rows * (2 + groups * max_blocks), dtype=torch.int32).pin_memory()
+        self.dev64 = torch.zeros(2 + groups, rows, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(rows * (2 + groups * max_blocks), dtype=torch.int32, device=device)
         self.np64 = self.host64.numpy()
         self.np_lens, self.np_slots = self.host32[:rows].numpy(), self.host32[rows:2 * rows].numpy()
-        self.np_tables = self.host32[2 * rows:].view(rows, max_blocks).numpy()
-        self.max_blocks = max_blocks
+        self.np_tables = self.host32[2 * rows:].view(rows, groups, max_blocks).numpy()
+        self.max_blocks, self.groups = max_blocks, groups
         self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(rows, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, LoRA) ->
@@ -117,34 +120,38 @@ class DecodeGraphs:
         np64, lens, slots, tables, bt = self.np64, self.np_lens, self.np_slots, self.np_tables, self.block_tokens
         for i, seq in enumerate(seqs):
             pos = seq.num_computed
-            table = seq.block_table
             np64[0, i], np64[1, i] = seq.token_ids[pos], pos
-            np64[2, i] = table[pos // bt] * bt + pos % bt
             lens[i], slots[i] = pos + 1, seq.slot
-            tables[i, :len(table)] = table
+            for group, table in enumerate((seq.block_table, seq.window_table)[:self.groups]):
+                np64[2 + group, i] = table[pos // bt] * bt + pos % bt
+                tables[i, group, :len(table)] = table
         self._pad(len(seqs), bucket)
         self._copy(bucket)
 
     def _copy(self, bucket: int) -> None:
-        used = self.buckets[-1] * 2 + bucket * self.max_blocks  # lengths, slots, the bucket's table rows
+        used = self.buckets[-1] * 2 + bucket * self.groups * self.max_blocks  # lengths, slots, the bucket's tables
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32[:used].copy_(self.host32[:used], non_blocking=True)
         self._copied.record()
 
     def _pad(self, start: int, end: int) -> None:
         self.np64[:, start:end] = 0
-        self.np64[2, start:end] = -1  # no KV write
+        self.np64[2:, start:end] = -1  # no KV write
         self.np_lens[start:end] = 1
         self.np_slots[start:end] = -1  # no adapter
+        self.np_tables[start:end, :, 0] = 0  # the one key read: a real page (a window table may hold -1)
 
     def _batch(self, bucket: int, lora: bool) -> StepBatch:
         adapters, rows = min(bucket, self.max_adapters), self.buckets[-1]
-        tables = self.dev32[2 * rows:].view(rows, self.max_blocks)
+        tables = self.dev32[2 * rows:].view(rows, self.groups, self.max_blocks)
+        hybrid = self.groups > 1
         return StepBatch(
             input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
-            block_tables=tables[:bucket], seq_lens=self.dev32[:bucket], cu_seqlens_q=self.cu[:bucket + 1],
+            block_tables=tables[:bucket, 0], seq_lens=self.dev32[:bucket], cu_seqlens_q=self.cu[:bucket + 1],
             max_q_len=1, token_slots=self.dev32[rows:rows + bucket], logits_rows=self.rows[:bucket],
-            any_lora=lora, group_tokens=-(-bucket // adapters), active_slots=adapters)
+            any_lora=lora, group_tokens=-(-bucket // adapters), active_slots=adapters,
+            window_slot_mapping=self.dev64[3, :bucket] if hybrid else None,
+            window_block_tables=tables[:bucket, 1] if hybrid else None)
 
     # -- capture -----------------------------------------------------------
     def _capture(self, bucket: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -13,6 +13,13 @@ the pool as CACHED_KV and is offered to the `Reclaimer`; a later sequence with
 the same prefix and adapter picks it up again.  When freed, a sequence's
 blocks are stamped tail-first, so under LRU the tail of a prefix is reclaimed
 before its head (a chain is only useful from its start).
+
+A manager with a ``window`` keeps the KV of sliding-window layers: once no
+later query can see a block (``slide``), the block leaves the sequence — its
+table entry becomes `NO_PAGE` and the page is cached or freed as on `free` —
+and a prefix hit needs only the blocks inside the window before the first
+token to compute (`window_prefix`).  Attention never reads entries before the
+window, so those placeholders are never dereferenced.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from unipage.pool import PageKind, PagePool
 from unipage.reclaim import Reclaimer
 
 _KV = PageKind.KV
+NO_PAGE = -1  # a block-table entry whose block left the window (sliding-window layers)
 
 
 @lru_cache(maxsize=1 << 14)
@@ -63,11 +71,30 @@ def block_hashes(tokens, block_tokens: int, salt: str = "", parent: bytes = b"")
     return list(iter_block_hashes(tokens, block_tokens, salt, parent))
 
 
+def first_visible_block(position: int, block_tokens: int, window: int) -> int:
+    """The first block a query at ``position`` or later can see with a sliding ``window`` (0: full attention)."""
+    return max(0, position - window + 1) // block_tokens if window else 0
+
+
+def window_prefix(pages: list, block_tokens: int, window: int) -> int:
+    """How many leading blocks a sequence can take from the cache when only those a query after them
+    sees must be present: the largest ``k`` with ``pages[first_visible_block(k·B):k]`` all cached
+    (``pages[i]`` is block ``i``'s cached page or None)."""
+    best, run_start = 0, 0
+    for i, page in enumerate(pages):
+        if page is None:
+            run_start = i + 1
+        elif run_start <= first_visible_block((i + 1) * block_tokens, block_tokens, window):
+            best = i + 1
+    return best
+
+
 @dataclass(slots=True)
 class _Sequence:
     salt: str
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # hashes of table[:len(hashes)]
+    dropped: int = 0  # table[:dropped] left the window (NO_PAGE)
 
 
 @dataclass(slots=True)
@@ -84,11 +111,15 @@ class _Block(Candidate):
 
 class KVManager:
     def __init__(self, pool: PagePool, reclaimer: Reclaimer, block_tokens: int,
-                 prefix_caching: bool = True, recompute_s_per_token: float = 20e-6) -> None:
+                 prefix_caching: bool = True, recompute_s_per_token: float = 20e-6, window: int = 0,
+                 owner: bool = True) -> None:
+        """``window``: the layers' sliding window (0: full attention).  ``owner``: register as the
+        reclaimer's owner of cached KV blocks (False when a `GroupedKV` dispatches for several)."""
         self.pool = pool
         self.reclaimer = reclaimer
         self.block_tokens = block_tokens
         self.prefix_caching = prefix_caching
+        self.window = window
         self.block_cost_s = block_tokens * recompute_s_per_token
         self._pack = _packer(block_tokens)
         self._seqs: dict[object, _Sequence] = {}
@@ -96,7 +127,8 @@ class KVManager:
         self._blocks: dict[int, _Block] = {}  # page -> registration
         self._block_at: list[_Block | None] = [None] * pool.num_pages  # page -> its last registration, to reuse
         self._by_salt: dict[str, set[int]] = {}  # salt -> registered pages
-        reclaimer.register_owner(KV_BLOCK, self._evict_cached)
+        if owner:
+            reclaimer.register_owner(KV_BLOCK, self._evict_cached)
         self.hits = 0  # prefix blocks reused
 
     # -- queries ---------------------------------------------------------
@@ -107,13 +139,33 @@ class KVManager:
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._seqs
 
+    def sequences(self):
+        """The open sequences' ids (a live view)."""
+        return self._seqs.keys()
+
+    num_groups = 1  # block tables per sequence (`GroupedKV` has two)
+
     def blocks_needed(self, num_tokens: int) -> int:
+        """Pages a sequence of ``num_tokens`` tokens may hold at once (at most)."""
         return -(-num_tokens // self.block_tokens)
 
+    def registered(self, page: int) -> bool:
+        """Whether ``page`` is a block of the prefix cache (in use or cached)."""
+        return page in self._blocks
+
+    def block_hash(self, page: int) -> bytes:
+        return self._blocks[page].hash
+
     def match_prefix(self, tokens, salt: str = "") -> list[int]:
-        """Pages of the longest run of cached full blocks that starts ``tokens``; changes nothing."""
+        """Pages of the longest run of cached full blocks that starts ``tokens``; changes nothing.
+
+        With a window, the most blocks `window_prefix` allows, `NO_PAGE` for those before the window.
+        """
         if not self.prefix_caching:
             return []
+        if self.window:
+            hashes = block_hashes(tokens, self.block_tokens, salt)
+            return self.window_pages(self.lookup(hashes))
         pages = []
         for h in iter_block_hashes(tokens, self.block_tokens, salt):  # stops hashing at the first miss
             page = self._by_hash.get(h)
@@ -121,6 +173,17 @@ class KVManager:
                 break
             pages.append(page)
         return pages
+
+    def lookup(self, hashes) -> list[int | None]:
+        """The cached page of each block hash, or None."""
+        get = self._by_hash.get
+        return [get(h) for h in hashes]
+
+    def window_pages(self, found: list[int | None]) -> list[int]:
+        """The blocks to take from ``found`` (`lookup`'s answer) under the window: `NO_PAGE` before it."""
+        count = window_prefix(found, self.block_tokens, self.window)
+        first = first_visible_block(count * self.block_tokens, self.block_tokens, self.window)
+        return [NO_PAGE] * first + found[first:count]
 
     # -- sequences -------------------------------------------------------
     def open(self, seq_id, tokens=(), salt: str = "", max_cached_tokens: int | None = None) -> int:
@@ -131,18 +194,27 @@ class KVManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already open")
-        pages = self.match_prefix(tokens, salt)
         if max_cached_tokens is not None:
-            pages = pages[: max(max_cached_tokens, 0) // self.block_tokens]
-        seq = _Sequence(salt)
+            tokens = tokens[: max(max_cached_tokens, 0) // self.block_tokens * self.block_tokens]
+        pages = self.match_prefix(tokens, salt)
+        hashes = block_hashes(tokens[:len(pages) * self.block_tokens], self.block_tokens, salt) if self.window \
+            else [self._blocks[page].hash for page in pages]
+        self.adopt(seq_id, salt, pages, hashes)
+        return len(pages) * self.block_tokens
+
+    def adopt(self, seq_id, salt: str, pages: list[int], hashes: list[bytes]) -> None:
+        """Start a sequence on cached ``pages`` (the blocks with ``hashes``; `NO_PAGE` before a window)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already open")
+        seq = _Sequence(salt, list(pages), list(hashes))
         now = self.reclaimer.tick()
         for page in pages:
-            self._take(page, now)
-            seq.table.append(page)
-            seq.hashes.append(self._blocks[page].hash)
-        self.hits += len(pages)
+            if page == NO_PAGE:
+                seq.dropped += 1
+            else:
+                self._take(page, now)
+                self.hits += 1
         self._seqs[seq_id] = seq
-        return len(pages) * self.block_tokens
 
     def grow(self, seq_id, num_tokens: int, protect: frozenset = frozenset()) -> bool:
         """Make room for ``num_tokens`` tokens in total; False (nothing changed) if it cannot fit."""
@@ -155,6 +227,14 @@ class KVManager:
             return False
         seq.table += pages
         return True
+
+    def missing(self, seq_id, num_tokens: int) -> int:
+        """Pages `grow` would add for ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_tokens) - len(self._seq(seq_id).table))
+
+    def extend(self, seq_id, pages: list[int]) -> None:
+        """Append freshly allocated KV ``pages`` to the sequence's table (a `GroupedKV` allocates them)."""
+        self._seq(seq_id).table.extend(pages)
 
     def commit(self, seq_id, tokens, num_tokens: int | None = None) -> None:
         """Register the full blocks of ``tokens[:num_tokens]`` (the sequence's computed tokens) for prefix reuse.
@@ -180,7 +260,8 @@ class KVManager:
             prev = h.digest()
             hashes.append(prev)
             page = table[index]
-            if prev not in by_hash and page not in blocks:  # else an equal block was registered first
+            if prev not in by_hash and page not in blocks and page != NO_PAGE:  # else an equal block was
+                #   registered first (or the block already left the window)
                 by_hash[prev] = page
                 blocks[page] = self._new_block(page, now, prev, seq.salt)
                 if salt_pages is None:
@@ -192,9 +273,26 @@ class KVManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
+        self._release(seq.table[seq.dropped:] if seq.dropped else seq.table)
+
+    def slide(self, seq_id, position: int) -> None:
+        """Window layers: release the blocks no query at ``position`` or later can see (a no-op without a window)."""
+        if not self.window:
+            return
+        seq = self._seqs.get(seq_id) or self._seq(seq_id)
+        first = min(first_visible_block(position, self.block_tokens, self.window), len(seq.table))
+        if first <= seq.dropped:
+            return
+        gone = seq.table[seq.dropped:first]
+        seq.table[seq.dropped:first] = [NO_PAGE] * len(gone)
+        seq.dropped = first
+        self._release(gone)
+
+    def _release(self, pages: list[int]) -> None:
+        """Drop one use of each of a sequence's ``pages`` (in token order), as `free` describes."""
         blocks, refs = self._blocks, self.pool.refcounts()
         cached, unshared = [], []
-        for page in reversed(seq.table):  # tail first: the tail is older under LRU
+        for page in reversed(pages):  # tail first: the tail is older under LRU
             if page in blocks and refs[page] == 1:
                 cached.append(page)
             else:
@@ -275,10 +373,17 @@ class KVManager:
 
     def check(self) -> None:
         """Refcounts equal the block tables that hold each page; registrations are consistent."""
+        assert self.check_tables() == self.pool.count(PageKind.KV), "a KV page is held by no block table"
+
+    def check_tables(self) -> int:
+        """`check` but for the pool's KV count (shared with other managers); returns the pages held."""
         refs: dict[int, int] = {}
         for seq in self._seqs.values():
             assert len(seq.hashes) <= len(seq.table)
-            for page in seq.table:
+            assert all(page == NO_PAGE for page in seq.table[:seq.dropped])
+            assert self.window or not seq.dropped, "a block left a full-attention table"
+            for page in seq.table[seq.dropped:]:
+                assert page != NO_PAGE, "a block inside the window has no page"
                 refs[page] = refs.get(page, 0) + 1
         for page, count in refs.items():
             assert self.pool.kind(page) == PageKind.KV, f"page {page} in a block table is not KV"
@@ -289,5 +394,5 @@ class KVManager:
             assert kind in (PageKind.KV, PageKind.CACHED_KV), f"registered page {page} is {kind.name}"
             assert (kind == PageKind.CACHED_KV) == ((KV_BLOCK, page) in self.reclaimer)
             assert (kind == PageKind.CACHED_KV) == (page not in refs)
-        assert len(refs) == self.pool.count(PageKind.KV), "a KV page is held by no block table"
         assert len(self._by_hash) == len(self._blocks) == sum(len(s) for s in self._by_salt.values())
+        return len(refs)

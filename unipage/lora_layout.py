@@ -1,10 +1,15 @@
 """Where each LoRA matrix of an adapter lives inside its per-layer buffer.
 
 A resident adapter owns a list of page ids (its *page table*), the same in
-every layer.  In each layer those pages form one virtually contiguous buffer;
+every pool row.  In each row those pages form one virtually contiguous buffer;
 virtual element ``v`` of layer ``l`` lives at::
 
-    pool[l, page_table[v // page_elems], v % page_elems]
+    pool[row(l), page_table[v // page_elems], v % page_elems]
+
+``row(l)`` is ``ModelConfig.layer_rows[l]``: the layer itself when every layer
+attends alike; with full and sliding-window layers (two KV groups) two layers
+share a row, and the row's buffer holds the first one's matrices, then the
+second's (every offset of a layer is counted from the start of its row).
 
 Inside the buffer every matrix is stored **rank-major** — A as ``[r, d_in]``,
 B as ``[r, d_out]`` (PEFT's ``lora_B`` is ``[d_out, r]``: transposed when
@@ -110,7 +115,7 @@ class TargetLayout:
 @dataclass(frozen=True, slots=True)
 class LayerLayout:
     targets: dict  # (target, expert) -> TargetLayout, in buffer order
-    size: int  # elements used in this layer's buffer
+    size: int  # end of this layer's matrices in its row's buffer (elements)
     expert_base: int  # offset of expert 0's group (== end of the dense targets)
     expert_stride: int  # elements between consecutive experts' groups; 0 if none
 
@@ -118,10 +123,12 @@ class LayerLayout:
 @dataclass(frozen=True, slots=True)
 class AdapterLayout:
     layers: tuple[LayerLayout, ...]
+    rows: tuple[int, ...]  # pool row of each layer
+    num_rows: int  # rows of the pool (and of a packed adapter)
 
     @property
     def layer_elems(self) -> int:
-        """Buffer length needed in every layer (the longest layer)."""
+        """Buffer length needed in every row (the longest row)."""
         return max((layer.size for layer in self.layers), default=0)
 
     def num_pages(self, page_elems: int) -> int:
@@ -149,12 +156,13 @@ def _target_layout(spec: TargetSpec, expert: int, d_in: int, d_out: int, offset:
     return TargetLayout(spec.target, expert, a, tuple(slices))
 
 
-def _layer_layout(model: ModelConfig, layer: int, specs: tuple[TargetSpec, ...]) -> LayerLayout:
+def _layer_layout(model: ModelConfig, layer: int, specs: tuple[TargetSpec, ...], offset: int) -> LayerLayout:
+    """The layer's matrices from ``offset`` of its row's buffer on."""
     by_target = {s.target: s for s in specs}
     unknown = set(by_target) - set(model.targets(layer))
     if unknown:
         raise ValueError(f"layer {layer} has no LoRA target(s) {sorted(unknown)}")
-    entries, offset = {}, 0
+    entries = {}
     for target in model.targets(layer):
         if target in by_target and target not in EXPERT_TARGETS:
             entry = _target_layout(by_target[target], -1, *model.target_dims(target, layer), offset)
@@ -176,7 +184,13 @@ def build_layout(model: ModelConfig, layers: list[tuple[TargetSpec, ...]]) -> Ad
     """Lay out an adapter whose layer ``l`` has the targets ``layers[l]``."""
     if len(layers) != model.num_layers:
         raise ValueError(f"adapter spec has {len(layers)} layers, model has {model.num_layers}")
-    return AdapterLayout(tuple(_layer_layout(model, i, tuple(s)) for i, s in enumerate(layers)))
+    row_end = [0] * model.pool_rows  # elements of each row's buffer used so far
+    out = []
+    for i, specs in enumerate(layers):  # KV groups in layer order: a row's layers stack in that order
+        row = model.layer_rows[i]
+        out.append(_layer_layout(model, i, tuple(specs), row_end[row]))
+        row_end[row] = out[-1].size
+    return AdapterLayout(tuple(out), model.layer_rows, model.pool_rows)
 
 
 @lru_cache(maxsize=1024)

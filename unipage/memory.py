@@ -1,6 +1,6 @@
 """`UnifiedMemory`: the page pool with its two tenants, wired from one config.
 
-    PagePool  <--  Reclaimer (one eviction policy)  <--  KVManager      (cached blocks)
+    PagePool  <--  Reclaimer (one eviction policy)  <--  KVManager or GroupedKV (cached blocks)
                                                     <--  AdapterManager (idle adapters)
 
 Pure Python bookkeeping; `unipage.storage.PoolStorage` holds the tensors.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from unipage.adapters import AdapterManager, AdapterRecord
 from unipage.config import UnipageConfig
 from unipage.eviction import make_policy
-from unipage.kv import KVManager
+from unipage.kv_groups import make_kv
 from unipage.pool import PagePool
 from unipage.reclaim import Reclaimer
 
@@ -21,8 +21,7 @@ class UnifiedMemory:
         self.config = config
         self.pool = PagePool(config.num_pages)
         self.reclaimer = Reclaimer(self.pool, make_policy(config.lora.eviction_policy))
-        self.kv = KVManager(self.pool, self.reclaimer, config.pool.block_tokens,
-                            config.pool.prefix_caching, config.lora.recompute_s_per_token)
+        self.kv = make_kv(self.pool, self.reclaimer, config)
         self.adapters = AdapterManager(config, self.reclaimer, self.kv.invalidate)
 
     def register_adapter(self, name: str, path) -> AdapterRecord:

@@ -31,6 +31,7 @@ class SeqState:
     num_computed: int  # tokens whose KV is in the pool
     sampling: SamplingParams
     generator: torch.Generator | None
+    window_table: list[int] | None = None  # the sliding-window layers' block table (hybrid models)
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,13 @@ class ModelRunner:
     def admit(self, out: SchedulerOutput) -> None:
         for new in out.new_requests:
             gen = self._generators.pop(new.request_id, None) or make_generator(new.sampling, self.device)
+            window = list(new.window_table) if new.window_table is not None else None
             self.seqs[new.request_id] = SeqState(list(new.token_ids), list(new.block_table), new.adapter_slot,
-                                                 new.num_computed_tokens, new.sampling, gen)
+                                                 new.num_computed_tokens, new.sampling, gen, window)
         for rid, pages in out.new_block_ids.items():
             self.seqs[rid].block_table.extend(pages)
+        for rid, pages in out.new_window_block_ids.items():
+            self.seqs[rid].window_table.extend(pages)
 
     # -- one step ------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepOutput:
@@ -118,34 +122,43 @@ class ModelRunner:
                                    f"{len(seq.token_ids)} tokens or {len(seq.block_table)} KV blocks")
 
     def _batch(self, out: SchedulerOutput, seqs: list[SeqState]) -> StepBatch:
-        bt = self.block_tokens
-        ids, positions, slots, token_slots, rows = [], [], [], [], []
-        tables, seq_lens, cu = [], [], [0]
+        ids, positions, token_slots, rows = [], [], [], []
+        seq_lens, cu = [], [0]
         per_slot: dict[int, int] = {}
         for seq, n in zip(seqs, out.num_scheduled_tokens):
             start, end = seq.num_computed, seq.num_computed + n
             ids += seq.token_ids[start:end]
             positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bt] * bt + p % bt for p in range(start, end)]
             token_slots += [seq.slot] * n
             if seq.slot >= 0:
                 per_slot[seq.slot] = per_slot.get(seq.slot, 0) + n
-            tables.append(table)
             seq_lens.append(end)
             cu.append(cu[-1] + n)
             if end == len(seq.token_ids):
                 rows.append(cu[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+        def kv(tables):  # slot mapping [T] and padded block tables [B, W] of one KV group
+            slots = self._slots(seqs, tables, out.num_scheduled_tokens)
+            width = max(len(t) for t in tables)
+            return tensor(slots, torch.long), tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+        slot_mapping, block_tables = kv([seq.block_table for seq in seqs])
+        window = kv([seq.window_table for seq in seqs]) if seqs[0].window_table is not None else (None, None)
         return StepBatch(
             input_ids=tensor(ids, torch.long), positions=tensor(positions, torch.long),
-            slot_mapping=tensor(slots, torch.long), block_tables=tensor(padded, torch.int32),
+            slot_mapping=slot_mapping, block_tables=block_tables,
             seq_lens=tensor(seq_lens, torch.int32), cu_seqlens_q=tensor(cu, torch.int32),
             max_q_len=max(out.num_scheduled_tokens), token_slots=tensor(token_slots, torch.int32),
             logits_rows=tensor(rows, torch.long), any_lora=bool(per_slot),
-            group_tokens=max(per_slot.values(), default=0), active_slots=len(per_slot))
+            group_tokens=max(per_slot.values(), default=0), active_slots=len(per_slot),
+            window_slot_mapping=window[0], window_block_tables=window[1])
+
+    def _slots(self, seqs: list[SeqState], tables: list[list[int]], counts: list[int]) -> list[int]:
+        """Each scheduled token's KV slot (page * block_tokens + row) through ``tables``."""
+        bt, slots = self.block_tokens, []
+        for seq, table, n in zip(seqs, tables, counts):
+            slots += [table[p // bt] * bt + p % bt for p in range(seq.num_computed, seq.num_computed + n)]
+        return slots

@@ -1,7 +1,8 @@
 """`PoolStorage`: the pool tensor and the host tier's buffers; performs the
 adapter manager's effects.
 
-Shape legend: L = layers, N = pages, P = page_elems, n = one adapter's pages.
+Shape legend: L = pool rows (`ModelConfig.pool_rows`), N = pages, P = page_elems,
+n = one adapter's pages.
 
 ``pool [L, N, P]`` lives on the device (CPU in tests, CUDA when serving).  A
 host copy of an adapter is its packed page buffer ``[L, n, P]`` (pinned when
@@ -44,7 +45,7 @@ class PoolStorage:
         self.config = config
         self.device = torch.device(device)
         self.dtype = getattr(torch, config.model.dtype)
-        shape = (config.model.num_layers, config.num_pages, config.page_elems)
+        shape = (config.model.pool_rows, config.num_pages, config.page_elems)
         self.pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._host: dict[str, torch.Tensor] = {}  # name -> [L, n, P] on the CPU
         self._cuda = self.device.type == "cuda"

@@ -75,6 +75,9 @@ class StepBatch:
     any_lora: bool  # some token has an adapter
     group_tokens: int  # tokens of the largest adapter group (the dense LoRA tile height hint)
     active_slots: int  # distinct adapters among the tokens
+    window_slot_mapping: torch.Tensor | None = None  # [T] int64, models with full and sliding-window layers
+    #   (`ModelConfig.hybrid_kv`): slot_mapping in the sliding layers' own block tables
+    window_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32: those tables (-1 before the window)
 
 
 @dataclass
@@ -130,10 +133,10 @@ class DecoderLM:
         tied = hf.get("tie_word_embeddings", False) or "lm_head.weight" not in ckpt
         self.lm_head = self.embed if tied else ckpt.get("lm_head.weight", (vocab, h))
         self.norm = ckpt.get("model.norm.weight", (h,))
-        self.layers = [self._load_layer(ckpt, i, hf) for i in range(model.num_layers)]
+        self.layers = [self._load_layer(ckpt, i) for i in range(model.num_layers)]
 
     # -- weights ---------------------------------------------------------
-    def _load_layer(self, ckpt: Checkpoint, i: int, hf: dict) -> LayerWeights:
+    def _load_layer(self, ckpt: Checkpoint, i: int) -> LayerWeights:
         m, p = self.model, f"model.layers.{i}"
         h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         attn = f"{p}.self_attn"
@@ -147,8 +150,9 @@ class DecoderLM:
             w_qkv, b_qkv, ckpt.get(f"{attn}.o_proj.weight", (h, q)), ckpt.optional(f"{attn}.o_proj.bias", (h,)),
             ckpt.get(f"{attn}.q_norm.weight", (norm_dims[0],)) if norm_dims else None,
             ckpt.get(f"{attn}.k_norm.weight", (norm_dims[1],)) if norm_dims else None)
+        layer.window = m.window(i)
         if self.family.gptoss:
-            self._load_gptoss(ckpt, i, hf, layer)
+            self._load_gptoss(ckpt, i, layer)
         elif m.is_moe_layer(i):
             e, inter = m.num_experts, m.expert_intermediate_size
             prefix, layer.experts_gate_up, layer.experts_down = ckpt.expert_weights(p, e, h, inter)
@@ -160,12 +164,10 @@ class DecoderLM:
             layer.w_down = ckpt.get(f"{p}.mlp.down_proj.weight", (h, inter))
         return layer
 
-    def _load_gptoss(self, ckpt: Checkpoint, i: int, hf: dict, layer: LayerWeights) -> None:
+    def _load_gptoss(self, ckpt: Checkpoint, i: int, layer: LayerWeights) -> None:
         m, p = self.model, f"model.layers.{i}"
         e, h = m.num_experts, m.hidden_size
         layer.sinks = ckpt.get(f"{p}.self_attn.sinks", (m.num_heads,)).float()
-        layer_types = hf.get("layer_types") or ["full_attention"] * m.num_layers
-        layer.window = int(hf.get("sliding_window") or 0) if layer_types[i] == "sliding_attention" else 0
         layer.router = ckpt.get(f"{p}.mlp.router.weight", (e, h))
         layer.router_bias = ckpt.get(f"{p}.mlp.router.bias", (e,))
         (layer.experts_gate_up, layer.experts_gate_up_bias, layer.experts_down,
@@ -186,7 +188,12 @@ class DecoderLM:
     @torch.inference_mode()
     def hidden_states(self, batch: StepBatch, pool: torch.Tensor, lora: LoraTables | None,
                       block_tokens: int) -> torch.Tensor:
-        """The final norm's output ``[R, H]`` at ``batch.logits_rows``; writes the step's KV into the pool."""
+        """The final norm's output ``[R, H]`` at ``batch.logits_rows``; writes the step's KV into the pool.
+
+        ``pool [L, N, P]`` has one row per layer of a KV group; layer ``i`` uses row ``layer_rows[i]``.
+        """
+        if self.model.hybrid_kv and batch.window_block_tables is None:
+            raise ValueError("this model mixes full and sliding-window layers: the batch needs window tables")
         cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.embed.dtype, self.rope_scale)
         lora_on = batch.any_lora and lora is not None and lora.page_table is not None
         plan = None
@@ -194,12 +201,13 @@ class DecoderLM:
             plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens)
         ctx = _Context(batch, cos, sin, lora if lora_on else None, plan, block_tokens)
         h = self.embed[batch.input_ids]
-        for i, layer in enumerate(self.layers):
+        for i, (layer, row) in enumerate(zip(self.layers, self.model.layer_rows)):
             layer_lora = ctx.lora.layers[i] if ctx.lora is not None else None
-            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.eps), pool[i], layer_lora, ctx)
+            pool_l = pool[row]
+            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.eps), pool_l, layer_lora, ctx)
             x = rms_norm(h, layer.post_norm, self.eps)
             mlp = self._moe if layer.router is not None else self._mlp
-            h = h + mlp(layer, x, pool[i], layer_lora, ctx)
+            h = h + mlp(layer, x, pool_l, layer_lora, ctx)
         return rms_norm(h[batch.logits_rows], self.norm, self.eps)
 
     def _lora(self, y, x, pool_l, meta, ctx: _Context) -> None:
@@ -222,21 +230,26 @@ class DecoderLM:
         if self.family.qk_norm == "head":
             q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
         q, k = rope.rotate(q, ctx.cos, ctx.sin), rope.rotate(k, ctx.cos, ctx.sin)
-        self.ops.write_kv(pool_l, k.contiguous(), v.contiguous(), ctx.batch.slot_mapping)
-        out = self._attend(q.contiguous(), pool_l, layer, ctx).reshape(tokens, q_width)
+        slot_mapping, tables = _kv_tables(layer, ctx.batch)
+        self.ops.write_kv(pool_l, k.contiguous(), v.contiguous(), slot_mapping)
+        out = self._attend(q.contiguous(), pool_l, tables, layer, ctx).reshape(tokens, q_width)
         o = out @ layer.w_o.T
         if layer.b_o is not None:
             o = o + layer.b_o
         self._lora(o, out, pool_l, layer_lora and layer_lora.o, ctx)
         return o
 
-    def _attend(self, q, pool_l, layer: LayerWeights, ctx: _Context) -> torch.Tensor:
+    def _attend(self, q, pool_l, tables, layer: LayerWeights, ctx: _Context) -> torch.Tensor:
         b, m = ctx.batch, self.model
-        extra = {"sinks": layer.sinks, "sliding_window": layer.window} if self.family.gptoss else {}
+        extra = {}
+        if layer.sinks is not None:
+            extra["sinks"] = layer.sinks
+        if layer.window:
+            extra["sliding_window"] = layer.window
         if self.ops.attention_decode is not None and b.max_q_len == 1 and q.shape[0] == b.seq_lens.shape[0]:
-            return self.ops.attention_decode(q, pool_l, b.block_tables, b.seq_lens, self.scale, ctx.block_tokens,
+            return self.ops.attention_decode(q, pool_l, tables, b.seq_lens, self.scale, ctx.block_tokens,
                                              m.num_kv_heads, **extra)
-        return self.ops.attention_prefill(q, pool_l, b.block_tables, b.cu_seqlens_q, b.seq_lens, self.scale,
+        return self.ops.attention_prefill(q, pool_l, tables, b.cu_seqlens_q, b.seq_lens, self.scale,
                                           ctx.block_tokens, m.num_kv_heads, max_q_len=b.max_q_len, **extra)
 
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
@@ -261,6 +274,13 @@ class DecoderLM:
         return self.ops.experts(x, layer.experts_gate_up, layer.experts_down, weights, ids, moe_lora,
                                 gate_up_bias=layer.experts_gate_up_bias, down_bias=layer.experts_down_bias,
                                 activation=self.activation)
+
+
+def _kv_tables(layer: LayerWeights, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot mapping and block tables of ``layer``'s KV group."""
+    if layer.window and batch.window_block_tables is not None:
+        return batch.window_slot_mapping, batch.window_block_tables
+    return batch.slot_mapping, batch.block_tables
 
 
 @dataclass
