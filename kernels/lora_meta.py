@@ -5,7 +5,8 @@ T = tokens of the step, M = row tiles of the grouped path.
 
 * `DenseLoraMeta` — per slot and slice, where A and B start in the slot's
   per-layer buffer and the rank (0: the slot's adapter lacks that target).
-  Built from the real `AdapterLayout`s whenever residency changes.
+  Built from the real `AdapterLayout`s by `dense_lora_meta`, or kept up to
+  date slot by slot by `unipage.models.lora_tables.LoraTables`.
 * `LoraBatch` — how one step's tokens are cut into kernel programs: one per
   token (GEMV path, decode) or tiles of ``block_m`` tokens of one adapter
   (grouped, SGMV-like path).  Built once per step on the device with torch
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,22 +37,51 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+class HostRows(Sequence):
+    """Rows of a host int array ``[S, J]`` read as tuples: a host copy with no Python object per slot.
+
+    A view: it follows the array it was made from (`LoraTables` writes one slot's row in place).
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array) -> None:
+        self.array = array  # [S, J] numpy int array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, slot):
+        if isinstance(slot, slice):
+            return [tuple(row) for row in self.array[slot].tolist()]
+        return tuple(self.array[slot].tolist())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(
+            row == tuple(want) for row, want in zip(self, other))
+
+    __hash__ = None
+
+
 @dataclass(frozen=True, eq=False)
 class DenseLoraMeta:
     """Where each slot's LoRA matrices for one layer and one group of targets live.
 
     Slice ``j`` writes ``y[:, slice_starts[j] : slice_starts[j] + slice_cols[j]]``.
-    Host copies (tuples) serve the torch reference; tensors the kernels.
+    Host copies (tuples, or `HostRows` views) serve the torch reference; tensors the kernels.
+    ``max_rank`` and ``buffer_elems`` may exceed what the slots hold now (`LoraTables` keeps
+    them at their high-water marks so that launch shapes do not change as adapters come and go).
     """
 
     targets: tuple[str, ...]  # target names, one per slice (repeated if a target has several)
     d_in: int  # input width shared by every slice
     slice_cols: tuple[int, ...]  # [J] output columns of each slice
     slice_starts: tuple[int, ...]  # [J] first column of each slice in y
-    ranks: tuple[tuple[int, ...], ...]  # [S][J] rank; 0 = slot empty or lacks the target
-    a_offsets: tuple[tuple[int, ...], ...]  # [S][J] virtual element of the slice's first A row
-    b_offsets: tuple[tuple[int, ...], ...]  # [S][J] virtual element of the slice's B
+    ranks: Sequence[tuple[int, ...]]  # [S][J] rank; 0 = slot empty or lacks the target
+    a_offsets: Sequence[tuple[int, ...]]  # [S][J] virtual element of the slice's first A row
+    b_offsets: Sequence[tuple[int, ...]]  # [S][J] virtual element of the slice's B
     buffer_elems: int  # elements of the largest slot's buffer in this layer: the page tables must cover them
+    max_rank: int  # >= every rank in ``ranks`` (0: no slot has these targets): sets the kernels' rank block
     rank: torch.Tensor  # [S, J] int32
     a_offset: torch.Tensor  # [S, J] int32
     b_offset: torch.Tensor  # [S, J] int32
@@ -67,10 +98,6 @@ class DenseLoraMeta:
     @property
     def out_cols(self) -> int:
         return self.slice_starts[-1] + self.slice_cols[-1]
-
-    @property
-    def max_rank(self) -> int:
-        return max((r for row in self.ranks for r in row), default=0)
 
     @property
     def rank_block(self) -> int:
@@ -104,8 +131,8 @@ def _target_slices(layouts, layer: int, target: str, model) -> list[int]:
     return [model.target_dims(target, layer)[1]]
 
 
-def _slot_row(layout: AdapterLayout | None, layer: int, targets, widths) -> list[tuple[int, int, int]]:
-    """``(rank, a_offset, b_offset)`` per slice for one slot."""
+def dense_slot_row(layout: AdapterLayout | None, layer: int, targets, widths) -> list[tuple[int, int, int]]:
+    """``(rank, a_offset, b_offset)`` per slice for one slot (``widths``: each target's slice widths)."""
     row = []
     for target, target_widths in zip(targets, widths):
         entry = layout.layers[layer].targets.get((target, -1)) if layout else None
@@ -141,7 +168,7 @@ def dense_lora_meta(layouts: list[AdapterLayout | None], layer: int, targets: tu
         raise ValueError("dense_lora_meta needs at least one slot")
     targets = tuple(targets)
     widths = [_target_slices(layouts, layer, t, model) for t in targets]
-    rows = [_slot_row(lay, layer, targets, widths) for lay in layouts]
+    rows = [dense_slot_row(lay, layer, targets, widths) for lay in layouts]
     cols = tuple(w for ws in widths for w in ws)
     starts = tuple(sum(cols[:j]) for j in range(len(cols)))
 
@@ -157,6 +184,7 @@ def dense_lora_meta(layouts: list[AdapterLayout | None], layer: int, targets: tu
         targets=tuple(t for t, ws in zip(targets, widths) for _ in ws),
         d_in=_d_in(layouts, layer, targets, model), slice_cols=cols, slice_starts=starts,
         ranks=ranks, a_offsets=table(1), b_offsets=table(2), buffer_elems=elems,
+        max_rank=max((r for row in ranks for r in row), default=0),
         rank=tensor(0), a_offset=tensor(1), b_offset=tensor(2))
     for block_n in COL_TILE_WIDTHS:
         meta.col_tile_table(block_n)
