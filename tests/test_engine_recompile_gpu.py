@@ -30,14 +30,13 @@ def family(request, tmp_path_factory):
 
 
 def _round(llm: LLM, family, seed: int) -> None:
-    """A batch of random lengths (prompts 2-300 tokens, 1-24 new) and adapters, some without."""
+    """A batch of random size, prompt lengths (2-300 tokens) and adapters (some without); 1-24 new tokens."""
     rng = random.Random(seed)
     choices = [*family.adapters, None]
     count = rng.randrange(6, 20)
     prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(2, 300))] for _ in range(count)]
     names = [rng.choice(choices) for _ in range(count)]
-    llm.generate(prompts, SamplingParams(temperature=0), adapters=names,
-                 max_tokens=[rng.randrange(1, 25) for _ in range(count)])
+    llm.generate(prompts, SamplingParams(temperature=0), adapters=names, max_tokens=rng.randrange(1, 25))
 
 
 def _probe() -> None:
