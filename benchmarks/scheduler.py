@@ -30,9 +30,11 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -53,8 +55,21 @@ RUNNING, WAITING, REGISTERED, RESIDENT, PAGES = 256, 1000, 5000, 64, 16384
 HOT, ADAPTERS_PER_BATCH = 0.9, 128
 
 
+def checkout() -> str:
+    """The commit measured, with "+dirty" when tracked files differ from it ("" outside git)."""
+    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    try:
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no", "--", "unipage", "scheduler",
+                                      "benchmarks/scheduler.py"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def emit(record: dict, out) -> None:
     record = {"bench": "scheduler", "device": platform.processor() or platform.machine(),
+              "machine": f"{platform.node()} ({os.cpu_count()} cpus)", "commit": checkout(),
               "python": sys.version.split()[0], "seed": SEED, "unix_time": round(time.time(), 3), **record}
     print(json.dumps(record), file=out, flush=True)
 

@@ -14,6 +14,19 @@ the same prefix and adapter picks it up again.  When freed, a sequence's
 blocks are stamped tail-first, so under LRU the tail of a prefix is reclaimed
 before its head (a chain is only useful from its start).
 
+Hashing is lazy where no one can tell.  Every chain that commits a block 0
+joins the *root* of its first hash ``h[0]``; equal hashes need equal roots,
+so while a root has one chain (*lone*) none of its later blocks can equal
+another's, and they are registered (their pages kept, cached, evicted as
+above) without being hashed.  The first lookup that reaches a lone root,
+and every query of a hash, hashes the chain's committed blocks (`_hash_lone`,
+from the chain's tokens: ``commit`` keeps a reference); a second chain
+committing under the root hashes the first one and makes the root *eager*
+(every block hashed at commit, as before) until no chain or registered
+block is left under it.  So which blocks are registered, reused and evicted
+is what eager hashing gives, and a workload without shared prefixes hashes
+one block per sequence.
+
 A manager with a ``window`` keeps the KV of sliding-window layers: once no
 later query can see a block (``slide``), the block leaves the sequence — its
 table entry becomes `NO_PAGE` and the page is cached or freed as on `free` —
@@ -95,6 +108,19 @@ class _Sequence:
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # hashes of table[:len(hashes)]
     dropped: int = 0  # table[:dropped] left the window (NO_PAGE)
+    committed: int = 0  # blocks committed; hashes[len(hashes):committed] are not computed yet (a lone root's)
+    tokens: object = None  # the last committed tokens (kept to hash them later)
+    root: "_Root | None" = None  # the root of hashes[0], once block 0 is committed
+
+
+@dataclass(slots=True, eq=False)
+class _Root:
+    """The chains whose block 0 hashes to one ``h[0]``.  ``refs``: open sequences and registered blocks
+    under it (it is forgotten at 0).  ``lone``: the one chain whose blocks may be unhashed, or None (eager)."""
+
+    key: bytes
+    refs: int = 0
+    lone: _Sequence | None = None
 
 
 @dataclass(slots=True)
@@ -105,11 +131,14 @@ class _Block(Candidate):
     priority reads change only while it is in use, when it is no candidate.
     """
 
-    hash: bytes
+    hash: bytes | None  # None: not computed yet (its root is lone)
     salt: str
+    root: _Root | None = None
 
 
 class KVManager:
+    lazy_hashing = True  # False: every committed block is hashed at once (the reference the tests compare with)
+
     def __init__(self, pool: PagePool, reclaimer: Reclaimer, block_tokens: int,
                  prefix_caching: bool = True, recompute_s_per_token: float = 20e-6, window: int = 0,
                  owner: bool = True) -> None:
@@ -127,6 +156,7 @@ class KVManager:
         self._blocks: dict[int, _Block] = {}  # page -> registration
         self._block_at: list[_Block | None] = [None] * pool.num_pages  # page -> its last registration, to reuse
         self._by_salt: dict[str, set[int]] = {}  # salt -> registered pages
+        self._roots: dict[bytes, _Root] = {}  # h[0] -> its root
         if owner:
             reclaimer.register_owner(KV_BLOCK, self._evict_cached)
         self.hits = 0  # prefix blocks reused
@@ -154,7 +184,10 @@ class KVManager:
         return page in self._blocks
 
     def block_hash(self, page: int) -> bytes:
-        return self._blocks[page].hash
+        block = self._blocks[page]
+        if block.hash is None:
+            self._hash_lone(block.root)
+        return block.hash
 
     def match_prefix(self, tokens, salt: str = "") -> list[int]:
         """Pages of the longest run of cached full blocks that starts ``tokens``; changes nothing.
@@ -168,6 +201,8 @@ class KVManager:
             return self.window_pages(self.lookup(hashes))
         pages = []
         for h in iter_block_hashes(tokens, self.block_tokens, salt):  # stops hashing at the first miss
+            if not pages:
+                self._sync_root(h)
             page = self._by_hash.get(h)
             if page is None:
                 break
@@ -176,6 +211,8 @@ class KVManager:
 
     def lookup(self, hashes) -> list[int | None]:
         """The cached page of each block hash, or None."""
+        if hashes:
+            self._sync_root(hashes[0])
         get = self._by_hash.get
         return [get(h) for h in hashes]
 
@@ -206,7 +243,9 @@ class KVManager:
         """Start a sequence on cached ``pages`` (the blocks with ``hashes``; `NO_PAGE` before a window)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already open")
-        seq = _Sequence(salt, list(pages), list(hashes))
+        seq = _Sequence(salt, list(pages), list(hashes), committed=len(hashes))
+        if hashes:
+            self._join_root(seq, hashes[0])
         now = self.reclaimer.tick()
         for page in pages:
             if page == NO_PAGE:
@@ -239,7 +278,8 @@ class KVManager:
     def commit(self, seq_id, tokens, num_tokens: int | None = None) -> None:
         """Register the full blocks of ``tokens[:num_tokens]`` (the sequence's computed tokens) for prefix reuse.
 
-        ``num_tokens`` (default: all of ``tokens``) spares the caller a copy of a prefix.
+        ``num_tokens`` (default: all of ``tokens``) spares the caller a copy of a prefix.  The manager keeps
+        a reference to ``tokens`` and may hash the committed blocks later: their tokens must not change.
         """
         seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if not self.prefix_caching:
@@ -247,26 +287,97 @@ class KVManager:
         block, hashes, table = self.block_tokens, seq.hashes, seq.table
         if num_tokens is None or num_tokens > len(tokens):
             num_tokens = len(tokens)
-        full, done = num_tokens // block, len(hashes)
+        full, done = num_tokens // block, seq.committed
         if full > len(table):
             full = len(table)
         if full <= done:
             return
-        prev, pack, now = hashes[-1] if hashes else root_hash(seq.salt), self._pack, self.reclaimer.tick()
+        seq.tokens, seq.committed, now = tokens, full, self.reclaimer.tick()
+        root = seq.root
+        if root is None:  # block 0: its hash names the root
+            h = _new_hasher()
+            h.update(root_hash(seq.salt) + self._pack(*tokens[:block]))
+            root = self._join_root(seq, h.digest())
+        if root.lone is seq:  # no other chain shares the root: register, hash later
+            self._register_lone(seq, root, done, full, now)
+            return
+        prev, pack = hashes[-1] if hashes else root_hash(seq.salt), self._pack
         by_hash, blocks, salt_pages, hasher = self._by_hash, self._blocks, None, _new_hasher
         for index in range(done, full):  # as `iter_block_hashes` with `chain_hash` inlined, block by block
-            h = hasher()
-            h.update(prev + pack(*tokens[index * block:index * block + block]))
-            prev = h.digest()
-            hashes.append(prev)
+            if index < len(hashes):  # block 0, hashed to find its root
+                prev = hashes[index]
+            else:
+                h = hasher()
+                h.update(prev + pack(*tokens[index * block:index * block + block]))
+                prev = h.digest()
+                hashes.append(prev)
             page = table[index]
             if prev not in by_hash and page not in blocks and page != NO_PAGE:  # else an equal block was
                 #   registered first (or the block already left the window)
                 by_hash[prev] = page
-                blocks[page] = self._new_block(page, now, prev, seq.salt)
+                blocks[page] = self._new_block(page, now, prev, seq.salt, root)
+                root.refs += 1
                 if salt_pages is None:
                     salt_pages = self._salt_pages(seq.salt)
                 salt_pages.add(page)
+
+    def _register_lone(self, seq: _Sequence, root: _Root, done: int, full: int, now: int) -> None:
+        """`commit` of blocks ``done:full`` of a lone root's chain: registered, unhashed (but block 0's)."""
+        blocks, table, salt, salt_pages, added = self._blocks, seq.table, seq.salt, None, 0
+        for index in range(done, full):
+            page = table[index]
+            if page != NO_PAGE and page not in blocks:
+                if index:
+                    blocks[page] = self._new_block(page, now, None, salt, root)
+                else:  # block 0 is hashed: it named the root
+                    blocks[page] = self._new_block(page, now, seq.hashes[0], salt, root)
+                    self._by_hash[seq.hashes[0]] = page
+                added += 1
+                if salt_pages is None:
+                    salt_pages = self._salt_pages(salt)
+                salt_pages.add(page)
+        root.refs += added
+
+    def _join_root(self, seq: _Sequence, first: bytes) -> _Root:
+        """``seq``, whose block 0 hashes to ``first``, joins that root: lone if it is the first there,
+        else the root turns eager (its lone chain hashed first, as eager commits would have)."""
+        if not seq.hashes:
+            seq.hashes.append(first)
+        root = self._roots.get(first)
+        if root is None:
+            root = self._roots[first] = _Root(first, 0, seq if self.lazy_hashing else None)
+        elif root.lone is not None:
+            self._hash_lone(root)
+            root.lone = None
+        root.refs += 1
+        seq.root = root
+        return root
+
+    def _leave_root(self, root: _Root, refs: int = 1) -> None:
+        root.refs -= refs
+        if not root.refs:
+            del self._roots[root.key]
+
+    def _sync_root(self, first: bytes) -> None:
+        """Before a lookup that starts with ``first``: every registered block under its root is hashed."""
+        root = self._roots.get(first)
+        if root is not None and root.lone is not None:
+            self._hash_lone(root)
+
+    def _hash_lone(self, root: _Root) -> None:
+        """Hash the committed blocks of ``root``'s lone chain not hashed yet, and index those registered."""
+        seq = root.lone
+        hashes, tokens, block, pack = seq.hashes, seq.tokens, self.block_tokens, self._pack
+        prev, table, blocks, by_hash = hashes[-1], seq.table, self._blocks, self._by_hash
+        for index in range(len(hashes), seq.committed):
+            h = _new_hasher()
+            h.update(prev + pack(*tokens[index * block:index * block + block]))
+            prev = h.digest()
+            hashes.append(prev)
+            registered = blocks.get(table[index])  # only this chain registers under a lone root
+            if registered is not None and registered.root is root and registered.hash is None:
+                registered.hash = prev
+                by_hash[prev] = table[index]
 
     def free(self, seq_id) -> None:
         """Release a sequence's blocks: registered ones whose last user it was become cached, the rest free."""
@@ -274,6 +385,8 @@ class KVManager:
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
         self._release(seq.table[seq.dropped:] if seq.dropped else seq.table)
+        if seq.root is not None:  # its registered blocks keep the root (and a lone chain) while they last
+            self._leave_root(seq.root)
 
     def slide(self, seq_id, position: int) -> None:
         """Window layers: release the blocks no query at ``position`` or later can see (a no-op without a window)."""
@@ -283,6 +396,8 @@ class KVManager:
         first = min(first_visible_block(position, self.block_tokens, self.window), len(seq.table))
         if first <= seq.dropped:
             return
+        if seq.root is not None and seq.root.lone is seq and len(seq.hashes) < seq.committed:
+            self._hash_lone(seq.root)  # the blocks leaving keep their registrations: hash them while it can
         gone = seq.table[seq.dropped:first]
         seq.table[seq.dropped:first] = [NO_PAGE] * len(gone)
         seq.dropped = first
@@ -339,16 +454,18 @@ class KVManager:
             blocks.append(block)
         self.reclaimer.add_many(blocks)
 
-    def _new_block(self, page: int, now: int, block_hash: bytes, salt: str) -> _Block:
+    def _new_block(self, page: int, now: int, block_hash: bytes | None, salt: str, root: _Root) -> _Block:
         """The registration of ``page``: its last one reset (no one holds an unregistered block), or a new one."""
         block = self._block_at[page]
         if block is None:
-            block = self._block_at[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, block_hash, salt)
+            block = self._block_at[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, block_hash,
+                                                  salt, root)
         else:
             block.inserted = block.last_used = now
             block.uses = 1
             block.hash = block_hash
             block.salt = salt
+            block.root = root
         return block
 
     def _salt_pages(self, salt: str) -> set[int]:
@@ -360,11 +477,16 @@ class KVManager:
 
     def _unregister(self, page: int) -> None:
         block = self._blocks.pop(page)
-        del self._by_hash[block.hash]
+        if block.hash is not None:
+            del self._by_hash[block.hash]
         pages = self._by_salt[block.salt]
         pages.discard(page)
         if not pages:
             del self._by_salt[block.salt]
+        root = block.root
+        root.refs -= 1
+        if not root.refs:
+            del self._roots[root.key]
 
     def _evict_cached(self, page: int) -> None:
         """Reclaimer callback: drop a cached block."""
@@ -388,11 +510,26 @@ class KVManager:
         for page, count in refs.items():
             assert self.pool.kind(page) == PageKind.KV, f"page {page} in a block table is not KV"
             assert self.pool.refcount(page) == count, f"page {page}: refcount != block tables holding it"
+        under: dict[bytes, int] = {}  # root -> registered blocks and open sequences under it
+        for seq in self._seqs.values():
+            assert len(seq.hashes) <= seq.committed <= len(seq.table)
+            if seq.root is not None:
+                assert seq.root.key == seq.hashes[0] and self._roots[seq.root.key] is seq.root
+                assert seq.root.lone is seq or seq.root.lone is None
+                assert seq.root.lone is seq or len(seq.hashes) == seq.committed, "an eager chain is unhashed"
+                under[seq.root.key] = under.get(seq.root.key, 0) + 1
         for page, block in self._blocks.items():
-            assert self._by_hash[block.hash] == page
+            assert self._roots[block.root.key] is block.root
+            under[block.root.key] = under.get(block.root.key, 0) + 1
+            if block.hash is None:
+                assert block.root.lone is not None, "a block under an eager root is unhashed"
+            else:
+                assert self._by_hash[block.hash] == page
             kind = self.pool.kind(page)
             assert kind in (PageKind.KV, PageKind.CACHED_KV), f"registered page {page} is {kind.name}"
             assert (kind == PageKind.CACHED_KV) == ((KV_BLOCK, page) in self.reclaimer)
             assert (kind == PageKind.CACHED_KV) == (page not in refs)
-        assert len(self._by_hash) == len(self._blocks) == sum(len(s) for s in self._by_salt.values())
+        assert len(self._by_hash) == sum(block.hash is not None for block in self._blocks.values())
+        assert len(self._blocks) == sum(len(s) for s in self._by_salt.values())
+        assert under == {key: root.refs for key, root in self._roots.items()}, "root counts"
         return len(refs)
