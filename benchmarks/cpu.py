@@ -1,8 +1,24 @@
-"""Shared by the CPU benchmarks: how fast this machine runs Python, to compare records across machines."""
+"""Shared by the CPU benchmarks: how fast this machine runs Python, to compare records across machines,
+and the commit a record was measured at."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+
+
+def commit() -> str:
+    """The checkout's commit, with "+dirty" when tracked files differ from it ("" outside git)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
 
 
 def calibrate() -> float:

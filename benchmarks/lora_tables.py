@@ -21,12 +21,15 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
+try:
+    from benchmarks.cpu import commit
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from cpu import commit
 from unipage.config import ModelConfig
 from unipage.lora_layout import TargetSpec, build_layout
 from unipage.models.lora_tables import LoraTables
@@ -44,19 +47,6 @@ MODELS = {  # key -> (model, LoRA targets)
                       "all"),
 }
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def commit() -> str:
-    """The checkout's commit, with "+dirty" when tracked files differ from it ("" outside git)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    return head + ("+dirty" if dirty else "")
 
 
 def emit(record: dict, out) -> None:

@@ -26,31 +26,17 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 try:
-    from benchmarks.cpu import calibrate
+    from benchmarks.cpu import calibrate, commit
 except ImportError:  # run as a script: benchmarks/ itself is on sys.path
-    from cpu import calibrate
+    from cpu import calibrate, commit
 from unipage.sim import build_config, make_record
 from unipage.sim.engine import Simulation
 
 SEED = 0
-
-
-def commit() -> str:
-    """The checkout's commit, with "+dirty" when tracked files differ from it ("" outside git)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    return head + ("+dirty" if dirty else "")
 
 
 def emit(record: dict, out) -> None:
