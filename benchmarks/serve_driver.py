@@ -16,7 +16,6 @@ of measured step times gives the coefficients of a `CostProfile`.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -123,30 +122,19 @@ class StepLog:
 
 
 class DiskLog:
-    """Bytes and seconds of the engine's adapter file reads (``PoolStorage.read_packed``), while attached."""
+    """Bytes and seconds of the engine's adapter file reads (``PoolStorage.reads``) while inside the block."""
 
     def __init__(self, engine) -> None:
         self.engine, self.bytes, self.seconds = engine, 0, 0.0
-        self._lock = threading.Lock()  # reads run in the storage's threads on CUDA
 
     def __enter__(self) -> Self:
-        storage = self.engine.storage
-        read = storage.read_packed
-
-        def timed_read(effect, **options):  # on CUDA called from the storage's reader threads
-            start = time.perf_counter()
-            try:
-                return read(effect, **options)
-            finally:
-                with self._lock:
-                    self.seconds += time.perf_counter() - start
-                    self.bytes += effect.info.file_bytes
-
-        storage.read_packed = timed_read
+        reads = self.engine.storage.reads
+        self._start = (reads.bytes, reads.seconds)
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.engine.storage.read_packed
+        reads = self.engine.storage.reads
+        self.bytes, self.seconds = reads.bytes - self._start[0], reads.seconds - self._start[1]
 
 
 @dataclass

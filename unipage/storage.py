@@ -11,27 +11,44 @@ into the pages of its page table.  On CUDA the copy runs on a side stream and
 records an event: ``poll()`` reports loads whose event has completed, and the
 engine makes its compute stream wait on ``load_event(name)`` before a batch
 that uses the adapter.  A load without a host copy first reads and packs the
-adapter's files: on CUDA in a background thread (`READ_THREADS`), so a step
-never waits on a disk read — ``poll()`` starts the page copy once the packed
-buffer is ready, and reports a read that failed.  On CPU a load completes
+adapter's files: on CUDA in helper processes (`READ_WORKERS`, see
+`unipage.adapter_reader`: threads of this process would fight the step loop
+for the GIL), so a step never waits on a disk read — ``poll()`` starts the page
+copy once the packed buffer is ready, and reports a read that failed.  On CPU a load completes
 inside ``apply``.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from unipage.adapter_pack import LoraWeights, gather_adapter, pack_adapter
+from unipage.adapter_pack import LoraWeights, gather_adapter
+from unipage.adapter_reader import ReaderPool, read_and_pack
 from unipage.adapters import AdapterRecord, DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.config import UnipageConfig
 from unipage.errors import AdapterError
 
 log = logging.getLogger(__name__)
-READ_THREADS = 2  # background readers of adapter files (CUDA)
+READ_WORKERS = 4  # processes that read and pack adapter files (CUDA)
+
+
+@dataclass
+class ReadStats:
+    """Adapter file reads completed: how many, their file bytes, and the seconds spent reading and packing."""
+
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, effect: LoadAdapter, seconds: float) -> None:
+        self.count += 1
+        self.bytes += effect.info.file_bytes
+        self.seconds += seconds
 
 
 @dataclass
@@ -52,7 +69,8 @@ class PoolStorage:
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._events: dict[str, torch.cuda.Event] = {}  # page copies in flight (CUDA)
         self._reads: dict[str, tuple[Future, LoadAdapter]] = {}  # file reads in flight (CUDA)
-        self._reader = ThreadPoolExecutor(READ_THREADS, "unipage-adapter-read") if self._cuda else None
+        self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
+        self.reads = ReadStats()
 
     def apply(self, effects) -> ApplyResult:
         """Perform the effects in order; report which loads completed or failed."""
@@ -76,7 +94,9 @@ class PoolStorage:
         for name in [n for n, (future, _) in self._reads.items() if future.done()]:
             future, effect = self._reads.pop(name)
             try:
-                buf = future.result()
+                buf, seconds = future.result()
+                buf = self._check_pages(effect, buf)
+                self.reads.add(effect, seconds)
             except (AdapterError, OSError) as err:
                 log.warning("loading adapter %r failed: %s", name, err)
                 result.failed.append((name, str(err)))
@@ -90,7 +110,7 @@ class PoolStorage:
     def close(self) -> None:
         """Stop the background readers (reads in flight are abandoned)."""
         if self._reader is not None:
-            self._reader.shutdown(wait=False, cancel_futures=True)
+            self._reader.shutdown()
 
     def load_event(self, name: str):
         """The CUDA event of a load still in flight, or None."""
@@ -102,9 +122,10 @@ class PoolStorage:
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
         buf = self._host.get(effect.name) if effect.from_host else None
         if buf is None and self._reader is not None:
-            # The thread makes no CUDA call (no pinning there): a graph capture on the main thread
-            # would fail on another thread's cudaHostAlloc.
-            self._reads[effect.name] = (self._reader.submit(self.read_packed, effect, pin=False), effect)
+            # Pinned later, on this thread: a graph capture here would fail on another thread's cudaHostAlloc.
+            future = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
+                                         self.dtype)
+            self._reads[effect.name] = (future, effect)
             return
         try:
             buf = buf if buf is not None else self.read_packed(effect)
@@ -138,14 +159,18 @@ class PoolStorage:
     def read_packed(self, effect: LoadAdapter, pin: bool = True) -> torch.Tensor:
         """Read the adapter's files and pack them into a host page buffer ``[L, n, P]`` (pinned on CUDA
         if ``pin``)."""
-        from unipage.peft_io import load_adapter_weights
+        start = time.perf_counter()
+        buf = self._check_pages(effect, read_and_pack(effect.info, effect.layout, self.config.model,
+                                                      self.config.page_elems, self.dtype))
+        self.reads.add(effect, time.perf_counter() - start)
+        return buf.pin_memory() if self._cuda and pin else buf
 
-        weights = load_adapter_weights(effect.info, self.config.model)
-        buf = pack_adapter(effect.layout, weights, self.config.page_elems, self.dtype)
+    @staticmethod
+    def _check_pages(effect: LoadAdapter, buf: torch.Tensor) -> torch.Tensor:
         if len(effect.pages) != buf.shape[1]:
             raise AdapterError(f"adapter {effect.name!r}: packed {buf.shape[1]} pages, "
                                f"{len(effect.pages)} assigned")
-        return buf.pin_memory() if self._cuda and pin else buf
+        return buf
 
     def gather(self, record: AdapterRecord) -> LoraWeights:
         """Read a resident adapter's matrices back out of the pool through its page table."""

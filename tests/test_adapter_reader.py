@@ -1,0 +1,55 @@
+"""Adapter reads in helper processes (`unipage.adapter_reader`, used on CUDA): the same packed
+buffer as packing in-process, failures reported as `AdapterError`, and a dead worker replaced."""
+
+import pytest
+import torch
+from test_storage import setup
+
+from unipage.adapter_reader import ReaderPool, read_and_pack
+from unipage.errors import AdapterError
+
+
+@pytest.fixture
+def pool():
+    readers = ReaderPool(2)
+    yield readers
+    readers.shutdown()
+
+
+def _args(memory, name, dtype):
+    record = memory.adapters.get(name)
+    return record.info, record.layout, memory.config.model, memory.config.page_elems, dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_worker_packs_what_the_process_packs(tmp_path, pool, dtype):
+    memory, _ = setup(tmp_path)
+    futures = {name: pool.submit(*_args(memory, name, dtype)) for name in ("a0", "a1")}  # both formats at once
+    for name, future in futures.items():
+        buf, seconds = future.result(timeout=120)
+        want = read_and_pack(*_args(memory, name, dtype))
+        assert buf.dtype == dtype and torch.equal(buf, want) and seconds > 0
+
+
+def test_a_failed_read_is_an_adapter_error_and_the_worker_lives_on(tmp_path, pool):
+    memory, _ = setup(tmp_path)
+    weights = tmp_path / "a0" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # same size, other content
+    with pytest.raises(AdapterError, match="changed since they were inspected"):
+        pool.submit(*_args(memory, "a0", torch.float32)).result(timeout=120)
+    buf, _ = pool.submit(*_args(memory, "a1", torch.float32)).result(timeout=120)
+    assert torch.equal(buf, read_and_pack(*_args(memory, "a1", torch.float32)))
+
+
+def test_a_dead_worker_fails_its_read_and_is_replaced(tmp_path):
+    memory, _ = setup(tmp_path)
+    readers = ReaderPool(1)
+    try:
+        readers._all[0].proc.kill()
+        readers._all[0].proc.wait()
+        with pytest.raises(AdapterError, match="reader process failed"):
+            readers.submit(*_args(memory, "a0", torch.float32)).result(timeout=120)
+        buf, _ = readers.submit(*_args(memory, "a0", torch.float32)).result(timeout=120)
+        assert torch.equal(buf, read_and_pack(*_args(memory, "a0", torch.float32)))
+    finally:
+        readers.shutdown()

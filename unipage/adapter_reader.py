@@ -1,0 +1,162 @@
+"""Adapter files read and packed in helper processes, off the serving process's GIL.
+
+Reading an adapter (hash check, safetensors parse, transposes) and packing it
+into its page layout is a few hundred to a few thousand small torch calls.  In
+a thread of the serving process each of them competes for the GIL with the
+step loop, which holds it almost always: a load that takes milliseconds alone
+took hundreds of them while decoding.  `ReaderPool` runs the same work in
+``python -m unipage.adapter_reader`` processes instead — plain subprocesses,
+so the parent's ``__main__`` is never re-imported — and hands back the packed
+host buffer ``[L, n, P]`` (unpinned: the caller pins it on its own thread).
+
+Protocol, over each worker's stdin/stdout: frames of an 8-byte little-endian
+length and a pickle.  A request is ``(info, layout, model, page_elems,
+dtype_name)``; a reply is ``("ok", shape, dtype_name, raw bytes, seconds)``
+(seconds: the read and pack alone) or ``("error", exception type name, message)``.  The worker sends stray prints
+of imported code to stderr, so they never corrupt a frame.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from unipage.errors import AdapterError
+
+_LENGTH = struct.Struct("<Q")
+
+
+def read_and_pack(info, layout, model, page_elems: int, dtype: torch.dtype) -> torch.Tensor:
+    """The adapter's files packed into a host page buffer ``[L, n, P]`` of ``dtype``."""
+    from unipage.adapter_pack import pack_adapter
+    from unipage.peft_io import load_adapter_weights
+
+    return pack_adapter(layout, load_adapter_weights(info, model), page_elems, dtype)
+
+
+def _send(stream, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_LENGTH.pack(len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _receive(stream):
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        raise EOFError("the adapter reader process closed its pipe")
+    (length,) = _LENGTH.unpack(head)
+    data = stream.read(length)
+    if len(data) < length:
+        raise EOFError("the adapter reader process closed its pipe mid-frame")
+    return pickle.loads(data)
+
+
+class _Worker:
+    """One ``python -m unipage.adapter_reader`` process."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # modules as found here
+        self.proc = subprocess.Popen([sys.executable, "-m", "unipage.adapter_reader"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+
+    def call(self, request) -> tuple[torch.Tensor, float]:
+        _send(self.proc.stdin, request)
+        reply = _receive(self.proc.stdout)
+        if reply[0] == "error":
+            raise AdapterError(f"{reply[1]}: {reply[2]}")
+        _, shape, dtype_name, raw, seconds = reply
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype_name)).view(shape)
+        return buf, seconds
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the worker exits at end of input
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class ReaderPool:
+    """Up to ``workers`` reader processes: one started at once (it imports torch while the engine
+    starts), the others when reads overlap.  They exit when the pool is shut down or collected."""
+
+    def __init__(self, workers: int) -> None:
+        self.max_workers = workers
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._all: list[_Worker] = [_Worker()]
+        self._idle.put(self._all[0])
+        self._lock = threading.Lock()
+        self._threads = ThreadPoolExecutor(workers, "unipage-adapter-read")
+        self._finalizer = weakref.finalize(self, _close, self._all, self._threads)
+
+    def submit(self, info, layout, model, page_elems: int, dtype: torch.dtype) -> Future:
+        """A future of ``(packed buffer, seconds the worker spent)``; it raises `AdapterError` for a failed read."""
+        request = (info, layout, model, page_elems, str(dtype).removeprefix("torch."))
+        return self._threads.submit(self._run, request)
+
+    def _take(self) -> _Worker:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                if len(self._all) < self.max_workers:
+                    self._all.append(_Worker())
+                    return self._all[-1]
+            return self._idle.get()
+
+    def _run(self, request) -> tuple[torch.Tensor, float]:
+        worker = self._take()
+        try:
+            return worker.call(request)
+        except (EOFError, OSError) as err:  # the process died: replace it, fail this read
+            worker.close()
+            with self._lock:
+                self._all[self._all.index(worker)] = worker = _Worker()
+            raise AdapterError(f"the adapter reader process failed: {err}") from err
+        finally:
+            self._idle.put(worker)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _close(workers: list[_Worker], threads: ThreadPoolExecutor) -> None:
+    threads.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.close()
+
+
+def main() -> None:
+    """Serve read requests from stdin until it closes."""
+    requests, replies = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints go to stderr, not into a frame
+    torch.set_num_threads(1)
+    while True:
+        try:
+            info, layout, model, page_elems, dtype_name = _receive(requests)
+        except EOFError:
+            return
+        start = time.perf_counter()
+        try:
+            buf = read_and_pack(info, layout, model, page_elems, getattr(torch, dtype_name)).contiguous()
+            raw = buf.view(torch.uint8).numpy().tobytes()
+            reply = ("ok", tuple(buf.shape), dtype_name, raw, time.perf_counter() - start)
+        except Exception as err:  # noqa: BLE001 - any failure is this load's, reported; the worker lives on
+            reply = ("error", type(err).__name__, str(err))
+        _send(replies, reply)
+
+
+if __name__ == "__main__":
+    main()
