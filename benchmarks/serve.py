@@ -68,7 +68,7 @@ DEFAULTS = {  # per setup: flags left unset take these
     "b": {"requests": 1024, "prompt": 1024, "output": 1024, "adapters": 16, "rank": 16, "max_running": 256,
               "max_adapters_per_batch": 16},
     "c": {"requests": 512, "concurrency": 64, "prompt": 512, "output": 128, "rank": 4, "max_running": 64,
-              "max_adapters_per_batch": 32, "pool_pages": 8192},
+              "max_adapters_per_batch": 64, "pool_pages": 8192},  # any 64 running may have 64 adapters
     "d": {"requests": 128, "prompt": 256, "output": 128, "adapters": 8, "rank": 8, "max_running": 256,
               "max_adapters_per_batch": 8},
 }
