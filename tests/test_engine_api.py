@@ -268,3 +268,24 @@ def test_tiny_temperatures_sample_greedily():
     gens = [make_generator(p, torch.device("cpu")) for p in params]
     assert gens == [None, None]
     assert sample(logits, params, gens) == [1, 0]
+
+
+def test_dense_lora_tables_keep_their_shape_as_adapters_come_and_go(tmp_path):
+    """A dense model's LoRA tables hold a slot for every adapter the pool could hold from the start, so
+    loads and evictions never change their shape (the decode graphs over them stay valid); an MoE
+    model's grow on demand."""
+    fam = es.llama(tmp_path)
+    llm = LLM(fam.model_dir, fam.adapters, device="cpu", pool=PoolConfig(num_pages=96),
+              lora=LoRAConfig(max_rank=32), scheduler=SchedulerConfig(max_model_len=64))
+    tables = llm.engine.runner.lora
+    generations = set()
+    first = next(iter(fam.adapters))
+    for name in [*fam.adapters, None, first]:
+        llm.generate([1, 2, 3], GREEDY, adapter=name, max_tokens=2)
+        generations.add(tables.generation)
+        if name == first and len(generations) == 1:
+            llm.remove_adapter(first)  # evicted: a slot freed
+            llm.add_adapter(first, fam.adapters[first])
+    assert tables.num_slots == 128 and len(generations) == 1  # next power of two >= 96 pages
+    moe = LLM(es.qwen3_moe(tmp_path / "moe").model_dir, device="cpu", pool=PoolConfig(num_pages=96))
+    assert moe.engine.runner.lora.num_slots == 8

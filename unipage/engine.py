@@ -45,6 +45,7 @@ CPU_POOL_BYTES = 256 << 20  # default pool on CPU
 GPU_POOL_FRACTION = 0.85  # default pool on CUDA: this share of the memory free after the weights
 MAX_LAYER_ELEMS = 2**31 - 1  # the kernels address one layer of the pool with 32-bit element offsets
 LOAD_FORMATS = ("safetensors", "dummy")
+MAX_DENSE_LORA_SLOTS = 4096  # slot capacity given to a dense model's LoRA tables up front (at most)
 STALL_STEPS = 1000  # empty steps in a row with work left and nothing in flight: report a stall
 
 
@@ -95,7 +96,7 @@ class Engine:
         max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)
         self.scheduler = Scheduler(self.memory, scheduler or SchedulerConfig(max_model_len=max_len))
         self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device,
-                                  graphs=self._graph_limits(cuda_graphs))
+                                  graphs=self._graph_limits(cuda_graphs), lora_slots=self._lora_slots())
         self.vocab_size = int(hf["vocab_size"])
         self._done: list[str] = []  # loads complete, to report at the next update
         self._failed: list[str] = []
@@ -111,6 +112,14 @@ class Engine:
             return None
         sched = self.scheduler.config
         return GraphLimits(sched.max_num_seqs, sched.max_model_len, self.config.lora.max_adapters_per_batch)
+
+    def _lora_slots(self) -> int | None:
+        """Dense models: LoRA tables sized for every adapter the pool could hold (an adapter takes at least
+        a page), so their shape — and the decode graphs over them — never change as adapters come and go.
+        MoE models grow them on demand: the expert alignment's work scales with the slot capacity."""
+        if self.config.model.num_experts:
+            return None
+        return min(self.config.num_pages, MAX_DENSE_LORA_SLOTS)
 
     def capture_graphs(self) -> int:
         """Capture the decode CUDA graphs of every batch-size bucket now rather than on first use

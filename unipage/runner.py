@@ -49,10 +49,11 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, pool: torch.Tensor, block_tokens: int, device: torch.device,
-                 keep_logits: bool = False, graphs: GraphLimits | None = None) -> None:
-        """``graphs``: capture CUDA graphs of decode steps within these limits (None: run eagerly)."""
+                 keep_logits: bool = False, graphs: GraphLimits | None = None, lora_slots: int | None = None) -> None:
+        """``graphs``: capture CUDA graphs of decode steps within these limits (None: run eagerly).
+        ``lora_slots``: the LoRA tables' slot capacity from the start (None: grown on demand)."""
         self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
-        self.lora = LoraTables(model.model, device)
+        self.lora = LoraTables(model.model, device, slots=lora_slots)
         self.graphs = None
         if graphs is not None:
             self.graphs = DecodeGraphs(model, pool, self.lora, block_tokens, graphs.max_seqs,
