@@ -216,13 +216,17 @@ class LoraBatch:
 
 
 def plan_lora_batch(token_slots: torch.Tensor, num_slots: int, group_tokens: int | None = None,
-                    grouped: bool | None = None, block_m: int | None = None) -> LoraBatch:
+                    grouped: bool | None = None, block_m: int | None = None,
+                    max_groups: int | None = None) -> LoraBatch:
     """Plan one step from ``token_slots`` ``[T]`` int32 (slot per token, -1 for none).
 
     ``group_tokens``: tokens of the largest adapter group if the caller knows
     it (the scheduler does); else estimated as ``ceil(T / min(T, S))``.  The
-    tile height follows it, not ``T``.  ``grouped`` / ``block_m`` override
-    the choice (tests, tuning).
+    tile height follows it, not ``T``.  ``max_groups``: at most this many
+    distinct adapters among the tokens (the step's adapter count, if known):
+    it bounds the padding tiles of the grid, which otherwise grow with ``S``
+    (the slot capacity, thousands with many adapters).  ``grouped`` /
+    ``block_m`` override the choice (tests, tuning).
     """
     plan = _load_json()["plan"]
     count = token_slots.numel()
@@ -236,12 +240,14 @@ def plan_lora_batch(token_slots: torch.Tensor, num_slots: int, group_tokens: int
         block_m = min(plan["max_block_m"], max(16, next_pow2(group_tokens)))
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
-    order, tiles = _group_tiles(token_slots, num_slots, block_m)
+    groups = min(num_slots, count) if max_groups is None else min(num_slots, count, max(max_groups, 1))
+    order, tiles = _group_tiles(token_slots, num_slots, block_m, groups)
     return LoraBatch(count, True, block_m, order, tiles)
 
 
-def _group_tiles(token_slots: torch.Tensor, num_slots: int, block_m: int):
-    """Sort tokens by slot and cut each adapter's run into tiles, on the device, without a sync."""
+def _group_tiles(token_slots: torch.Tensor, num_slots: int, block_m: int, groups: int):
+    """Sort tokens by slot and cut each adapter's run into tiles, on the device, without a sync.
+    ``groups`` bounds the adapters present: the grid has ``ceil(T / block_m) + groups`` tile rows."""
     count, device = token_slots.numel(), token_slots.device
     slots = token_slots.long()
     order = torch.sort(slots, stable=True).indices
@@ -251,7 +257,7 @@ def _group_tiles(token_slots: torch.Tensor, num_slots: int, block_m: int):
     sizes = sizes[1:]
     per_slot = (sizes + block_m - 1) // block_m
     cum = torch.cumsum(per_slot, 0)
-    capacity = -(-count // block_m) + min(num_slots, count)
+    capacity = -(-count // block_m) + groups
     index = torch.arange(capacity, device=device)
     slot = torch.searchsorted(cum, index, right=True)
     valid = slot < num_slots

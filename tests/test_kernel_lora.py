@@ -390,3 +390,18 @@ def test_tuned_configs_are_cut_to_fit_shared_memory():
     block_k, stages = fit_stages(512, 2, 128, 2, cpu)  # 256 KiB asked (the H100 failure, scaled down)
     assert stages * 128 * block_k * 2 <= budget and block_k >= 64 and stages >= 1
     assert fit_stages(64, 4, 512, 4, cpu) == (64, 1)  # block_k at its floor: stages give way
+
+
+def test_known_adapter_count_bounds_the_grid_not_the_slot_capacity():
+    """3 adapters among 70 tokens of a 4096-slot table: 3 + ceil(70 / 16) tile rows, not 70 + ceil(70 / 16);
+    the tiles still cover every token with an adapter exactly once."""
+    slots = torch.tensor([7, 4000, -1, 12] * 17 + [7, 7], dtype=torch.int32)
+    bounded = plan_lora_batch(slots, 4096, grouped=True, block_m=16, max_groups=3)
+    loose = plan_lora_batch(slots, 4096, grouped=True, block_m=16)
+    assert bounded.tiles.shape[0] == 3 + 5 and loose.tiles.shape[0] == 70 + 5
+
+    def covered(batch):
+        return sorted(t for slot, first, end in batch.tiles.tolist() if slot >= 0
+                      for t in batch.token_order[first:end].tolist())
+
+    assert covered(bounded) == covered(loose) == [t for t, s in enumerate(slots.tolist()) if s >= 0]

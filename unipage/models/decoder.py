@@ -198,7 +198,8 @@ class DecoderLM:
         lora_on = batch.any_lora and lora is not None and lora.page_table is not None
         plan = None
         if lora_on and self.ops.plans_lora:
-            plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens)
+            plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens,
+                                   max_groups=batch.active_slots)
         ctx = _Context(batch, cos, sin, lora if lora_on else None, plan, block_tokens)
         h = self.embed[batch.input_ids]
         for i, (layer, row) in enumerate(zip(self.layers, self.model.layer_rows)):
