@@ -8,13 +8,14 @@ import subprocess
 import time
 
 
-def commit() -> str:
-    """The checkout's commit, with "+dirty" when tracked files differ from it ("" outside git)."""
+def commit(paths: tuple[str, ...] = ()) -> str:
+    """The checkout's commit, with "+dirty" when tracked files (under ``paths``, if given) differ from it
+    ("" outside git)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "--", *paths],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""

@@ -34,19 +34,25 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 try:
-    from benchmarks.cpu import calibrate
+    from benchmarks.cpu import calibrate, commit
 except ImportError:  # run as a script: benchmarks/ itself is on sys.path
-    from cpu import calibrate
+    from cpu import calibrate, commit
+from unipage.scheduler import (
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepResult,
+)
+
 from unipage.adapter_info import synthetic_info
 from unipage.adapters import LoadAdapter
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
 from unipage.memory import UnifiedMemory
-from unipage.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 
 SEED = 0
 MODEL = ModelConfig(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -55,21 +61,9 @@ RUNNING, WAITING, REGISTERED, RESIDENT, PAGES = 256, 1000, 5000, 64, 16384
 HOT, ADAPTERS_PER_BATCH = 0.9, 128
 
 
-def checkout() -> str:
-    """The commit measured, with "+dirty" when tracked files differ from it ("" outside git)."""
-    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    try:
-        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no", "--", "unipage", "scheduler",
-                                      "benchmarks/scheduler.py"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def emit(record: dict, out) -> None:
     record = {"bench": "scheduler", "device": platform.processor() or platform.machine(),
-              "machine": f"{platform.node()} ({os.cpu_count()} cpus)", "commit": checkout(),
+              "machine": f"{platform.node()} ({os.cpu_count()} cpus)", "commit": commit(("unipage", "scheduler", "benchmarks/scheduler.py")),
               "python": sys.version.split()[0], "seed": SEED, "unix_time": round(time.time(), 3), **record}
     print(json.dumps(record), file=out, flush=True)
 
