@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -139,7 +140,8 @@ def _close(workers: list[_Worker], threads: ThreadPoolExecutor) -> None:
 
 
 def main() -> None:
-    """Serve read requests from stdin until it closes."""
+    """Serve read requests from stdin until it closes (the parent's exit closes it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the parent's to handle
     requests, replies = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints go to stderr, not into a frame
     torch.set_num_threads(1)
