@@ -162,8 +162,9 @@ class Engine:
         self.runner.drop(out)
         self._perform(out.adapter_effects)
         self.runner.admit(out)
-        self._poll_loads()
+        self._poll_loads()  # reads finished: start their page copies
         result = self.runner.execute(out)
+        self._poll_loads()  # copies finished while the step ran: report them in this update, a step sooner
         self.last_step = result
         done, failed, self._done, self._failed = self._done, self._failed, [], []
         outputs = self.scheduler.update(StepResult(result.sampled, done, failed))
