@@ -153,7 +153,7 @@ class KVManager:
         self._pack = _packer(block_tokens)
         self._seqs: dict[object, _Sequence] = {}
         self._by_hash: dict[bytes, int] = {}  # hash -> page
-        self._blocks: dict[int, _Block] = {}  # page -> registration
+        self._blocks: list[_Block | None] = [None] * pool.num_pages  # page -> its registration (None: none)
         self._block_at: list[_Block | None] = [None] * pool.num_pages  # page -> its last registration, to reuse
         self._by_salt: dict[str, set[int]] = {}  # salt -> registered pages
         self._roots: dict[bytes, _Root] = {}  # h[0] -> its root
@@ -181,10 +181,12 @@ class KVManager:
 
     def registered(self, page: int) -> bool:
         """Whether ``page`` is a block of the prefix cache (in use or cached)."""
-        return page in self._blocks
+        return page.__class__ is int and 0 <= page < len(self._blocks) and self._blocks[page] is not None
 
     def block_hash(self, page: int) -> bytes:
-        block = self._blocks[page]
+        block = self._blocks[page] if 0 <= page < len(self._blocks) else None
+        if block is None:
+            raise KeyError(f"page {page!r} is not registered")
         if block.hash is None:
             self._hash_lone(block.root)
         return block.hash
@@ -312,7 +314,7 @@ class KVManager:
                 prev = h.digest()
                 hashes.append(prev)
             page = table[index]
-            if prev not in by_hash and page not in blocks and page != NO_PAGE:  # else an equal block was
+            if prev not in by_hash and page != NO_PAGE and blocks[page] is None:  # else an equal block was
                 #   registered first (or the block already left the window)
                 by_hash[prev] = page
                 blocks[page] = self._new_block(page, now, prev, seq.salt, root)
@@ -326,7 +328,7 @@ class KVManager:
         blocks, table, salt, salt_pages, added = self._blocks, seq.table, seq.salt, None, 0
         for index in range(done, full):
             page = table[index]
-            if page != NO_PAGE and page not in blocks:
+            if page != NO_PAGE and blocks[page] is None:
                 if index:
                     blocks[page] = self._new_block(page, now, None, salt, root)
                 else:  # block 0 is hashed: it named the root
@@ -374,10 +376,11 @@ class KVManager:
             h.update(prev + pack(*tokens[index * block:index * block + block]))
             prev = h.digest()
             hashes.append(prev)
-            registered = blocks.get(table[index])  # only this chain registers under a lone root
+            page = table[index]
+            registered = blocks[page] if page != NO_PAGE else None  # only this chain registers under a lone root
             if registered is not None and registered.root is root and registered.hash is None:
                 registered.hash = prev
-                by_hash[prev] = table[index]
+                by_hash[prev] = page
 
     def free(self, seq_id) -> None:
         """Release a sequence's blocks: registered ones whose last user it was become cached, the rest free."""
@@ -408,7 +411,7 @@ class KVManager:
         blocks, refs = self._blocks, self.pool.refcounts()
         cached, unshared = [], []
         for page in reversed(pages):  # tail first: the tail is older under LRU
-            if page in blocks and refs[page] == 1:
+            if refs[page] == 1 and blocks[page] is not None:
                 cached.append(page)
             else:
                 unshared.append(page)
@@ -476,7 +479,7 @@ class KVManager:
         return pages
 
     def _unregister(self, page: int) -> None:
-        block = self._blocks.pop(page)
+        block, self._blocks[page] = self._blocks[page], None
         if block.hash is not None:
             del self._by_hash[block.hash]
         pages = self._by_salt[block.salt]
@@ -518,7 +521,8 @@ class KVManager:
                 assert seq.root.lone is seq or seq.root.lone is None
                 assert seq.root.lone is seq or len(seq.hashes) == seq.committed, "an eager chain is unhashed"
                 under[seq.root.key] = under.get(seq.root.key, 0) + 1
-        for page, block in self._blocks.items():
+        registered = {page: block for page, block in enumerate(self._blocks) if block is not None}
+        for page, block in registered.items():
             assert self._roots[block.root.key] is block.root
             under[block.root.key] = under.get(block.root.key, 0) + 1
             if block.hash is None:
@@ -529,7 +533,7 @@ class KVManager:
             assert kind in (PageKind.KV, PageKind.CACHED_KV), f"registered page {page} is {kind.name}"
             assert (kind == PageKind.CACHED_KV) == ((KV_BLOCK, page) in self.reclaimer)
             assert (kind == PageKind.CACHED_KV) == (page not in refs)
-        assert len(self._by_hash) == sum(block.hash is not None for block in self._blocks.values())
-        assert len(self._blocks) == sum(len(s) for s in self._by_salt.values())
+        assert len(self._by_hash) == sum(block.hash is not None for block in registered.values())
+        assert len(registered) == sum(len(s) for s in self._by_salt.values())
         assert under == {key: root.refs for key, root in self._roots.items()}, "root counts"
         return len(refs)

@@ -18,6 +18,16 @@ priority, so it is appended to the run and later popped from its front in
 O(1); under pressure that happens once per page.  An entry is
 ``(priority[0], priority, seq, kind, key)``: the order of ``(priority,
 seq)``, but most comparisons are settled by the leading number alone.
+
+Under LRU (a policy whose ``priority`` is `LRU.priority`) cached KV blocks
+skip the heap: they live in a *lane*, a doubly linked list over page ids in
+flat per-page lists, in ``(last_used, seq)`` order -- the order the heap
+would give them.  Blocks are cached with fresh ticks, so each is linked at
+the tail; one that arrives older walks back to its place.  Removal is an
+unlink, so a block costs no entry tuples, no dict entry and no stale
+entries.  Victims come from the lane head or the heap and run (adapters),
+whichever is smaller in ``(priority, seq)``: exactly the order without the
+lane (``kv_lane=False``, kept as the reference the tests compare with).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import heapq
 from collections import deque
 from typing import Callable
 
-from unipage.eviction import Candidate, EvictionPolicy
+from unipage.eviction import KV_BLOCK, LRU, Candidate, EvictionPolicy
 from unipage.pool import PageKind, PagePool
 
 _SEQ, _KIND, _KEY = 2, 3, 4  # fields of an entry
@@ -34,7 +44,8 @@ _NONE: dict = {}  # no candidates of a kind (never written)
 
 
 class Reclaimer:
-    def __init__(self, pool: PagePool, policy: EvictionPolicy) -> None:
+    def __init__(self, pool: PagePool, policy: EvictionPolicy, kv_lane: bool = True) -> None:
+        """``kv_lane``: False keeps every candidate in the heap, even under LRU (the tests' reference)."""
         self.pool = pool
         self._pool_free = pool.free_stack()  # read for its length: the number of free pages
         self.policy = policy
@@ -47,6 +58,15 @@ class Reclaimer:
         self._evictable_pages = 0
         self._owners: dict[str, Callable[[object], None]] = {}
         self.evictions: dict[str, int] = {}  # kind -> units evicted so far
+        # The KV lane (LRU only): page -> next / previous page in the lane, its arrival (seq) and candidate.
+        # Index ``num_pages`` is the list's head and tail (a sentinel); a page not in the lane has no candidate.
+        n = self._end = pool.num_pages
+        self._next, self._prev = [n] * (n + 1), [n] * (n + 1)
+        self._lane_seq = [0] * n  # (a block's key, ``last_used``, is read from its candidate)
+        self._lane_cand: list[Candidate | None] = [None] * n
+        self._lane_len = 0
+        self._removed = 0  # heap candidates removed so far (a peeked entry is live while this and _seq hold)
+        self._lane_on = kv_lane and type(policy).priority is LRU.priority
 
     def tick(self) -> int:
         """Advance and return the logical clock used for recency."""
@@ -71,9 +91,24 @@ class Reclaimer:
     def add_many(self, cands) -> None:
         """`add` each candidate in order (distinct, and none evictable yet)."""
         lives, priority, run, heap, seq = self._live, self.policy.priority, self._run, self._heap, self._seq
+        lane, end, lane_len, lane_cand = self._lane_on, self._end, self._lane_len, self._lane_cand
+        nxt, prev, lane_seq = self._next, self._prev, self._lane_seq
         try:
             for cand in cands:  # a cached sequence offers a block per page
                 kind, key = cand.kind, cand.key
+                if lane and kind == KV_BLOCK and key.__class__ is int and 0 <= key < end:
+                    if lane_cand[key] is not None:
+                        raise ValueError(f"{kind} {key!r} is already evictable")
+                    seq += 1
+                    tail = prev[end]
+                    if tail != end and lane_cand[tail].last_used > cand.last_used:  # older: walk back to its place
+                        self._link(key, cand, seq)
+                        continue
+                    nxt[tail], prev[key], nxt[key], prev[end] = key, tail, end, key  # `_link` at the tail, inlined
+                    lane_seq[key], lane_cand[key] = seq, cand
+                    self._lane_len += 1
+                    self._evictable_pages += cand.pages
+                    continue
                 live = lives.get(kind) or lives.setdefault(kind, {})
                 if key in live:
                     raise ValueError(f"{kind} {key!r} is already evictable")
@@ -87,20 +122,28 @@ class Reclaimer:
                 else:
                     heapq.heappush(heap, entry)
         finally:  # the counters of those added, even if one was refused
-            self._num_live += seq - self._seq
+            self._num_live += seq - self._seq - (self._lane_len - lane_len)
             self._seq = seq
         if len(self._heap) + len(self._run) > 2 * self._num_live + 64:
             self._compact()
 
     def remove(self, kind: str, key: object) -> Candidate | None:
+        if self._in_lane(kind, key):
+            cand = self._lane_cand[key]
+            if cand is not None:
+                self._unlink(key)
+            return cand
         entry = self._live.get(kind, _NONE).pop(key, None)
         if entry is None:
             return None
         self._num_live -= 1
+        self._removed += 1
         self._evictable_pages -= entry[1].pages
         return entry[1]
 
     def __contains__(self, ident: tuple[str, object]) -> bool:
+        if self._in_lane(*ident):
+            return self._lane_cand[ident[1]] is not None
         return ident[1] in self._live.get(ident[0], _NONE)
 
     @property
@@ -108,7 +151,8 @@ class Reclaimer:
         return self._evictable_pages
 
     def candidates(self) -> list[Candidate]:
-        return [cand for live in self._live.values() for _, cand in live.values()]
+        return [cand for live in self._live.values() for _, cand in live.values()] + \
+            [self._lane_cand[page] for page in self._lane_pages()]
 
     # -- decisions -------------------------------------------------------
     def choose_victim(self, protect: frozenset = frozenset()) -> Candidate | None:
@@ -124,6 +168,9 @@ class Reclaimer:
                 break
         for entry in skipped:
             self._push(entry)
+        page = self._lane_head(protect)
+        if page != self._end and (victim is None or self._lane_first(page, entry)):
+            return self._lane_cand[page]
         return victim
 
     def alloc(self, n: int, kind: PageKind = PageKind.KV, protect: frozenset = frozenset()) -> list[int] | None:
@@ -136,10 +183,12 @@ class Reclaimer:
     def reclaim(self, pages: int, protect: frozenset = frozenset()) -> bool:
         """Evict until ``pages`` more pages are free; evict nothing and return False if impossible."""
         lives = self._live
-        protected = sum(lives[kind][key][1].pages for kind, key in protect if key in lives.get(kind, _NONE)) \
-            if protect else 0
+        protected = sum(self._pages_of(kind, key) for kind, key in protect) if protect else 0
         if self._evictable_pages - protected < pages:
             return False
+        if self._lane_len:
+            self._reclaim_with_lane(pages, protect)
+            return True
         free, heap, run, owners = self._pool_free, self._heap, self._run, self._owners
         target = len(free) + pages
         skipped = []  # protected entries popped on the way: pushed back at the end
@@ -163,12 +212,107 @@ class Reclaimer:
             self._push(entry)
         return True
 
+    def _reclaim_with_lane(self, pages: int, protect: frozenset) -> None:
+        """`reclaim` (enough is evictable) when the lane holds blocks: each victim is the lane's head or the
+        heap and run's smallest entry, whichever comes first."""
+        free, end, nxt, prev, seqs = self._pool_free, self._end, self._next, self._prev, self._lane_seq
+        cands, evict_kv = self._lane_cand, self._owners[KV_BLOCK]
+        target = len(free) + pages
+        skipped: list[tuple] = []  # protected heap entries popped on the way: pushed back at the end
+        entry, seen = self._peek(protect, skipped), (self._seq, self._removed)
+        page = self._lane_head(protect)
+        while len(free) < target:
+            if page != end and (entry is None or (stamp := cands[page].last_used) < entry[0]
+                                or (stamp == entry[0] and seqs[page] < entry[_SEQ])):
+                before, after = prev[page], nxt[page]  # `_unlink`, inlined
+                nxt[before], prev[after] = after, before
+                self._evictable_pages -= cands[page].pages
+                cands[page] = None
+                self._lane_len -= 1
+                self.evictions[KV_BLOCK] += 1
+                evict_kv(page)
+            else:  # an adapter (the heap's entry), or a KV block in the heap
+                kind, key = entry[_KIND], entry[_KEY]
+                self._pop()
+                self.evict(self._live[kind][key][1])
+            # an owner may have changed the candidates (an adapter's eviction drops its cached blocks): look again
+            if (self._seq, self._removed) != seen:
+                entry = self._peek(protect, skipped)
+                seen = self._seq, self._removed
+            page = nxt[end] if not protect else self._lane_head(protect)
+        for held in skipped:
+            self._push(held)
+
+    def _peek(self, protect: frozenset, skipped: list) -> tuple | None:
+        """The smallest live entry of the heap and run not in ``protect``, left in place; None if none.
+        Stale entries on the way are dropped, protected ones moved to ``skipped``."""
+        heap, run = self._heap, self._run
+        while run or heap:
+            entry = run[0] if run and (not heap or run[0] < heap[0]) else heap[0]
+            if self._held(entry) is not None and not (protect and (entry[_KIND], entry[_KEY]) in protect):
+                return entry
+            self._pop()
+            if self._held(entry) is not None:
+                skipped.append(entry)
+        return None
+
     def evict(self, cand: Candidate) -> None:
         self.remove(cand.kind, cand.key)
         self.evictions[cand.kind] += 1
         self._owners[cand.kind](cand.key)
 
     # -- the order -------------------------------------------------------
+    def _in_lane(self, kind: str, key: object) -> bool:
+        return self._lane_on and kind == KV_BLOCK and key.__class__ is int and 0 <= key < self._end
+
+    def _link(self, page: int, cand: Candidate, seq: int) -> None:
+        """Put a KV block into the lane at its place in ``(last_used, seq)`` order: the tail, unless it is older."""
+        nxt, prev, cands, end, key = self._next, self._prev, self._lane_cand, self._end, cand.last_used
+        after = prev[end]
+        while after != end and cands[after].last_used > key:  # (seq is the newest: equal keys stay before it)
+            after = prev[after]
+        before = nxt[after]
+        nxt[after], prev[page], nxt[page], prev[before] = page, after, before, page
+        self._lane_seq[page], cands[page] = seq, cand
+        self._lane_len += 1
+        self._evictable_pages += cand.pages
+
+    def _unlink(self, page: int) -> Candidate:
+        """Take a KV block out of the lane; returns its candidate."""
+        nxt, prev = self._next, self._prev
+        before, after = prev[page], nxt[page]
+        nxt[before], prev[after] = after, before
+        cand, self._lane_cand[page] = self._lane_cand[page], None
+        self._lane_len -= 1
+        self._evictable_pages -= cand.pages
+        return cand
+
+    def _lane_head(self, protect: frozenset) -> int:
+        """The lane's first page not in ``protect`` (``_end`` if none)."""
+        page, nxt, end = self._next[self._end], self._next, self._end
+        while protect and page != end and (KV_BLOCK, page) in protect:
+            page = nxt[page]
+        return page
+
+    def _lane_first(self, page: int, entry: tuple) -> bool:
+        """Whether the lane's ``page`` comes before the heap's ``entry`` in ``(priority, seq)`` order."""
+        return (self.policy.priority(self._lane_cand[page]), self._lane_seq[page]) < (entry[1], entry[_SEQ])
+
+    def _pages_of(self, kind: str, key: object) -> int:
+        """Pages of the candidate ``(kind, key)``; 0 if it is none."""
+        if self._in_lane(kind, key):
+            cand = self._lane_cand[key]
+            return cand.pages if cand is not None else 0
+        held = self._live.get(kind, _NONE).get(key)
+        return held[1].pages if held is not None else 0
+
+    def _lane_pages(self) -> list[int]:
+        pages, page, nxt, end = [], self._next[self._end], self._next, self._end
+        while page != end:
+            pages.append(page)
+            page = nxt[page]
+        return pages
+
     def _push(self, entry: tuple) -> None:
         run = self._run
         if not run or entry > run[-1]:
@@ -200,3 +344,9 @@ class Reclaimer:
         assert self._evictable_pages == sum(c.pages for c in self.candidates())
         assert self._num_live == sum(map(len, self._live.values()))
         assert all(a < b for a, b in zip(self._run, list(self._run)[1:])), "run out of order"
+        lane = self._lane_pages()
+        assert len(lane) == self._lane_len == sum(c is not None for c in self._lane_cand), "lane length"
+        assert all(self._prev[b] == a for a, b in zip([self._end] + lane, lane + [self._end])), "lane links"
+        order = [(self._lane_cand[p].last_used, self._lane_seq[p]) for p in lane]
+        assert all(a < b for a, b in zip(order, order[1:])), "lane out of order"
+        assert self._lane_on or not lane
