@@ -235,9 +235,13 @@ class KVManager:
             raise ValueError(f"sequence {seq_id!r} is already open")
         if max_cached_tokens is not None:
             tokens = tokens[: max(max_cached_tokens, 0) // self.block_tokens * self.block_tokens]
-        pages = self.match_prefix(tokens, salt)
-        hashes = block_hashes(tokens[:len(pages) * self.block_tokens], self.block_tokens, salt) if self.window \
-            else [self._blocks[page].hash for page in pages]
+        if self.window and self.prefix_caching:  # `match_prefix`, keeping the hashes it computes
+            hashes = block_hashes(tokens, self.block_tokens, salt)
+            pages = self.window_pages(self.lookup(hashes))
+            hashes = hashes[:len(pages)]
+        else:
+            pages = self.match_prefix(tokens, salt)
+            hashes = [self._blocks[page].hash for page in pages]
         self.adopt(seq_id, salt, pages, hashes)
         return len(pages) * self.block_tokens
 

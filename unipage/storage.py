@@ -156,14 +156,14 @@ class PoolStorage:
             event.record(self._stream)
         self._events[effect.name] = event
 
-    def read_packed(self, effect: LoadAdapter, pin: bool = True) -> torch.Tensor:
-        """Read the adapter's files and pack them into a host page buffer ``[L, n, P]`` (pinned on CUDA
-        if ``pin``)."""
+    def read_packed(self, effect: LoadAdapter) -> torch.Tensor:
+        """Read the adapter's files and pack them into a host page buffer ``[L, n, P]``, in this process
+        (without CUDA; on CUDA the reader processes do it and `_finish_read` pins the buffer)."""
         start = time.perf_counter()
         buf = self._check_pages(effect, read_and_pack(effect.info, effect.layout, self.config.model,
                                                       self.config.page_elems, self.dtype))
         self.reads.add(effect, time.perf_counter() - start)
-        return buf.pin_memory() if self._cuda and pin else buf
+        return buf
 
     @staticmethod
     def _check_pages(effect: LoadAdapter, buf: torch.Tensor) -> torch.Tensor:
