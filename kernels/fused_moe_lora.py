@@ -33,8 +33,11 @@ Kernels (one launch each):
   ``act @ A_d.T`` accumulated per column tile (atomics) — no extra pass over ``act``.
 - `_expand_down_kernel`: ``y += w · z_d @ B_d`` (the add fused into the epilogue).
 
-With launch config ``"pdl": true`` on Hopper+, the gate/up expand is a programmatic
-dependent launch of the shrink (its prologue overlaps the shrink's tail).
+With launch config ``"pdl": true`` on Hopper+, both expands are programmatic dependent
+launches: each program reads its tile, the metadata, the page table, its first run of
+weights (and, for gate/up, the base GEMM's raw output) before ``gdc_wait``, so that
+chain of dependent loads overlaps the kernel before it.  Only ``z`` / ``down_z`` / ``y``
+are read after the wait.
 
 Tiles: *pair mode* (``block_m`` 1) gives each pair its own program with no
 alignment pass (decode: groups hold about one pair); *group mode* (``block_m``
@@ -326,6 +329,25 @@ def _slice_rows(field, group_off, RK_PAD: tl.constexpr):
     return group_off + tl.load(field + 2) + offs * stride, offs < tl.load(field + 1)
 
 
+@triton.jit
+def _gate_up_tiles(pool_ptr, pt, raw_ptr, rows, pair_ok, stride_raw, c0, last, inter, up_shift,
+                   gate_virt, gate_ok, up_virt, up_ok, down_virt, down_ok, PAGE_SHIFT: tl.constexpr,
+                   CHUNK: tl.constexpr, EVEN_N: tl.constexpr):
+    """The inputs of one CHUNK of columns at ``c0`` that do not depend on ``z``: the gate and
+    up B runs, the down A run and the base GEMM's raw gate/up (float32)."""
+    cols = c0 + tl.arange(0, CHUNK)
+    col_ok = _col_mask(cols, inter, EVEN_N)
+    c_in = tl.minimum(c0, last)  # a run past the end still looks up an in-buffer page
+    b_gate = _load_paged(pool_ptr, pt, gate_virt, gate_ok, c_in, col_ok, PAGE_SHIFT, CHUNK)
+    b_up = _load_paged(pool_ptr, pt, up_virt, up_ok, c_in + up_shift, col_ok, PAGE_SHIFT, CHUNK)
+    a_down = _load_paged(pool_ptr, pt, down_virt, down_ok, c_in, col_ok, PAGE_SHIFT, CHUNK)
+    mask = pair_ok[:, None] & col_ok[None, :]
+    raw = raw_ptr + rows * stride_raw + cols[None, :]
+    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
+    return b_gate, b_up, a_down, g, u
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _expand_gate_up_kernel(
     raw_ptr,  # [TK, 2I] model dtype: un-activated gate | up of LoRA pairs (from the base GEMM)
@@ -339,11 +361,13 @@ def _expand_gate_up_kernel(
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     ACT: tl.constexpr,
 ):
+    # Everything up to `gdc_wait` reads only what existed before the shrink started (routing,
+    # alignment, metadata, weights, the base GEMM's raw output): under PDL it overlaps the shrink.
+    if USE_PDL:
+        gdc_launch_dependents()
     num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
     num_n = tl.cdiv(inter, BLOCK_N)
     pid = tl.program_id(0)
-    if USE_PDL:
-        gdc_wait()
     if pid >= num_m * num_n:
         return
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
@@ -357,34 +381,37 @@ def _expand_gate_up_kernel(
     gate = meta + F_SLICE0  # slice 0 feeds the gate columns; the last slice the up columns
     up = gate + (tl.maximum(tl.load(meta + F_GU_SLICES), 1) - 1) * SLICE_FIELDS
     up_shift = inter - tl.load(up + 3)  # up column c is local column c + up_shift of its slice
-    dtype = pool_ptr.dtype.element_ty
-    z_gate = _slice_z(z_ptr, pairs, pair_ok, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
-    z_up = _slice_z(z_ptr, pairs, pair_ok, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
     gate_virt, gate_ok = _slice_rows(gate, group_off, RK_PAD)
     up_virt, up_ok = _slice_rows(up, group_off, RK_PAD)
     offs_d = tl.arange(0, RD_PAD)
     down_rank = tl.load(meta + F_DOWN_RANK)
     down_ok = offs_d < down_rank
     down_virt = group_off + tl.load(meta + F_DOWN_A) + offs_d * ((inter + 63) // 64 * 64)
-    acc_down = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
     rows = pairs[:, None].to(tl.int64)
     last = (inter - 1) // CHUNK * CHUNK
+    first = _gate_up_tiles(pool_ptr, pt, raw_ptr, rows, pair_ok, stride_raw, pid_n * BLOCK_N, last, inter,
+                           up_shift, gate_virt, gate_ok, up_virt, up_ok, down_virt, down_ok, PAGE_SHIFT, CHUNK,
+                           EVEN_N)
+    if USE_PDL:
+        gdc_wait()  # the shrink's partials are complete and visible from here on
+    dtype = pool_ptr.dtype.element_ty
+    z_gate = _slice_z(z_ptr, pairs, pair_ok, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
+    z_up = _slice_z(z_ptr, pairs, pair_ok, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
+    acc_down = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
     for sub in tl.static_range(BLOCK_N // CHUNK):
         c0 = pid_n * BLOCK_N + sub * CHUNK
+        if sub == 0:
+            b_gate, b_up, a_down, g, u = first
+        else:
+            b_gate, b_up, a_down, g, u = _gate_up_tiles(pool_ptr, pt, raw_ptr, rows, pair_ok, stride_raw, c0,
+                                                        last, inter, up_shift, gate_virt, gate_ok, up_virt,
+                                                        up_ok, down_virt, down_ok, PAGE_SHIFT, CHUNK, EVEN_N)
         cols = c0 + tl.arange(0, CHUNK)
-        col_ok = _col_mask(cols, inter, EVEN_N)
-        c_in = tl.minimum(c0, last)  # a run past the end still looks up an in-buffer page
-        d_gate = _mm(z_gate, _load_paged(pool_ptr, pt, gate_virt, gate_ok, c_in, col_ok, PAGE_SHIFT, CHUNK),
-                     BLOCK_M == 1, DOT_PRECISION)
-        d_up = _mm(z_up, _load_paged(pool_ptr, pt, up_virt, up_ok, c_in + up_shift, col_ok, PAGE_SHIFT, CHUNK),
-                   BLOCK_M == 1, DOT_PRECISION)
-        mask = pair_ok[:, None] & col_ok[None, :]
-        raw = raw_ptr + rows * stride_raw + cols[None, :]
-        g = tl.load(raw, mask=mask, other=0.0).to(tl.float32) + d_gate
-        u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32) + d_up
+        g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION)
+        u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION)
         act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
-        tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
-        a_down = _load_paged(pool_ptr, pt, down_virt, down_ok, c_in, col_ok, PAGE_SHIFT, CHUNK)
+        tl.store(act_ptr + rows * stride_act + cols[None, :], act,
+                 mask=pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :])
         acc_down += _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
     if down_rank > 0:
         tl.atomic_add(down_z_ptr + rows * RD_PAD + offs_d[None, :], acc_down,
@@ -399,8 +426,10 @@ def _expand_down_kernel(
     pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
     num_blocks_ptr, num_pairs, top_k, num_experts, hidden, stride_y, stride_pt,
     RD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # Up to `gdc_wait`: only routing, alignment, metadata and weights (all older than the
+    # kernel before this one), so under PDL this overlaps that kernel's tail.
     num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid = tl.program_id(0)
@@ -420,16 +449,23 @@ def _expand_down_kernel(
     offs_r = tl.arange(0, RD_PAD)
     r_ok = offs_r < rank
     rows = pairs[:, None].to(tl.int64)
-    z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
-    z = z.to(pool_ptr.dtype.element_ty)
     weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
     b_virt = group_off + tl.load(meta + F_DOWN_B) + offs_r * ((hidden + 63) // 64 * 64)
+    last = (hidden - 1) // 64 * 64
+    first = _load_paged(pool_ptr, pt, b_virt, r_ok, tl.minimum(pid_n * BLOCK_N, last),
+                        _col_mask(pid_n * BLOCK_N + tl.arange(0, 64), hidden, EVEN_N), PAGE_SHIFT, 64)
+    if USE_PDL:
+        gdc_wait()  # down_z and y are complete and visible from here on
+    z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
+    z = z.to(pool_ptr.dtype.element_ty)
     for sub in tl.static_range(BLOCK_N // 64):
         c0 = pid_n * BLOCK_N + sub * 64
         cols = c0 + tl.arange(0, 64)
         col_ok = _col_mask(cols, hidden, EVEN_N)
-        b = _load_paged(pool_ptr, pt, b_virt, r_ok, tl.minimum(c0, (hidden - 1) // 64 * 64), col_ok,
-                        PAGE_SHIFT, 64)
+        if sub == 0:
+            b = first
+        else:
+            b = _load_paged(pool_ptr, pt, b_virt, r_ok, tl.minimum(c0, last), col_ok, PAGE_SHIFT, 64)
         delta = _mm(z, b, BLOCK_M == 1, DOT_PRECISION)
         mask = pair_ok[:, None] & col_ok[None, :]
         ptrs = y_ptr + rows * stride_y + cols[None, :]
@@ -523,14 +559,14 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
             or not topk_weights.is_contiguous():
         raise ValueError(f"topk_weights must be contiguous {list(plan.topk_ids.shape)} float32, got "
                          f"{list(topk_weights.shape)} {topk_weights.dtype}")
-    cfg = plan.config
+    cfg, pdl = plan.config, _use_pdl(plan)
     block_n = max(64, min(cfg["down"]["block_n"], triton.next_power_of_2(meta.hidden)))
     _expand_down_kernel[(_num_tile_bound(plan) * triton.cdiv(meta.hidden, block_n),)](
         y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
         plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,
         EVEN_N=meta.hidden % block_n == 0, DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        **_launch_opts(cfg["down"]))
+        USE_PDL=pdl, **_launch_opts(cfg["down"]), **({"launch_pdl": True} if pdl else {}))
 
 
 # ---------------------------------------------------------------------------------------------
