@@ -258,29 +258,6 @@ def _col_mask(cols, limit, EVEN: tl.constexpr):
     return ok
 
 
-@triton.jit
-def _shrink_pair(x_row, pool_ptr, pt, a_virt, r_ok, k_lo, k_hi, R_PAD: tl.constexpr, RUNS: tl.constexpr,
-                 PAGE_SHIFT: tl.constexpr):
-    """``[1, R_PAD]``: one pair's ``x[k_lo:k_hi] @ A.T``, RUNS 64-runs of every A row per
-    iteration: one round of page lookups and one of loads (decode is bound by their latency)."""
-    runs = tl.arange(0, RUNS) * 64
-    offs = tl.arange(0, 64)
-    acc = tl.zeros((R_PAD,), tl.float32)
-    for k0 in range(k_lo, k_hi, RUNS * 64):
-        run_ok = k0 + runs < k_hi
-        virt = a_virt[:, None] + k0 + runs[None, :]  # [R_PAD, RUNS], each run inside one page
-        ok = r_ok[:, None] & run_ok[None, :]
-        page = tl.load(pt + (virt >> PAGE_SHIFT), mask=ok, other=0)
-        base = page.to(tl.int64) * (1 << PAGE_SHIFT) + (virt & ((1 << PAGE_SHIFT) - 1))
-        cols = k0 + runs[:, None] + offs[None, :]  # [RUNS, 64]
-        col_ok = cols < k_hi
-        a = tl.load(pool_ptr + base[:, :, None] + offs[None, None, :], mask=ok[:, :, None] & col_ok[None, :, :],
-                    other=0.0)
-        x = tl.load(x_row + cols, mask=col_ok, other=0.0)
-        acc += tl.sum(tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :, :], axis=2), axis=1)
-    return acc[None, :]
-
-
 @triton.jit(do_not_specialize=["num_pairs"])
 def _shrink_kernel(
     x_ptr,  # [T, H] model dtype
@@ -290,7 +267,7 @@ def _shrink_kernel(
     num_blocks_ptr, num_pairs, top_k, num_experts, hidden, stride_x, stride_pt,
     R_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PAGE_SHIFT: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, RUNS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()
@@ -317,20 +294,15 @@ def _shrink_kernel(
     r_ok = offs_r < rows_a
     pt = pt_ptr + slot * stride_pt
     x_rows = tl.where(pair_ok, pairs // top_k, 0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
     k_lo = split * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, hidden)
-    if BLOCK_M == 1:
-        acc = _shrink_pair(x_ptr + x_rows * stride_x, pool_ptr, pt, a_virt, r_ok, k_lo, k_hi, R_PAD, RUNS,
-                           PAGE_SHIFT)
-    else:
-        acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
-        for k0 in range(k_lo, k_hi, 64):
-            offs_k = k0 + tl.arange(0, 64)
-            k_ok = _col_mask(offs_k, hidden, EVEN_K)
-            x = tl.load(x_ptr + x_rows[:, None] * stride_x + offs_k[None, :],
-                        mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-            a = _load_paged(pool_ptr, pt, a_virt, r_ok, k0, k_ok, PAGE_SHIFT, 64)
-            acc += _mm(x, tl.trans(a), False, DOT_PRECISION)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, hidden), 64):
+        offs_k = k0 + tl.arange(0, 64)
+        k_ok = _col_mask(offs_k, hidden, EVEN_K)
+        x = tl.load(x_ptr + x_rows[:, None] * stride_x + offs_k[None, :],
+                    mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        a = _load_paged(pool_ptr, pt, a_virt, r_ok, k0, k_ok, PAGE_SHIFT, 64)
+        acc += _mm(x, tl.trans(a), BLOCK_M == 1, DOT_PRECISION)
     z = z_ptr + (split * num_pairs + pairs[:, None]).to(tl.int64) * R_PAD + offs_r[None, :]
     tl.store(z, acc, mask=pair_ok[:, None])
 
@@ -532,11 +504,6 @@ def _num_tile_bound(plan: MoeLoraPlan) -> int:
     return plan.align.max_blocks if plan.align is not None else plan.topk_ids.numel()
 
 
-def _runs(per_split: int, cfg: dict) -> int:
-    """64-runs per row that a pair-mode shrink loads at once: the whole split, up to ``max_runs``."""
-    return min(cfg.get("max_runs", 8), triton.next_power_of_2(triton.cdiv(per_split, 64)))
-
-
 def _launch_opts(cfg: dict) -> dict:
     return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
@@ -567,7 +534,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
         x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), stride_pt,
         R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split, BLOCK_M=cfg["block_m"],
         GROUP_M=cfg["shrink"]["group_m"], PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0,
-        DOT_PRECISION=precision, USE_PDL=pdl, RUNS=_runs(per_split, cfg["shrink"]), **_launch_opts(cfg["shrink"]))
+        DOT_PRECISION=precision, USE_PDL=pdl, **_launch_opts(cfg["shrink"]))
     chunk = _chunk(meta.inter)
     block_n = max(chunk, min(cfg["gate_up"]["block_n"], triton.next_power_of_2(meta.inter)))
     extra = {"launch_pdl": True} if pdl else {}
