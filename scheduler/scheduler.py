@@ -188,23 +188,57 @@ class Scheduler:
     def _schedule_decodes(self, step: Step) -> int:
         """The common step: every running request decodes one token, and the budget covers them all.
 
-        The same outcome as `_schedule_from`, in fewer operations: the batch lists are built in one go.
-        Stops at the first request whose KV cannot grow without a preemption, and returns how many
-        requests it scheduled; `_schedule_from` takes over from there.
+        The same outcome as `_schedule_from`, in fewer operations: the requests whose KV is full get a
+        block each at once, and the batch lists are built in one go.  If those blocks cannot all be had
+        without a preemption, it goes one by one and stops at the first request that would need one, and
+        returns how many requests it scheduled; `_schedule_from` takes over from there.
         """
-        running, scheduled = self.running, len(self.running)
+        running, full = self.running, []
         for req in running:  # the hottest loop of a step
+            done = req.num_computed_tokens
+            if done >= req.capacity:
+                full.append(req)
+            req.num_computed_tokens = done + 1
+        if full and not self._grow_each(full, step):
+            for req in running:
+                req.num_computed_tokens -= 1
+            return self._schedule_decodes_one_by_one(step)
+        self._add_decodes(len(running), step)
+        return len(running)
+
+    def _schedule_decodes_one_by_one(self, step: Step) -> int:
+        """`_schedule_decodes` when memory is short: growth one request at a time, up to a preemption."""
+        running, scheduled = self.running, len(self.running)
+        for req in running:
             done = req.num_computed_tokens
             if done >= req.capacity and not self._extend_kv(req, done + 1, step):
                 scheduled = running.index(req)
                 break
             req.num_computed_tokens = done + 1
-        batch = running[:scheduled]
+        self._add_decodes(scheduled, step)
+        return scheduled
+
+    def _add_decodes(self, scheduled: int, step: Step) -> None:
+        """Put ``running[:scheduled]``, one token each, in the batch."""
+        batch = self.running[:scheduled]
         step.reqs += batch
         step.out.num_scheduled_tokens += [1] * scheduled
         step.out.token_slots += [req.slot for req in batch]
         step.budget -= scheduled
-        return scheduled
+
+    def _grow_each(self, reqs: list[Request], step: Step) -> bool:
+        """A KV block more for each of ``reqs``, as `_extend_kv` one by one would; False (nothing changed) if
+        they do not all fit without a preemption."""
+        if not self.kv.grow_each([req.request_id for req in reqs]):
+            return False
+        new_blocks, block = step.out.new_block_ids, self.block_tokens
+        for req in reqs:
+            new_blocks[req.request_id] = req.block_table[-1:]
+            req.capacity += block
+        if self._grouped:
+            for req in reqs:
+                step.out.new_window_block_ids[req.request_id] = req.window_table[-1:]
+        return True
 
     def _schedule_from(self, start: int, step: Step) -> None:
         """The general loop over ``running[start:]``: prefill chunks, decodes, several tokens, preemption."""

@@ -158,7 +158,7 @@ class KVManager:
         self._by_salt: dict[str, set[int]] = {}  # salt -> registered pages
         self._roots: dict[bytes, _Root] = {}  # h[0] -> its root
         if owner:
-            reclaimer.register_owner(KV_BLOCK, self._evict_cached)
+            reclaimer.register_owner(KV_BLOCK, self._evict_cached, self._evict_cached_many)
         self.hits = 0  # prefix blocks reused
 
     # -- queries ---------------------------------------------------------
@@ -271,6 +271,17 @@ class KVManager:
         if pages is None:
             return False
         seq.table += pages
+        return True
+
+    def grow_each(self, seq_ids: list) -> bool:
+        """One more block for each sequence, as `grow` one by one would give them; False (nothing changed)
+        unless they all fit."""
+        pages = self.reclaimer.alloc_each(len(seq_ids), _KV)
+        if pages is None:
+            return False
+        seqs = self._seqs
+        for seq_id, page in zip(seq_ids, pages):
+            seqs[seq_id].table.append(page)
         return True
 
     def missing(self, seq_id, num_tokens: int) -> int:
@@ -499,6 +510,12 @@ class KVManager:
         """Reclaimer callback: drop a cached block."""
         self._unregister(page)
         self.pool.drop(page)
+
+    def _evict_cached_many(self, pages: list[int]) -> None:
+        """Reclaimer callback: drop several cached blocks, in order."""
+        for page in pages:
+            self._unregister(page)
+        self.pool.drop_many(pages)
 
     def check(self) -> None:
         """Refcounts equal the block tables that hold each page; registrations are consistent."""

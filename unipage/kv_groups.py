@@ -90,6 +90,16 @@ class GroupedKV:
         self.windowed.extend(seq_id, pages[missing:])
         return True
 
+    def grow_each(self, seq_ids: list) -> bool:
+        """One more block for each sequence (a page in each table), as `grow` one by one would give them;
+        False (nothing changed) unless they all fit (evicting keeps free + evictable pages as they are)."""
+        if 2 * len(seq_ids) > self.pool.num_free + self.reclaimer.evictable_pages:
+            return False
+        for seq_id in seq_ids:
+            if not self.grow(seq_id, (len(self.full.block_table(seq_id)) + 1) * self.block_tokens):
+                raise RuntimeError(f"sequence {seq_id!r}: a block did not fit after all")  # a bookkeeping bug
+        return True
+
     def slide(self, seq_id, position: int) -> None:
         """Return the window pages of blocks no query at ``position`` or later can see."""
         self.windowed.slide(seq_id, position)

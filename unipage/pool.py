@@ -184,6 +184,20 @@ class PagePool:
         self._counts[_CACHED_KV] -= 1
         self._counts[0] += 1
 
+    def drop_many(self, pages: list[int]) -> None:
+        """`drop` each of ``pages`` (distinct) in order, all validated before any changes."""
+        kinds, n = self._kind, self.num_pages
+        for page in pages:
+            if page.__class__ is not int or not 0 <= page < n or kinds[page] != _CACHED_KV:
+                self._expect(page, PageKind.CACHED_KV, "drop")
+        if len(pages) > 1 and len(set(pages)) != len(pages):
+            raise PageError(f"cannot drop a page twice: {list(pages)}")
+        for page in pages:
+            kinds[page] = 0  # refcounts are 0 already
+        self._free += pages
+        self._counts[_CACHED_KV] -= len(pages)
+        self._counts[0] += len(pages)
+
     # -- internals -------------------------------------------------------
     def _move(self, page: int, kind: PageKind) -> None:
         self._counts[self._kind[page]] -= 1

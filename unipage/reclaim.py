@@ -57,6 +57,7 @@ class Reclaimer:
         self._seq = 0
         self._evictable_pages = 0
         self._owners: dict[str, Callable[[object], None]] = {}
+        self._evict_many: dict[str, Callable[[list], None]] = {}  # kind -> evicts several keys in order
         self.evictions: dict[str, int] = {}  # kind -> units evicted so far
         # The KV lane (LRU only): page -> next / previous page in the lane, its arrival (seq) and candidate.
         # Index ``num_pages`` is the list's head and tail (a sentinel); a page not in the lane has no candidate.
@@ -79,9 +80,12 @@ class Reclaimer:
         self._clock += n
         return range(start, start + n)
 
-    def register_owner(self, kind: str, evict: Callable[[object], None]) -> None:
-        """``evict(key)`` must release the candidate's pages back to the pool."""
+    def register_owner(self, kind: str, evict: Callable[[object], None],
+                       evict_many: Callable[[list], None] | None = None) -> None:
+        """``evict(key)`` must release the candidate's pages back to the pool.  ``evict_many(keys)``, if
+        given, does the same for several KV blocks at once, in order (it must not change the candidates)."""
         self._owners[kind] = evict
+        self._evict_many[kind] = evict_many or (lambda keys: [evict(key) for key in keys])
         self.evictions.setdefault(kind, 0)
 
     # -- the candidate set ----------------------------------------------
@@ -180,6 +184,25 @@ class Reclaimer:
             return None
         return self.pool.alloc(n, kind)
 
+    def alloc_each(self, n: int, kind: PageKind = PageKind.KV) -> list[int] | None:
+        """The pages of ``n`` calls of ``alloc(1, kind)``, in the order they would hand them out; ``None``,
+        with nothing changed, unless all ``n`` fit.  (Evicting never changes free + evictable pages, so
+        that sum says whether they all fit.)"""
+        free, pool = self._pool_free, self.pool
+        if n > len(free) + self._evictable_pages:
+            return None
+        pages = pool.alloc(min(n, len(free)), kind)
+        while len(pages) < n:  # the free stack is empty: each alloc(1) would reclaim a page first
+            evicted = self._evict_lane_run(self._next[self._end], n - len(pages), self._peek(frozenset(), []))
+            if evicted:  # one page each, freed in turn: handed out in that order, not the stack's
+                run = pool.alloc(evicted, kind)
+                run.reverse()
+                pages += run
+            else:
+                self.reclaim(1)
+                pages += pool.alloc(min(n - len(pages), len(free)), kind)
+        return pages
+
     def reclaim(self, pages: int, protect: frozenset = frozenset()) -> bool:
         """Evict until ``pages`` more pages are free; evict nothing and return False if impossible."""
         lives = self._live
@@ -222,9 +245,11 @@ class Reclaimer:
         entry, seen = self._peek(protect, skipped), (self._seq, self._removed)
         page = self._lane_head(protect)
         while len(free) < target:
-            if page != end and (entry is None or (stamp := cands[page].last_used) < entry[0]
-                                or (stamp == entry[0] and seqs[page] < entry[_SEQ])):
-                before, after = prev[page], nxt[page]  # `_unlink`, inlined
+            if page != end and self._evict_lane_run(page, target - len(free), entry, protect):
+                pass  # a run of one-page blocks from the lane
+            elif page != end and (entry is None or (stamp := cands[page].last_used) < entry[0]
+                                  or (stamp == entry[0] and seqs[page] < entry[_SEQ])):
+                before, after = prev[page], nxt[page]  # `_unlink`, inlined (a block of several pages)
                 nxt[before], prev[after] = after, before
                 self._evictable_pages -= cands[page].pages
                 cands[page] = None
@@ -242,6 +267,31 @@ class Reclaimer:
             page = nxt[end] if not protect else self._lane_head(protect)
         for held in skipped:
             self._push(held)
+
+    def _evict_lane_run(self, first: int, limit: int, entry: tuple | None, protect: frozenset = frozenset()) -> int:
+        """Evict up to ``limit`` one-page KV blocks of the lane from ``first`` on, while each is unprotected
+        and comes before the heap's ``entry``, exactly as one at a time; returns how many."""
+        nxt, cands, seqs, end = self._next, self._lane_cand, self._lane_seq, self._end
+        victims, page = [], first
+        while len(victims) < limit and page != end:
+            cand = cands[page]
+            if cand.pages != 1 or (protect and (KV_BLOCK, page) in protect) or (
+                    entry is not None and (cand.last_used > entry[0] or (
+                        cand.last_used == entry[0] and seqs[page] > entry[_SEQ]))):
+                break
+            victims.append(page)
+            page = nxt[page]
+        if victims:
+            before = self._prev[first]  # unlink the run at once
+            nxt[before], self._prev[page] = page, before
+            for victim in victims:
+                cands[victim] = None
+            count = len(victims)
+            self._lane_len -= count
+            self._evictable_pages -= count
+            self.evictions[KV_BLOCK] += count
+            self._evict_many[KV_BLOCK](victims)
+        return len(victims)
 
     def _peek(self, protect: frozenset, skipped: list) -> tuple | None:
         """The smallest live entry of the heap and run not in ``protect``, left in place; None if none.
