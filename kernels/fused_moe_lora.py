@@ -201,18 +201,30 @@ def plan_moe_lora_ref(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None
 @triton.jit
 def _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
           num_pairs, top_k, num_experts, BLOCK_M: tl.constexpr):
-    """Pairs of tile ``pid_m``, their validity, and the tile's (slot, expert); slot -1 = no work."""
+    """Pairs of tile ``pid_m``, their validity, and the tile's (slot, expert); slot -1 = no work.
+    In pair mode the slot may still lack LoRA in this layer: see `_skip`."""
     if BLOCK_M == 1:  # pair mode: tile m is pair m
         pairs = pid_m + tl.arange(0, 1)
         slot = tl.load(slots_ptr + pid_m // top_k)
         expert = tl.load(topk_ids_ptr + pid_m)
-        slot = tl.where(tl.load(flags_ptr + tl.maximum(slot, 0)) != 0, slot, -1)
     else:
         pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         group = tl.load(block_group_ptr + pid_m)
         slot = group // num_experts
         expert = group % num_experts
     return pairs, pairs < num_pairs, slot, expert
+
+
+@triton.jit
+def _skip(flags_ptr, slot, BLOCK_M: tl.constexpr):
+    """Whether a tile has no LoRA work: no slot, or (pair mode) a slot without LoRA in this layer.
+    Called after the tile's metadata loads are issued (from slot 0 when slot is -1), so the
+    flag load overlaps them: one dependent memory round trip fewer on the decode path."""
+    if BLOCK_M == 1:
+        skip = (slot < 0) | (tl.load(flags_ptr + tl.maximum(slot, 0)) == 0)
+    else:
+        skip = slot < 0
+    return skip
 
 
 @triton.jit
@@ -278,19 +290,20 @@ def _shrink_kernel(
     pid_m, split = swizzle(pid, num_m, SPLIT_K, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
-    if slot < 0:
+    meta = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
+    rows_a = tl.load(meta + F_GU_ROWS)
+    group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
+    gu_a = tl.load(meta + F_GU_A)
+    if _skip(flags_ptr, slot, BLOCK_M):
         return
-    meta = meta_ptr + slot * NUM_FIELDS
     if split == 0:
         zero = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
         tl.store(down_z_ptr + pairs[:, None] * RD_PAD + tl.arange(0, RD_PAD)[None, :], zero,
                  mask=pair_ok[:, None])
-    rows_a = tl.load(meta + F_GU_ROWS)
     if rows_a == 0:
         return
-    group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
     offs_r = tl.arange(0, R_PAD)
-    a_virt = group_off + tl.load(meta + F_GU_A) + offs_r * ((hidden + 63) // 64 * 64)
+    a_virt = group_off + gu_a + offs_r * ((hidden + 63) // 64 * 64)
     r_ok = offs_r < rows_a
     pt = pt_ptr + slot * stride_pt
     x_rows = tl.where(pair_ok, pairs // top_k, 0).to(tl.int64)
@@ -373,10 +386,10 @@ def _expand_gate_up_kernel(
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
-    if slot < 0:
-        return
-    meta = meta_ptr + slot * NUM_FIELDS
+    meta = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
     group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
+    if _skip(flags_ptr, slot, BLOCK_M):
+        return
     pt = pt_ptr + slot * stride_pt
     gate = meta + F_SLICE0  # slice 0 feeds the gate columns; the last slice the up columns
     up = gate + (tl.maximum(tl.load(meta + F_GU_SLICES), 1) - 1) * SLICE_FIELDS
@@ -438,13 +451,11 @@ def _expand_down_kernel(
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
-    if slot < 0:
-        return
-    meta = meta_ptr + slot * NUM_FIELDS
+    meta = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
     rank = tl.load(meta + F_DOWN_RANK)
-    if rank == 0:
-        return
     group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
+    if _skip(flags_ptr, slot, BLOCK_M) | (rank == 0):
+        return
     pt = pt_ptr + slot * stride_pt
     offs_r = tl.arange(0, RD_PAD)
     r_ok = offs_r < rank
