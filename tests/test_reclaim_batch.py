@@ -133,3 +133,39 @@ def test_grow_each_grows_as_grow_one_sequence_at_a_time_does(kind, seed):
         assert {s: list(batched[2].block_table(s)) for s in tokens} == \
             {s: list(single[2].block_table(s)) for s in tokens}
         assert dict(batched[1].evictions) == dict(single[1].evictions)
+
+
+@pytest.mark.parametrize("policy", BUILT_IN)
+@pytest.mark.parametrize("seed", range(3))
+def test_add_used_now_stamps_and_adds_as_ticks_and_add_many(policy, seed):
+    rng = random.Random(seed)
+    batched, single = sides = [Side(policy, True), Side(policy, True)]
+    for _ in range(200):
+        tick = batched.reclaimer.tick()
+        single.reclaimer.tick()
+        op = rng.random()
+        if op < 0.3:
+            offer(sides, rng, tick)
+        elif op < 0.7 and batched.pool.num_free:
+            count = rng.randrange(1, batched.pool.num_free + 1)
+            salt = rng.randrange(SALTS)
+            for side in sides:
+                pages = side.pool.alloc(count)
+                side.pool.cache_many(pages)
+                side.salt.update(dict.fromkeys(pages, salt))
+            blocks = [[Candidate(KV_BLOCK, page, 1, 0, 0, 1, 0.0) for page in pages] for _ in sides]
+            batched.reclaimer.add_used_now(blocks[0])
+            for cand, now in zip(blocks[1], single.reclaimer.ticks(count)):
+                cand.last_used = cand.inserted = now
+            single.reclaimer.add_many(blocks[1])
+        else:
+            want = rng.randrange(1, 6)
+            assert batched.reclaimer.reclaim(want) == single.reclaimer.reclaim(want)
+        for side in sides:
+            side.reclaimer.check()
+        assert batched.state() == single.state()
+        assert batched.reclaimer.tick() == single.reclaimer.tick()
+    with pytest.raises(ValueError):  # a block offered twice
+        page = next(iter(batched.salt))
+        batched.reclaimer.add_used_now([Candidate(KV_BLOCK, page, 1, 0, 0, 1, 0.0)])
+    batched.reclaimer.check()

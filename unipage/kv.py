@@ -465,12 +465,8 @@ class KVManager:
     def _cache(self, pages: list[int]) -> None:
         """Keep registered pages whose last user left as cached blocks, stamped in order, and offer them."""
         self.pool.cache_many(pages)
-        registered, blocks = self._blocks, []
-        for page, now in zip(pages, self.reclaimer.ticks(len(pages))):
-            block = registered[page]
-            block.last_used = block.inserted = now
-            blocks.append(block)
-        self.reclaimer.add_many(blocks)
+        registered = self._blocks
+        self.reclaimer.add_used_now([registered[page] for page in pages])
 
     def _new_block(self, page: int, now: int, block_hash: bytes | None, salt: str, root: _Root) -> _Block:
         """The registration of ``page``: its last one reset (no one holds an unregistered block), or a new one."""

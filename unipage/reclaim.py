@@ -131,6 +131,35 @@ class Reclaimer:
         if len(self._heap) + len(self._run) > 2 * self._num_live + 64:
             self._compact()
 
+    def add_used_now(self, cands: list) -> None:
+        """`add_many` of candidates last used just now: each is first stamped with the next clock tick, in
+        order (``inserted`` and ``last_used``), as `ticks` then `add_many` would.  Under the lane they must be
+        KV blocks keyed by page: so stamped, each is the newest and is linked at the tail, uncompared."""
+        if not self._lane_on:
+            for cand, now in zip(cands, self.ticks(len(cands))):
+                cand.last_used = cand.inserted = now
+            self.add_many(cands)
+            return
+        nxt, prev, lane_seq, lane_cand, end = self._next, self._prev, self._lane_seq, self._lane_cand, self._end
+        now, seq, tail, pages = self._clock, self._seq, prev[end], 0
+        try:
+            for cand in cands:
+                key = cand.key
+                if cand.kind != KV_BLOCK or key.__class__ is not int or not 0 <= key < end \
+                        or lane_cand[key] is not None:
+                    raise ValueError(f"{cand.kind} {key!r} is already evictable, or not a KV block of the pool")
+                now += 1
+                seq += 1
+                cand.last_used = cand.inserted = now
+                nxt[tail], prev[key], lane_seq[key], lane_cand[key] = key, tail, seq, cand
+                tail = key
+                pages += cand.pages
+        finally:  # those linked stay, as `add_many` keeps those added before a refusal
+            nxt[tail], prev[end] = end, tail
+            self._lane_len += seq - self._seq
+            self._clock, self._seq = now, seq
+            self._evictable_pages += pages
+
     def remove(self, kind: str, key: object) -> Candidate | None:
         if self._in_lane(kind, key):
             cand = self._lane_cand[key]
