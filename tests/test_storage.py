@@ -10,7 +10,8 @@ from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
 from unipage.memory import UnifiedMemory
 from unipage.peft_io import load_adapter_weights
 from unipage.peft_write import write_random_adapter
-from unipage.storage import PoolStorage
+from unipage.pinned import ALIGN, PinnedRing
+from unipage.storage import RING_BYTES, PoolStorage
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4,
                     top_k=2, expert_intermediate_size=32, dtype="float32")  # page_elems = 4*2*32 = 256
@@ -122,6 +123,33 @@ def test_cuda_load_runs_on_a_side_stream(tmp_path):
     assert done == ["a0"] and storage.load_event("a0") is None
     memory.adapters.load_done("a0")
     assert_resident_equals_files(memory, storage, "a0")
+
+
+def _wait_loads(storage, names, seconds=60):
+    deadline, done = time.monotonic() + seconds, set()
+    while done != set(names) and time.monotonic() < deadline:
+        poll = storage.poll()
+        assert poll.failed == []
+        done.update(poll.done)
+        time.sleep(0.01)
+    return done
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring_bytes", [RING_BYTES, ALIGN])
+def test_cuda_loads_pass_through_the_pinned_ring(tmp_path, ring_bytes):
+    """Both adapters staged in one ring (or, in a ring too small for them, pinned on their own)."""
+    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
+    storage._ring = PinnedRing(ring_bytes)
+    for name in ("a0", "a1"):
+        sync_load(memory, storage, name)
+    assert _wait_loads(storage, ["a0", "a1"]) == {"a0", "a1"}
+    for name in ("a0", "a1"):
+        memory.adapters.load_done(name)
+        assert_resident_equals_files(memory, storage, name)
+    torch.cuda.synchronize()
+    assert storage._ring.stage(torch.zeros(ALIGN, dtype=torch.uint8)) is not None  # both slices came back
+    assert storage._ring.in_use == 1
 
 
 def test_bad_adapter_directories_leave_the_registry_unchanged(tmp_path):

@@ -7,7 +7,7 @@ step loop, which holds it almost always: a load that takes milliseconds alone
 took hundreds of them while decoding.  `ReaderPool` runs the same work in
 ``python -m unipage.adapter_reader`` processes instead — plain subprocesses,
 so the parent's ``__main__`` is never re-imported — and hands back the packed
-host buffer ``[L, n, P]`` (unpinned: the caller pins it on its own thread).
+host buffer ``[L, n, P]`` (unpinned: the caller stages it through its pinned ring).
 
 Protocol, over each worker's stdin/stdout: frames of an 8-byte little-endian
 length and a pickle.  A request is ``(info, layout, model, page_elems,

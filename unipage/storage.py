@@ -5,10 +5,10 @@ Shape legend: L = pool rows (`ModelConfig.pool_rows`), N = pages, P = page_elems
 n = one adapter's pages.
 
 ``pool [L, N, P]`` lives on the device (CPU in tests, CUDA when serving).  A
-host copy of an adapter is its packed page buffer ``[L, n, P]`` (pinned when
-CUDA exists), so bringing it onto the GPU is one page-wise ``index_copy_``
-into the pages of its page table.  On CUDA the copy runs on a side stream and
-records an event: ``poll()`` reports loads whose event has completed, and only
+host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
+onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
+On CUDA the copy runs on a side stream from a slice of one pinned ring
+(`unipage.pinned`: nothing is pinned per adapter) and records an event: ``poll()`` reports loads whose event has completed, and only
 then does the engine tell the scheduler, so no batch reads an adapter before
 its pages are written.  A load without a host copy first reads and packs the
 adapter's files: on CUDA in helper processes (`READ_WORKERS`, see
@@ -32,9 +32,11 @@ from unipage.adapter_reader import ReaderPool, read_and_pack
 from unipage.adapters import AdapterRecord, DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.config import UnipageConfig
 from unipage.errors import AdapterError
+from unipage.pinned import PinnedRing
 
 log = logging.getLogger(__name__)
 READ_WORKERS = 4  # processes that read and pack adapter files (CUDA)
+RING_BYTES = 256 << 20  # the pinned ring that page copies pass through (CUDA)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class PoolStorage:
         self._events: dict[str, torch.cuda.Event] = {}  # page copies in flight (CUDA)
         self._reads: dict[str, tuple[Future, LoadAdapter]] = {}  # file reads in flight (CUDA)
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
+        self._ring = PinnedRing(RING_BYTES) if self._cuda else None
         self.reads = ReadStats()
 
     def apply(self, effects) -> ApplyResult:
@@ -138,27 +141,30 @@ class PoolStorage:
             result.done.append(effect.name)
 
     def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor) -> None:
-        """Keep the host copy if asked, and copy the pages into the pool (on CUDA: on the side stream)."""
-        if self._cuda and not buf.is_pinned():
-            buf = buf.pin_memory()
+        """Keep the host copy if asked, and copy the pages into the pool (on CUDA: on the side stream,
+        from the pinned ring; pinned on its own only when the ring has no room for it)."""
         if effect.cache_on_host:
             self._host[effect.name] = buf
         if not self._cuda:
             self.pool.index_copy_(1, torch.tensor(effect.pages, dtype=torch.long), buf)
             return
+        staged = self._ring.stage(buf)
+        src = staged if staged is not None else buf.pin_memory()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             # Allocated on the side stream, so their memory is not reused by the compute
             # stream before the copy has run.
             index = torch.tensor(effect.pages, dtype=torch.long).to(self.device, non_blocking=True)
-            self.pool.index_copy_(1, index, buf.to(self.device, non_blocking=True))
+            self.pool.index_copy_(1, index, src.to(self.device, non_blocking=True))
             event = torch.cuda.Event()
             event.record(self._stream)
+        if staged is not None:
+            self._ring.hold(event)
         self._events[effect.name] = event
 
     def read_packed(self, effect: LoadAdapter) -> torch.Tensor:
         """Read the adapter's files and pack them into a host page buffer ``[L, n, P]``, in this process
-        (without CUDA; on CUDA the reader processes do it and `_finish_read` pins the buffer)."""
+        (without CUDA; on CUDA the reader processes do it)."""
         start = time.perf_counter()
         buf = self._check_pages(effect, read_and_pack(effect.info, effect.layout, self.config.model,
                                                       self.config.page_elems, self.dtype))

@@ -1,0 +1,88 @@
+"""PinnedRing: slices handed out first in, first out, reused only after their copy's event completes."""
+
+import pytest
+import torch
+
+from unipage.pinned import ALIGN, PinnedRing
+
+
+class Event:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def _src(nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 255, (nbytes,), generator=g, dtype=torch.uint8)
+
+
+def _start(ring: PinnedRing, staged: torch.Tensor) -> int:
+    return staged.data_ptr() - ring.buf.data_ptr()
+
+
+def test_stage_copies_shape_dtype_and_values():
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    src = torch.randn(3, 5, 7).to(torch.float16)
+    staged = ring.stage(src)
+    assert staged.shape == src.shape and staged.dtype == src.dtype and torch.equal(staged, src)
+    ring.hold(Event())
+    src2 = torch.randn(2, 3)
+    staged2 = ring.stage(src2)
+    assert _start(ring, staged2) == ALIGN and torch.equal(staged2, src2)
+    assert torch.equal(staged, src)  # the first slice is untouched
+
+
+def test_slices_come_back_first_in_first_out_and_wrap():
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    events = []
+    for i in range(2):  # ALIGN + 1 bytes take two units each
+        assert ring.stage(_src(ALIGN + 1, i)) is not None
+        events.append(Event())
+        ring.hold(events[-1])
+    assert ring.in_use == 2 and ring.head == 0  # [0, 2) and [2, 4) units: full, head wrapped
+    assert ring.stage(_src(1, 9)) is None  # nothing free until the oldest copy completes
+    events[1].done = True  # a younger copy done does not free the older slice
+    assert ring.stage(_src(1, 9)) is None
+    events[0].done = True
+    staged = ring.stage(_src(ALIGN, 3))
+    assert staged is not None and _start(ring, staged) == 0  # the freed head of the ring
+    ring.hold(Event())
+    assert ring.in_use == 1  # both done slices were dropped
+
+
+def test_no_room_at_the_end_wraps_to_the_freed_start():
+    ring = PinnedRing(5 * ALIGN, pin=False)
+    first, second = Event(), Event()
+    ring.stage(_src(2 * ALIGN, 0))
+    ring.hold(first)
+    ring.stage(_src(2 * ALIGN, 1))
+    ring.hold(second)  # held: [0, 4) units; head 4
+    assert ring.stage(_src(2 * ALIGN, 2)) is None  # one unit at the end, none at the start
+    first.done = True  # free: [4, 5) and [0, 2)
+    staged = ring.stage(_src(2 * ALIGN, 2))
+    assert staged is not None and _start(ring, staged) == 0
+    ring.hold(Event())  # held: [2, 4) and [0, 2); the unit [4, 5) left by the wrap is not reused yet
+    assert ring.stage(_src(ALIGN, 4)) is None
+    second.done = True  # held: [0, 2); free: [2, 5)
+    staged = ring.stage(_src(3 * ALIGN, 4))
+    assert staged is not None and _start(ring, staged) == 2 * ALIGN
+    assert ring.in_use == 2
+
+
+def test_too_large_is_refused_and_an_empty_ring_restarts_at_zero():
+    ring = PinnedRing(2 * ALIGN, pin=False)
+    assert ring.stage(_src(2 * ALIGN + 1, 0)) is None
+    event = Event()
+    ring.stage(_src(ALIGN, 1))
+    ring.hold(event)
+    event.done = True
+    staged = ring.stage(_src(2 * ALIGN, 2))  # all free again: the whole ring from 0
+    assert staged is not None and _start(ring, staged) == 0
+
+
+def test_rejects_a_tiny_ring():
+    with pytest.raises(ValueError, match="at least"):
+        PinnedRing(ALIGN - 1, pin=False)

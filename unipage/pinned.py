@@ -1,0 +1,70 @@
+"""`PinnedRing`: one pinned host buffer that adapter page copies pass through.
+
+Pinning a buffer (``cudaHostAlloc``) costs about a millisecond per megabyte,
+paid on the step loop's thread.  Pinning every adapter as it arrives from the
+reader processes cost 2 ms a load — several milliseconds of a prefill step
+that admits a few new adapters.  Instead the storage keeps one ring, pinned
+once: a host buffer is copied (``memcpy``) into the ring's next free bytes and
+the device copy reads it from there asynchronously.  Copies run in order on
+one side stream, so slices are freed first in, first out: a slice is reused
+only after the event recorded behind its copy has completed.
+
+Sizes are in bytes; every slice starts 512-byte aligned.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+ALIGN = 512
+
+
+class PinnedRing:
+    def __init__(self, nbytes: int, pin: bool = True) -> None:
+        if nbytes < ALIGN:
+            raise ValueError(f"a pinned ring needs at least {ALIGN} bytes, got {nbytes}")
+        self.capacity = nbytes // ALIGN * ALIGN
+        self.buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        self.head = 0  # where the next slice starts
+        self._live: deque[list] = deque()  # [start, end, event or None] of held slices, oldest first
+
+    def stage(self, src: torch.Tensor) -> torch.Tensor | None:
+        """A copy of ``src`` (same shape and dtype) in the ring, or None when there is no room now.
+        Call `hold` with the event behind the copy that reads it before staging again."""
+        nbytes = src.numel() * src.element_size()
+        size = -(-nbytes // ALIGN) * ALIGN
+        start = self._room(size)
+        if start is None:
+            return None
+        dst = self.buf[start:start + nbytes].view(src.dtype).view(src.shape)
+        dst.copy_(src)
+        self._live.append([start, start + size, None])
+        self.head = start + size if start + size < self.capacity else 0
+        return dst
+
+    def hold(self, event) -> None:
+        """The copy that reads the last staged slice completes with ``event`` (``query() -> bool``)."""
+        self._live[-1][2] = event
+
+    @property
+    def in_use(self) -> int:
+        """Slices still held (their copies not known to be complete)."""
+        return len(self._live)
+
+    def _room(self, size: int) -> int | None:
+        """Start of ``size`` free bytes at the head, or at 0 after a wrap; None if they are not free."""
+        while self._live and self._live[0][2] is not None and self._live[0][2].query():
+            self._live.popleft()
+        if size > self.capacity:
+            return None
+        if not self._live:
+            self.head = 0
+            return 0
+        tail = self._live[0][0]  # start of the oldest slice still held
+        if self.head > tail:  # held: [tail, head); free: [head, capacity) and [0, tail)
+            if self.head + size <= self.capacity:
+                return self.head
+            return 0 if size <= tail else None
+        return self.head if self.head + size <= tail else None  # held wraps; free: [head, tail)
