@@ -18,7 +18,10 @@ Hashing is lazy where no one can tell.  Every chain that commits a block 0
 joins the *root* of its first hash ``h[0]``; equal hashes need equal roots,
 so while a root has one chain (*lone*) none of its later blocks can equal
 another's, and they are registered (their pages kept, cached, evicted as
-above) without being hashed.  The first lookup that reaches a lone root,
+above) without being hashed -- and, but block 0, only when someone could
+tell (`_register_pending`: a query, a lookup, a second chain, a free or a
+slide; an invalidation of the salt drops them instead), so a decode commit
+under a lone root costs O(1).  The first lookup that reaches a lone root,
 and every query of a hash, hashes the chain's committed blocks (`_hash_lone`,
 from the chain's tokens: ``commit`` keeps a reference); a second chain
 committing under the root hashes the first one and makes the root *eager*
@@ -109,6 +112,7 @@ class _Sequence:
     hashes: list[bytes] = field(default_factory=list)  # hashes of table[:len(hashes)]
     dropped: int = 0  # table[:dropped] left the window (NO_PAGE)
     committed: int = 0  # blocks committed; hashes[len(hashes):committed] are not computed yet (a lone root's)
+    registered: int = 0  # blocks[registered:committed] are a lone root's, not registered yet (`_register_pending`)
     tokens: object = None  # the last committed tokens (kept to hash them later)
     root: "_Root | None" = None  # the root of hashes[0], once block 0 is committed
 
@@ -181,10 +185,19 @@ class KVManager:
 
     def registered(self, page: int) -> bool:
         """Whether ``page`` is a block of the prefix cache (in use or cached)."""
-        return page.__class__ is int and 0 <= page < len(self._blocks) and self._blocks[page] is not None
+        if not (page.__class__ is int and 0 <= page < len(self._blocks)):
+            return False
+        return self._blocks[page] is not None or self._pending_owner(page) is not None
+
+    def is_cached(self, page: int) -> bool:
+        """Whether ``page`` is a cached block of this manager (registered, no user)."""
+        return self._blocks[page] is not None and self.pool.refcounts()[page] == 0
 
     def block_hash(self, page: int) -> bytes:
         block = self._blocks[page] if 0 <= page < len(self._blocks) else None
+        if block is None and (seq := self._pending_owner(page)) is not None:
+            self._hash_lone(seq.root)
+            block = self._blocks[page]
         if block is None:
             raise KeyError(f"page {page!r} is not registered")
         if block.hash is None:
@@ -249,7 +262,7 @@ class KVManager:
         """Start a sequence on cached ``pages`` (the blocks with ``hashes``; `NO_PAGE` before a window)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already open")
-        seq = _Sequence(salt, list(pages), list(hashes), committed=len(hashes))
+        seq = _Sequence(salt, list(pages), list(hashes), committed=len(hashes), registered=len(hashes))
         if hashes:
             self._join_root(seq, hashes[0])
         now = self.reclaimer.tick()
@@ -315,9 +328,11 @@ class KVManager:
             h = _new_hasher()
             h.update(root_hash(seq.salt) + self._pack(*tokens[:block]))
             root = self._join_root(seq, h.digest())
-        if root.lone is seq:  # no other chain shares the root: register, hash later
-            self._register_lone(seq, root, done, full, now)
+        if root.lone is seq:  # no other chain shares the root: register and hash later, when one could tell
+            if not seq.registered:  # but block 0 at once: its hash is known
+                self._register_pending(seq, 1)
             return
+        seq.registered = full
         prev, pack = hashes[-1] if hashes else root_hash(seq.salt), self._pack
         by_hash, blocks, salt_pages, hasher = self._by_hash, self._blocks, None, _new_hasher
         for index in range(done, full):  # as `iter_block_hashes` with `chain_hash` inlined, block by block
@@ -338,22 +353,35 @@ class KVManager:
                     salt_pages = self._salt_pages(seq.salt)
                 salt_pages.add(page)
 
-    def _register_lone(self, seq: _Sequence, root: _Root, done: int, full: int, now: int) -> None:
-        """`commit` of blocks ``done:full`` of a lone root's chain: registered, unhashed (but block 0's)."""
-        blocks, table, salt, salt_pages, added = self._blocks, seq.table, seq.salt, None, 0
-        for index in range(done, full):
+    def _register_pending(self, seq: _Sequence, end: int | None = None) -> None:
+        """Register the blocks a lone root's chain committed since it last did (up to block ``end``), unhashed
+        but block 0: what eager hashing registers at commit, done when someone could tell."""
+        start, end = seq.registered, seq.committed if end is None else end
+        seq.registered = end
+        blocks, table, hashes, salt, root, now = self._blocks, seq.table, seq.hashes, seq.salt, seq.root, \
+            self.reclaimer.now
+        hashed = min(end, max(start, len(hashes)))
+        pages = []
+        for index in range(start, hashed):  # block 0 is hashed: it named the root
             page = table[index]
             if page != NO_PAGE and blocks[page] is None:
-                if index:
-                    blocks[page] = self._new_block(page, now, None, salt, root)
-                else:  # block 0 is hashed: it named the root
-                    blocks[page] = self._new_block(page, now, seq.hashes[0], salt, root)
-                    self._by_hash[seq.hashes[0]] = page
-                added += 1
-                if salt_pages is None:
-                    salt_pages = self._salt_pages(salt)
-                salt_pages.add(page)
-        root.refs += added
+                blocks[page] = self._new_block(page, now, hashes[index], salt, root)
+                self._by_hash[hashes[index]] = page
+                pages.append(page)
+        unhashed = [page for page in table[hashed:end] if page != NO_PAGE and blocks[page] is None]
+        for page in unhashed:
+            blocks[page] = self._new_block(page, now, None, salt, root)
+        pages += unhashed
+        if pages:
+            self._salt_pages(salt).update(pages)
+            root.refs += len(pages)
+
+    def _pending_owner(self, page: int) -> _Sequence | None:
+        """The open sequence whose committed, not yet registered blocks hold ``page`` (O(sequences))."""
+        for seq in self._seqs.values():
+            if seq.registered < seq.committed and page in seq.table[seq.registered:seq.committed]:
+                return seq
+        return None
 
     def _join_root(self, seq: _Sequence, first: bytes) -> _Root:
         """``seq``, whose block 0 hashes to ``first``, joins that root: lone if it is the first there,
@@ -384,6 +412,8 @@ class KVManager:
     def _hash_lone(self, root: _Root) -> None:
         """Hash the committed blocks of ``root``'s lone chain not hashed yet, and index those registered."""
         seq = root.lone
+        if seq.registered < seq.committed:
+            self._register_pending(seq)
         hashes, tokens, block, pack = seq.hashes, seq.tokens, self.block_tokens, self._pack
         prev, table, blocks, by_hash = hashes[-1], seq.table, self._blocks, self._by_hash
         for index in range(len(hashes), seq.committed):
@@ -402,6 +432,8 @@ class KVManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
+        if seq.registered < seq.committed:
+            self._register_pending(seq)
         self._release(seq.table[seq.dropped:] if seq.dropped else seq.table)
         if seq.root is not None:  # its registered blocks keep the root (and a lone chain) while they last
             self._leave_root(seq.root)
@@ -416,6 +448,8 @@ class KVManager:
             return
         if seq.root is not None and seq.root.lone is seq and len(seq.hashes) < seq.committed:
             self._hash_lone(seq.root)  # the blocks leaving keep their registrations: hash them while it can
+        elif seq.registered < seq.committed:
+            self._register_pending(seq)
         gone = seq.table[seq.dropped:first]
         seq.table[seq.dropped:first] = [NO_PAGE] * len(gone)
         seq.dropped = first
@@ -437,7 +471,10 @@ class KVManager:
     def invalidate(self, salt: str) -> int:
         """Forget every cached block computed under ``salt`` (its adapter was evicted); returns pages freed."""
         freed = 0
-        for page in list(self._by_salt.get(salt, ())):
+        for seq in self._seqs.values():  # its committed blocks not registered yet never will be
+            if seq.salt == salt:
+                seq.registered = max(seq.registered, seq.committed)
+        for page in sorted(self._by_salt.get(salt, ())):  # page order: how the set was built cannot matter
             if self.pool.kind(page) == PageKind.CACHED_KV:
                 self.reclaimer.remove(KV_BLOCK, page)
                 self.pool.drop(page)
@@ -532,7 +569,8 @@ class KVManager:
             assert self.pool.refcount(page) == count, f"page {page}: refcount != block tables holding it"
         under: dict[bytes, int] = {}  # root -> registered blocks and open sequences under it
         for seq in self._seqs.values():
-            assert len(seq.hashes) <= seq.committed <= len(seq.table)
+            assert len(seq.hashes) <= seq.committed <= len(seq.table) and seq.registered <= seq.committed
+            assert seq.registered == seq.committed or seq.root.lone is seq, "an eager chain left blocks pending"
             if seq.root is not None:
                 assert seq.root.key == seq.hashes[0] and self._roots[seq.root.key] is seq.root
                 assert seq.root.lone is seq or seq.root.lone is None

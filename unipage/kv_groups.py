@@ -131,7 +131,7 @@ class GroupedKV:
 
     def _evict_cached(self, page: int) -> None:
         """Reclaimer callback: drop a cached block of either group (page ids are disjoint)."""
-        group = self.full if self.full.registered(page) else self.windowed
+        group = self.full if self.full.is_cached(page) else self.windowed
         group._evict_cached(page)
 
 

@@ -74,6 +74,11 @@ class Reclaimer:
         self._clock += 1
         return self._clock
 
+    @property
+    def now(self) -> int:
+        """The clock's last tick (not advanced)."""
+        return self._clock
+
     def ticks(self, n: int) -> range:
         """Advance the clock ``n`` times at once; the ``n`` ticks, in order (as ``n`` calls of `tick`)."""
         start = self._clock + 1
