@@ -244,7 +244,7 @@ class Admission:
         step.reqs.append(req)
         step.budget -= n
         req.num_computed_tokens = cached + n
-        sched.running.append(req)
+        sched._add_running(req)
         sched.policy.on_admit(req)
         sched.stats.admitted += 1
         sched.stats.prefix_hit_tokens += cached

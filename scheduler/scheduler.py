@@ -87,6 +87,8 @@ class Scheduler:
         self.policy = make_policy(config.policy, config)
         self.requests: dict[str, Request] = {}  # every live request (not finished, not aborted)
         self.running: list[Request] = []  # admission order
+        self._running_ids: list[str] = []  # their ids and adapter slots, in that order (the batch lists of the
+        self._running_slots: list[int] = []  # common decode step, kept as requests come and go)
         self.stats = SchedulerStats()
         self._reserve = config.admission == "reserve"
         self._slides = bool(self.kv.window)  # sliding-window layers return pages that leave the window
@@ -121,7 +123,7 @@ class Scheduler:
         if req is None:
             return False
         if req.status is _RUNNING:
-            self.running.remove(req)
+            self._remove_running(req)
         self._drop(req, RequestStatus.ABORTED, FinishReason.ABORT)
         return True
 
@@ -184,6 +186,8 @@ class Scheduler:
         step.num_running = len(step.reqs)
         if step.out.preempted_ids:
             self.running = [r for r in self.running if r.status is _RUNNING]
+            self._running_ids = [r.request_id for r in self.running]
+            self._running_slots = [r.slot for r in self.running]
 
     def _schedule_decodes(self, step: Step) -> int:
         """The common step: every running request decodes one token, and the budget covers them all.
@@ -223,7 +227,7 @@ class Scheduler:
         batch = self.running[:scheduled]
         step.reqs += batch
         step.out.num_scheduled_tokens += [1] * scheduled
-        step.out.token_slots += [req.slot for req in batch]
+        step.out.token_slots += self._running_slots[:scheduled]
         step.budget -= scheduled
 
     def _grow_each(self, reqs: list[Request], step: Step) -> bool:
@@ -303,10 +307,10 @@ class Scheduler:
 
     def _seal(self, step: Step) -> SchedulerOutput:
         out = step.out
-        out.req_ids = [r.request_id for r in step.reqs]
+        step.all_running = len(step.reqs) == len(self.running)  # then in the same order
+        out.req_ids = self._running_ids[:] if step.all_running else [r.request_id for r in step.reqs]
         out.running_ids = out.req_ids[:step.num_running]
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.budget
-        step.all_running = len(step.reqs) == len(self.running)
         if step.all_running:
             out.adapters = list(self.running_adapters)
         else:
@@ -377,7 +381,7 @@ class Scheduler:
         req.next_check = next_check(req)
         if reason is not None:
             self._drop(req, RequestStatus.FINISHED, reason)
-            self.running.remove(req)  # O(running) in C; finishes are few per step
+            self._remove_running(req)
         elif tokens is plain.new_token_ids:
             return plain
         return RequestOutput(req.request_id, tokens, reason)
@@ -403,6 +407,16 @@ class Scheduler:
         del waiting[req.request_id]
         if not waiting:
             del self._awaiting[req.adapter]
+
+    def _add_running(self, req: Request) -> None:
+        self.running.append(req)
+        self._running_ids.append(req.request_id)
+        self._running_slots.append(req.slot)
+
+    def _remove_running(self, req: Request) -> None:
+        """O(running) in C; finishes are few per step."""
+        i = self.running.index(req)
+        del self.running[i], self._running_ids[i], self._running_slots[i]
 
     def _release_running(self, req: Request) -> None:
         """Free a running request's KV and unpin its adapter (the caller updates ``self.running``)."""

@@ -119,6 +119,8 @@ def check_scheduler(sched: "Scheduler") -> None:
     assert {r.request_id for r in waiting}.isdisjoint(r.request_id for r in sched.running)
     assert len(waiting) + len(sched.running) == len(sched.requests)
     assert len(sched.running) <= sched.config.max_num_seqs
+    assert sched._running_ids == [r.request_id for r in sched.running]
+    assert sched._running_slots == [r.slot for r in sched.running]
     counts: dict[str, int] = {}
     for req in sched.running:
         assert sched.requests[req.request_id] is req and req.status is RequestStatus.RUNNING

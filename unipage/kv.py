@@ -347,7 +347,7 @@ class KVManager:
             if prev not in by_hash and page != NO_PAGE and blocks[page] is None:  # else an equal block was
                 #   registered first (or the block already left the window)
                 by_hash[prev] = page
-                blocks[page] = self._new_block(page, now, prev, seq.salt, root)
+                self._new_blocks((page,), now, prev, seq.salt, root)
                 root.refs += 1
                 if salt_pages is None:
                     salt_pages = self._salt_pages(seq.salt)
@@ -365,12 +365,11 @@ class KVManager:
         for index in range(start, hashed):  # block 0 is hashed: it named the root
             page = table[index]
             if page != NO_PAGE and blocks[page] is None:
-                blocks[page] = self._new_block(page, now, hashes[index], salt, root)
+                self._new_blocks((page,), now, hashes[index], salt, root)
                 self._by_hash[hashes[index]] = page
                 pages.append(page)
         unhashed = [page for page in table[hashed:end] if page != NO_PAGE and blocks[page] is None]
-        for page in unhashed:
-            blocks[page] = self._new_block(page, now, None, salt, root)
+        self._new_blocks(unhashed, now, None, salt, root)
         pages += unhashed
         if pages:
             self._salt_pages(salt).update(pages)
@@ -505,19 +504,22 @@ class KVManager:
         registered = self._blocks
         self.reclaimer.add_used_now([registered[page] for page in pages])
 
-    def _new_block(self, page: int, now: int, block_hash: bytes | None, salt: str, root: _Root) -> _Block:
-        """The registration of ``page``: its last one reset (no one holds an unregistered block), or a new one."""
-        block = self._block_at[page]
-        if block is None:
-            block = self._block_at[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, block_hash,
-                                                  salt, root)
-        else:
-            block.inserted = block.last_used = now
-            block.uses = 1
-            block.hash = block_hash
-            block.salt = salt
-            block.root = root
-        return block
+    def _new_blocks(self, pages, now: int, block_hash: bytes | None, salt: str, root: _Root) -> None:
+        """Register ``pages``: each one's last registration reset (no one holds an unregistered block), or a new
+        one."""
+        blocks, block_at = self._blocks, self._block_at
+        for page in pages:
+            block = block_at[page]
+            if block is None:
+                block = block_at[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, block_hash,
+                                                salt, root)
+            else:
+                block.inserted = block.last_used = now
+                block.uses = 1
+                block.hash = block_hash
+                block.salt = salt
+                block.root = root
+            blocks[page] = block
 
     def _salt_pages(self, salt: str) -> set[int]:
         """The registered pages computed under ``salt``, created empty if none are."""
@@ -527,17 +529,22 @@ class KVManager:
         return pages
 
     def _unregister(self, page: int) -> None:
-        block, self._blocks[page] = self._blocks[page], None
-        if block.hash is not None:
-            del self._by_hash[block.hash]
-        pages = self._by_salt[block.salt]
-        pages.discard(page)
-        if not pages:
-            del self._by_salt[block.salt]
-        root = block.root
-        root.refs -= 1
-        if not root.refs:
-            del self._roots[root.key]
+        self._unregister_many((page,))
+
+    def _unregister_many(self, pages) -> None:
+        blocks, by_hash, by_salt, roots = self._blocks, self._by_hash, self._by_salt, self._roots
+        for page in pages:
+            block, blocks[page] = blocks[page], None
+            if block.hash is not None:
+                del by_hash[block.hash]
+            salt_pages = by_salt[block.salt]
+            salt_pages.discard(page)
+            if not salt_pages:
+                del by_salt[block.salt]
+            root = block.root
+            root.refs -= 1
+            if not root.refs:
+                del roots[root.key]
 
     def _evict_cached(self, page: int) -> None:
         """Reclaimer callback: drop a cached block."""
@@ -546,8 +553,7 @@ class KVManager:
 
     def _evict_cached_many(self, pages: list[int]) -> None:
         """Reclaimer callback: drop several cached blocks, in order."""
-        for page in pages:
-            self._unregister(page)
+        self._unregister_many(pages)
         self.pool.drop_many(pages)
 
     def check(self) -> None:
