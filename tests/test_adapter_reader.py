@@ -1,6 +1,8 @@
 """Adapter reads in helper processes (`unipage.adapter_reader`, used on CUDA): the same packed
 buffer as packing in-process, failures reported as `AdapterError`, and a dead worker replaced."""
 
+import os
+
 import pytest
 import torch
 from test_storage import setup
@@ -53,3 +55,19 @@ def test_a_dead_worker_fails_its_read_and_is_replaced(tmp_path):
         assert torch.equal(buf, read_and_pack(*_args(memory, "a0", torch.float32)))
     finally:
         readers.shutdown()
+
+
+def test_buffers_come_back_through_files_that_are_removed(tmp_path):
+    """Each packed buffer passes through one file of the pool's directory: gone once read, and the
+    directory is gone after shutdown."""
+    memory, _ = setup(tmp_path)
+    readers = ReaderPool(2)
+    directory = readers._dir
+    try:
+        futures = [readers.submit(*_args(memory, name, torch.bfloat16)) for name in ("a0", "a1", "a0")]
+        for future in futures:
+            future.result(timeout=120)
+        assert os.listdir(directory) == []
+    finally:
+        readers.shutdown()
+    assert not os.path.exists(directory)

@@ -9,22 +9,33 @@ took hundreds of them while decoding.  `ReaderPool` runs the same work in
 so the parent's ``__main__`` is never re-imported — and hands back the packed
 host buffer ``[L, n, P]`` (unpinned: the caller stages it through its pinned ring).
 
+The buffer comes back through a file in the pool's temporary directory, not the
+pipe: the parent's thread reads it with one ``readinto`` (the GIL released).
+Megabytes through a pipe arrive in 64 KiB pieces, and the parent's thread took
+the GIL back for every piece — a GIL convoy that slowed every torch call of the
+step loop while loads were in flight.
+
 Protocol, over each worker's stdin/stdout: frames of an 8-byte little-endian
 length and a pickle.  A request is ``(info, layout, model, page_elems,
-dtype_name)``; a reply is ``("ok", shape, dtype_name, raw bytes, seconds)``
-(seconds: the read and pack alone) or ``("error", exception type name, message)``.  The worker sends stray prints
-of imported code to stderr, so they never corrupt a frame.
+dtype_name, path)``; a reply is ``("ok", shape, dtype_name, seconds)`` with the
+raw bytes written to ``path`` (seconds: the read and pack alone) or ``("error",
+exception type name, message)``.  The worker sends stray prints of imported code
+to stderr, so they never corrupt a frame.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import pickle
 import queue
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -72,13 +83,22 @@ class _Worker:
                                      stdout=subprocess.PIPE, env=env)
 
     def call(self, request) -> tuple[torch.Tensor, float]:
-        _send(self.proc.stdin, request)
-        reply = _receive(self.proc.stdout)
-        if reply[0] == "error":
-            raise AdapterError(f"{reply[1]}: {reply[2]}")
-        _, shape, dtype_name, raw, seconds = reply
-        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype_name)).view(shape)
-        return buf, seconds
+        path = request[-1]
+        try:
+            _send(self.proc.stdin, request)
+            reply = _receive(self.proc.stdout)
+            if reply[0] == "error":
+                raise AdapterError(f"{reply[1]}: {reply[2]}")
+            _, shape, dtype_name, seconds = reply
+            dtype = getattr(torch, dtype_name)
+            buf = torch.empty(shape, dtype=dtype)
+            with open(path, "rb") as f:
+                if f.readinto(buf.view(-1).view(torch.uint8).numpy()) != buf.numel() * buf.element_size():
+                    raise AdapterError(f"the adapter reader process wrote a short buffer to {path}")
+            return buf, seconds
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -100,11 +120,14 @@ class ReaderPool:
         self._idle.put(self._all[0])
         self._lock = threading.Lock()
         self._threads = ThreadPoolExecutor(workers, "unipage-adapter-read")
-        self._finalizer = weakref.finalize(self, _close, self._all, self._threads)
+        self._dir = tempfile.mkdtemp(prefix="unipage-reads-")  # the packed buffers on their way back
+        self._names = itertools.count()
+        self._finalizer = weakref.finalize(self, _close, self._all, self._threads, self._dir)
 
     def submit(self, info, layout, model, page_elems: int, dtype: torch.dtype) -> Future:
         """A future of ``(packed buffer, seconds the worker spent)``; it raises `AdapterError` for a failed read."""
-        request = (info, layout, model, page_elems, str(dtype).removeprefix("torch."))
+        path = os.path.join(self._dir, f"{next(self._names)}.bin")
+        request = (info, layout, model, page_elems, str(dtype).removeprefix("torch."), path)
         return self._threads.submit(self._run, request)
 
     def _take(self) -> _Worker:
@@ -133,10 +156,11 @@ class ReaderPool:
         self._finalizer()
 
 
-def _close(workers: list[_Worker], threads: ThreadPoolExecutor) -> None:
+def _close(workers: list[_Worker], threads: ThreadPoolExecutor, directory: str) -> None:
     threads.shutdown(wait=False, cancel_futures=True)
     for worker in workers:
         worker.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> None:
@@ -147,14 +171,14 @@ def main() -> None:
     torch.set_num_threads(1)
     while True:
         try:
-            info, layout, model, page_elems, dtype_name = _receive(requests)
+            info, layout, model, page_elems, dtype_name, path = _receive(requests)
         except EOFError:
             return
         start = time.perf_counter()
         try:
             buf = read_and_pack(info, layout, model, page_elems, getattr(torch, dtype_name)).contiguous()
-            raw = buf.view(torch.uint8).numpy().tobytes()
-            reply = ("ok", tuple(buf.shape), dtype_name, raw, time.perf_counter() - start)
+            buf.view(-1).view(torch.uint8).numpy().tofile(path)
+            reply = ("ok", tuple(buf.shape), dtype_name, time.perf_counter() - start)
         except Exception as err:  # noqa: BLE001 - any failure is this load's, reported; the worker lives on
             reply = ("error", type(err).__name__, str(err))
         _send(replies, reply)
