@@ -248,7 +248,9 @@ class KVManager:
             raise ValueError(f"sequence {seq_id!r} is already open")
         if max_cached_tokens is not None:
             tokens = tokens[: max(max_cached_tokens, 0) // self.block_tokens * self.block_tokens]
-        if self.window and self.prefix_caching:  # `match_prefix`, keeping the hashes it computes
+        if len(tokens) < self.block_tokens:  # not a full block: nothing to look up
+            pages, hashes = [], []
+        elif self.window and self.prefix_caching:  # `match_prefix`, keeping the hashes it computes
             hashes = block_hashes(tokens, self.block_tokens, salt)
             pages = self.window_pages(self.lookup(hashes))
             hashes = hashes[:len(pages)]

@@ -41,6 +41,7 @@ from unipage.pool import PageKind, PagePool
 
 _SEQ, _KIND, _KEY = 2, 3, 4  # fields of an entry
 _NONE: dict = {}  # no candidates of a kind (never written)
+_NO_PAGES: frozenset = frozenset()
 
 
 class Reclaimer:
@@ -277,9 +278,10 @@ class Reclaimer:
         target = len(free) + pages
         skipped: list[tuple] = []  # protected heap entries popped on the way: pushed back at the end
         entry, seen = self._peek(protect, skipped), (self._seq, self._removed)
+        kv_protected = {key for kind, key in protect if kind == KV_BLOCK} if protect else _NO_PAGES
         page = self._lane_head(protect)
         while len(free) < target:
-            if page != end and self._evict_lane_run(page, target - len(free), entry, protect):
+            if page != end and self._evict_lane_run(page, target - len(free), entry, kv_protected):
                 pass  # a run of one-page blocks from the lane
             elif page != end and (entry is None or (stamp := cands[page].last_used) < entry[0]
                                   or (stamp == entry[0] and seqs[page] < entry[_SEQ])):
@@ -298,18 +300,18 @@ class Reclaimer:
             if (self._seq, self._removed) != seen:
                 entry = self._peek(protect, skipped)
                 seen = self._seq, self._removed
-            page = nxt[end] if not protect else self._lane_head(protect)
+            page = nxt[end] if not kv_protected else self._lane_head(protect)
         for held in skipped:
             self._push(held)
 
-    def _evict_lane_run(self, first: int, limit: int, entry: tuple | None, protect: frozenset = frozenset()) -> int:
-        """Evict up to ``limit`` one-page KV blocks of the lane from ``first`` on, while each is unprotected
-        and comes before the heap's ``entry``, exactly as one at a time; returns how many."""
+    def _evict_lane_run(self, first: int, limit: int, entry: tuple | None, protected: frozenset = frozenset()) -> int:
+        """Evict up to ``limit`` one-page KV blocks of the lane from ``first`` on, while each is not among the
+        ``protected`` pages and comes before the heap's ``entry``, exactly as one at a time; returns how many."""
         nxt, cands, seqs, end = self._next, self._lane_cand, self._lane_seq, self._end
         victims, page = [], first
         while len(victims) < limit and page != end:
             cand = cands[page]
-            if cand.pages != 1 or (protect and (KV_BLOCK, page) in protect) or (
+            if cand.pages != 1 or (protected and page in protected) or (
                     entry is not None and (cand.last_used > entry[0] or (
                         cand.last_used == entry[0] and seqs[page] > entry[_SEQ]))):
                 break
