@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 ALIGN = 512
@@ -38,8 +39,12 @@ class PinnedRing:
         start = self._room(size)
         if start is None:
             return None
-        dst = self.buf[start:start + nbytes].view(src.dtype).view(src.shape)
-        dst.copy_(src)
+        dst = self.buf[start:start + nbytes]
+        # One thread, the GIL released: torch's copy_ splits a copy over its intra-op threads, and
+        # with the reader processes busy on some cores the split copy waited on descheduled
+        # threads (3 ms for 2 MB while serving, 0.03 ms alone).
+        np.copyto(dst.numpy(), src.contiguous().view(-1).view(torch.uint8).numpy())
+        dst = dst.view(src.dtype).view(src.shape)
         self._live.append([start, start + size, None])
         self.head = start + size if start + size < self.capacity else 0
         return dst

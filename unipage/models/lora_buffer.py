@@ -73,9 +73,12 @@ class TableBuffer:
         if self.flat is self.host or not slots:
             return
         index = np.concatenate([self.positions(slot) for slot in slots])
-        packed = torch.from_numpy(np.stack([index, self.np[index].astype(np.int64)]))  # [2, n] int64
+        values = np.stack([index, self.np[index].astype(np.int64)])  # [2, n] int64
         if self.flat.is_cuda:  # the caching host allocator keeps a pinned block until its copy is done
-            packed = packed.pin_memory()
+            packed = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+            np.copyto(packed.numpy(), values)  # one thread (see unipage.pinned): not pin_memory's copy_
+        else:
+            packed = torch.from_numpy(values)
         moved = packed.to(self.flat.device, non_blocking=True)
         self.flat.index_copy_(0, moved[0], moved[1].to(torch.int32))
 
