@@ -304,7 +304,7 @@ class VTC(SchedulingPolicy):
         heap = self._heap
         while heap:
             counter, since, client = heap[0]
-            if not client.queue:
+            if not client.queue.items:  # (the list: a SortedQueue's own len() is a Python call)
                 heapq.heappop(heap)
                 client.in_heap = False
             elif counter < client.counter or since != client.since:

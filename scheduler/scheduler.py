@@ -343,11 +343,16 @@ class Scheduler:
         """
         reqs, running, events = step.reqs, _RUNNING, []
         for i, req, tokens in zip(count(), reqs, sampled):  # the hot loop: one new token each for most requests
-            if (req.status is running and len(tokens) == 1 and req.num_computed_tokens < req.next_check
-                    and tokens[0] not in req.stop_set):
-                req.all_token_ids.append(tokens[0])
-            else:
-                events.append(i)
+            if req.status is running and req.num_computed_tokens < req.next_check:
+                try:
+                    [token] = tokens  # (cheaper than len() and two subscripts)
+                except ValueError:  # none (a prefill chunk) or several
+                    events.append(i)
+                    continue
+                if token not in req.stop_set:
+                    req.all_token_ids.append(token)
+                    continue
+            events.append(i)
         made = make_outputs(step.out.req_ids, sampled)  # batch order; events replace theirs
         now, single, silent = self.clock(), True, False
         for i in events:
