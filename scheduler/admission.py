@@ -268,9 +268,9 @@ class Admission:
                     continue
                 seen += 1
                 name = req.adapter
-                if name is None or name not in self.adapters:
+                record = self.adapters.find(name) if name is not None else None
+                if record is None:
                     continue
-                record = self.adapters.get(name)
                 if not record.resident and self._spare_pages(step.protect) >= record.num_pages + headroom:
                     self.adapters.request(name, step.protect)
                 step.protect.add((ADAPTER, name))

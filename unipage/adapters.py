@@ -156,6 +156,10 @@ class AdapterManager:
             raise UnknownAdapterError(f"unknown adapter {name!r}; registered: "
                                       f"{sorted(self._adapters)[:20]}") from None
 
+    def find(self, name: str) -> AdapterRecord | None:
+        """The adapter's record, or None if ``name`` is not registered."""
+        return self._adapters.get(name)
+
     def __contains__(self, name: str) -> bool:
         return name in self._adapters
 
