@@ -459,14 +459,17 @@ class KVManager:
     def _release(self, pages: list[int]) -> None:
         """Drop one use of each of a sequence's ``pages`` (in token order), as `free` describes."""
         blocks, refs = self._blocks, self.pool.refcounts()
-        cached, unshared = [], []
+        cached, cached_blocks, unshared = [], [], []
         for page in reversed(pages):  # tail first: the tail is older under LRU
-            if refs[page] == 1 and blocks[page] is not None:
+            block = blocks[page]
+            if refs[page] == 1 and block is not None:
                 cached.append(page)
+                cached_blocks.append(block)
             else:
                 unshared.append(page)
-        if cached:
-            self._cache(cached)
+        if cached:  # registered pages whose last user left: cached blocks, stamped in order, and offered
+            self.pool.cache_many(cached)
+            self.reclaimer.add_used_now(cached_blocks)
         self.pool.free(unshared)
 
     def invalidate(self, salt: str) -> int:
@@ -499,12 +502,6 @@ class KVManager:
         block = self._blocks[page]
         block.uses += 1
         block.last_used = now
-
-    def _cache(self, pages: list[int]) -> None:
-        """Keep registered pages whose last user left as cached blocks, stamped in order, and offer them."""
-        self.pool.cache_many(pages)
-        registered = self._blocks
-        self.reclaimer.add_used_now([registered[page] for page in pages])
 
     def _new_blocks(self, pages, now: int, block_hash: bytes | None, salt: str, root: _Root) -> None:
         """Register ``pages``: each one's last registration reset (no one holds an unregistered block), or a new
