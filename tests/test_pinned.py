@@ -86,3 +86,17 @@ def test_too_large_is_refused_and_an_empty_ring_restarts_at_zero():
 def test_rejects_a_tiny_ring():
     with pytest.raises(ValueError, match="at least"):
         PinnedRing(ALIGN - 1, pin=False)
+
+
+def test_one_hold_covers_every_slice_staged_since_the_last():
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    first, second = Event(), Event()
+    ring.stage(_src(ALIGN, 0))
+    ring.hold(first)
+    ring.stage(_src(ALIGN, 1))
+    ring.stage(_src(ALIGN, 2))
+    ring.hold(second)  # both slices staged after the first hold
+    first.done = True
+    assert ring.stage(_src(2 * ALIGN, 3)) is None  # only the first unit is free: [0, 1)
+    second.done = True
+    assert ring.stage(_src(3 * ALIGN, 3)) is not None and ring.in_use == 1

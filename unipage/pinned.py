@@ -33,7 +33,7 @@ class PinnedRing:
 
     def stage(self, src: torch.Tensor) -> torch.Tensor | None:
         """A copy of ``src`` (same shape and dtype) in the ring, or None when there is no room now.
-        Call `hold` with the event behind the copy that reads it before staging again."""
+        Call `hold` with the event behind the copies that read it once they are issued."""
         nbytes = src.numel() * src.element_size()
         size = -(-nbytes // ALIGN) * ALIGN
         start = self._room(size)
@@ -50,8 +50,12 @@ class PinnedRing:
         return dst
 
     def hold(self, event) -> None:
-        """The copy that reads the last staged slice completes with ``event`` (``query() -> bool``)."""
-        self._live[-1][2] = event
+        """The copies that read the slices staged since the last `hold` complete with ``event``
+        (``query() -> bool``)."""
+        for live in reversed(self._live):
+            if live[2] is not None:
+                break
+            live[2] = event
 
     @property
     def in_use(self) -> int:

@@ -148,14 +148,19 @@ class PoolStorage:
         if not self._cuda:
             self.pool.index_copy_(1, torch.tensor(effect.pages, dtype=torch.long), buf)
             return
+        pages = torch.tensor(effect.pages, dtype=torch.long)
         staged = self._ring.stage(buf)
-        src = staged if staged is not None else buf.pin_memory()
+        if staged is None:
+            src, index = buf.pin_memory(), pages
+        else:
+            src, index = staged, self._ring.stage(pages)
+            index = pages if index is None else index
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             # Allocated on the side stream, so their memory is not reused by the compute
             # stream before the copy has run.
-            index = torch.tensor(effect.pages, dtype=torch.long).to(self.device, non_blocking=True)
-            self.pool.index_copy_(1, index, src.to(self.device, non_blocking=True))
+            self.pool.index_copy_(1, index.to(self.device, non_blocking=True),
+                                  src.to(self.device, non_blocking=True))
             event = torch.cuda.Event()
             event.record(self._stream)
         if staged is not None:

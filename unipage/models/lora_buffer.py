@@ -12,7 +12,8 @@ Slot ``s`` owns the elements ``base + s * stride`` (two index vectors fixed by S
 model): its page ids zero-padded to W, then its `SlotRows.values`.  A released slot is all
 zeros: no pages, rank 0, no expert LoRA.  On CPU the host array *is* the tables; on CUDA it
 mirrors a device buffer, and `upload` sends the elements of the slots that changed as one
-pinned ``[2, n]`` int64 host-to-device copy (positions, values) and one scatter.
+``[2, n]`` int64 host-to-device copy (positions, values) out of a persistent pinned staging
+buffer, and one scatter.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class TableBuffer:
         mirror = device.type != "cpu" if mirror is None else mirror
         self.flat = torch.zeros_like(self.host, device=device) if mirror else self.host
         self.regions = [self._region(i) for i in range(len(cols))]  # (device [S, cols], host [S, cols]), made once
+        self._stage: torch.Tensor | None = None  # [2, capacity] int64 pinned: uploads pass through it (CUDA)
+        self._copied = None  # CUDA event: the last upload's copy out of the staging buffer is done
 
     def positions(self, slot: int) -> np.ndarray:
         """``[n]`` int64: the slot's elements in the flat buffer."""
@@ -74,13 +77,25 @@ class TableBuffer:
             return
         index = np.concatenate([self.positions(slot) for slot in slots])
         values = np.stack([index, self.np[index].astype(np.int64)])  # [2, n] int64
-        if self.flat.is_cuda:  # the caching host allocator keeps a pinned block until its copy is done
-            packed = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
-            np.copyto(packed.numpy(), values)  # one thread (see unipage.pinned): not pin_memory's copy_
-        else:
-            packed = torch.from_numpy(values)
+        packed = self._staged(values) if self.flat.is_cuda else torch.from_numpy(values)
         moved = packed.to(self.flat.device, non_blocking=True)
         self.flat.index_copy_(0, moved[0], moved[1].to(torch.int32))
+        if self.flat.is_cuda:
+            self._copied.record()
+
+    def _staged(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` in the persistent pinned staging buffer, once the copy out of it before is done.
+
+        One pinned buffer, reused: allocating a pinned block per upload cost about a millisecond.
+        The previous upload's copy ran in the step before, so the wait is normally none."""
+        n = values.shape[1]
+        if self._stage is None or self._stage.shape[1] < n:
+            self._stage = torch.empty(2, max(1024, 1 << (n - 1).bit_length()), dtype=torch.int64, pin_memory=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._copied.synchronize()
+        np.copyto(self._stage.numpy()[:, :n], values)  # one thread (see unipage.pinned)
+        return self._stage[:, :n]
 
     def upload_all(self) -> None:
         if self.flat is not self.host:
