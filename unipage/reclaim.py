@@ -90,8 +90,12 @@ class Reclaimer:
                        evict_many: Callable[[list], None] | None = None) -> None:
         """``evict(key)`` must release the candidate's pages back to the pool.  ``evict_many(keys)``, if
         given, does the same for several KV blocks at once, in order (it must not change the candidates)."""
+        def evict_each(keys: list) -> None:
+            for key in keys:
+                evict(key)
+
         self._owners[kind] = evict
-        self._evict_many[kind] = evict_many or (lambda keys: [evict(key) for key in keys])
+        self._evict_many[kind] = evict_many or evict_each
         self.evictions.setdefault(kind, 0)
 
     # -- the candidate set ----------------------------------------------
@@ -282,7 +286,7 @@ class Reclaimer:
         page = self._lane_head(protect)
         while len(free) < target:
             if page != end and self._evict_lane_run(page, target - len(free), entry, kv_protected):
-                pass  # a run of one-page blocks from the lane
+                pass  # a run of one-page blocks left the lane
             elif page != end and (entry is None or (stamp := cands[page].last_used) < entry[0]
                                   or (stamp == entry[0] and seqs[page] < entry[_SEQ])):
                 before, after = prev[page], nxt[page]  # `_unlink`, inlined (a block of several pages)
