@@ -28,7 +28,7 @@ def test_a_worker_packs_what_the_process_packs(tmp_path, pool, dtype):
     memory, _ = setup(tmp_path)
     futures = {name: pool.submit(*_args(memory, name, dtype)) for name in ("a0", "a1")}  # both formats at once
     for name, future in futures.items():
-        buf, seconds = pool.wait(future, 120)
+        buf, seconds = future.result(timeout=120)
         want = read_and_pack(*_args(memory, name, dtype))
         assert buf.dtype == dtype and torch.equal(buf, want) and seconds > 0
 
@@ -38,8 +38,8 @@ def test_a_failed_read_is_an_adapter_error_and_the_worker_lives_on(tmp_path, poo
     weights = tmp_path / "a0" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # same size, other content
     with pytest.raises(AdapterError, match="changed since they were inspected"):
-        pool.wait(pool.submit(*_args(memory, "a0", torch.float32)), 120)
-    buf, _ = pool.wait(pool.submit(*_args(memory, "a1", torch.float32)), 120)
+        pool.submit(*_args(memory, "a0", torch.float32)).result(timeout=120)
+    buf, _ = pool.submit(*_args(memory, "a1", torch.float32)).result(timeout=120)
     assert torch.equal(buf, read_and_pack(*_args(memory, "a1", torch.float32)))
 
 
@@ -47,11 +47,11 @@ def test_a_dead_worker_fails_its_read_and_is_replaced(tmp_path):
     memory, _ = setup(tmp_path)
     readers = ReaderPool(1)
     try:
-        readers._workers[0].proc.kill()
-        readers._workers[0].proc.wait()
+        readers._all[0].proc.kill()
+        readers._all[0].proc.wait()
         with pytest.raises(AdapterError, match="reader process failed"):
-            readers.wait(readers.submit(*_args(memory, "a0", torch.float32)), 120)
-        buf, _ = readers.wait(readers.submit(*_args(memory, "a0", torch.float32)), 120)
+            readers.submit(*_args(memory, "a0", torch.float32)).result(timeout=120)
+        buf, _ = readers.submit(*_args(memory, "a0", torch.float32)).result(timeout=120)
         assert torch.equal(buf, read_and_pack(*_args(memory, "a0", torch.float32)))
     finally:
         readers.shutdown()
@@ -66,7 +66,7 @@ def test_buffers_come_back_through_files_that_are_removed(tmp_path):
     try:
         futures = [readers.submit(*_args(memory, name, torch.bfloat16)) for name in ("a0", "a1", "a0")]
         for future in futures:
-            readers.wait(future, 120)
+            future.result(timeout=120)
         assert os.listdir(directory) == []
     finally:
         readers.shutdown()

@@ -9,11 +9,14 @@ took hundreds of them while decoding.  `ReaderPool` runs the same work in
 so the parent's ``__main__`` is never re-imported — and hands back the packed
 host buffer ``[L, n, P]`` (unpinned: the caller stages it through its pinned ring).
 
-The parent has no threads for this: reader threads, waking for every reply and
-every 64 KiB piece of a buffer, took the GIL from the step loop while loads were
-in flight.  `ReaderPool.poll`, called by the storage each step, checks the
-workers' pipes without blocking; the buffer itself comes back through a file in
-the pool's temporary directory, read with one ``readinto``.
+The parent's threads that talk to the workers must hold the GIL as little as
+possible: whenever one takes it, the step loop's next torch call waits for it.
+So the request is pickled by the caller, and the buffer comes back through a
+file in the pool's temporary directory, read with one ``readinto`` (the GIL
+released), not through the pipe: megabytes through a pipe arrive in 64 KiB
+pieces, and the thread took the GIL back for every piece.  (A design without
+threads, polling the pipes from the step loop, measured worse: replies waited
+for the next poll, so loads took longer.)
 
 Protocol, over each worker's stdin/stdout: frames of an 8-byte little-endian
 length and a pickle.  A request is ``(info, layout, model, page_elems,
@@ -25,21 +28,21 @@ to stderr, so they never corrupt a frame.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import os
 import pickle
-import select
+import queue
 import shutil
 import signal
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -56,8 +59,12 @@ def read_and_pack(info, layout, model, page_elems: int, dtype: torch.dtype) -> t
     return pack_adapter(layout, load_adapter_weights(info, model), page_elems, dtype)
 
 
+def _frame(obj) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _send(stream, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = obj if isinstance(obj, bytes) else _frame(obj)
     stream.write(_LENGTH.pack(len(data)))
     stream.write(data)
     stream.flush()
@@ -75,33 +82,26 @@ def _receive(stream):
 
 
 class _Worker:
-    """One ``python -m unipage.adapter_reader`` process and the read it is doing, if any."""
+    """One ``python -m unipage.adapter_reader`` process."""
 
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # modules as found here
         self.proc = subprocess.Popen([sys.executable, "-m", "unipage.adapter_reader"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
-        self.job: tuple[Future, str] | None = None  # (future, path) of the read in flight
 
-    def send(self, request, future: Future) -> None:
-        self.job = (future, request[-1])
-        _send(self.proc.stdin, request)
-
-    def finish(self) -> None:
-        """Take the reply of the read in flight (its frame has arrived) and complete its future."""
-        future, path = self.job
-        self.job = None
+    def call(self, request: bytes, path: str) -> tuple[torch.Tensor, float]:
         try:
+            _send(self.proc.stdin, request)
             reply = _receive(self.proc.stdout)
             if reply[0] == "error":
-                future.set_exception(AdapterError(f"{reply[1]}: {reply[2]}"))
-                return
+                raise AdapterError(f"{reply[1]}: {reply[2]}")
             _, shape, dtype_name, seconds = reply
-            buf = torch.empty(shape, dtype=getattr(torch, dtype_name))
+            dtype = getattr(torch, dtype_name)
+            buf = torch.empty(shape, dtype=dtype)
             with open(path, "rb") as f:
                 if f.readinto(buf.view(-1).view(torch.uint8).numpy()) != buf.numel() * buf.element_size():
-                    raise EOFError(f"the adapter reader process wrote a short buffer to {path}")
-            future.set_result((buf, seconds))
+                    raise AdapterError(f"the adapter reader process wrote a short buffer to {path}")
+            return buf, seconds
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -117,85 +117,57 @@ class _Worker:
 
 class ReaderPool:
     """Up to ``workers`` reader processes: one started at once (it imports torch while the engine
-    starts), the others when reads overlap.  No threads: `poll` (which the storage calls every
-    step) takes the replies that have arrived and hands waiting reads to idle workers, without
-    blocking.  The processes exit when the pool is shut down or collected."""
+    starts), the others when reads overlap.  They exit when the pool is shut down or collected."""
 
     def __init__(self, workers: int) -> None:
         self.max_workers = workers
-        self._workers: list[_Worker] = [_Worker()]
-        self._waiting: collections.deque[tuple[tuple, Future]] = collections.deque()
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._all: list[_Worker] = [_Worker()]
+        self._idle.put(self._all[0])
+        self._lock = threading.Lock()
+        self._threads = ThreadPoolExecutor(workers, "unipage-adapter-read")
         self._dir = tempfile.mkdtemp(prefix="unipage-reads-")  # the packed buffers on their way back
         self._names = itertools.count()
-        self._finalizer = weakref.finalize(self, _close, self._workers, self._waiting, self._dir)
+        self._finalizer = weakref.finalize(self, _close, self._all, self._threads, self._dir)
 
     def submit(self, info, layout, model, page_elems: int, dtype: torch.dtype) -> Future:
-        """A future of ``(packed buffer, seconds the worker spent)``, completed by a later `poll`;
-        it raises `AdapterError` for a failed read."""
+        """A future of ``(packed buffer, seconds the worker spent)``; it raises `AdapterError` for a failed read."""
         path = os.path.join(self._dir, f"{next(self._names)}.bin")
-        future: Future = Future()
-        self._waiting.append(((info, layout, model, page_elems, str(dtype).removeprefix("torch."), path), future))
-        self._dispatch()
-        return future
+        # Pickled here, on the caller's thread: a reader thread pickling it would hold the GIL
+        # for a millisecond or more, and the step loop would wait for it.
+        request = _frame((info, layout, model, page_elems, str(dtype).removeprefix("torch."), path))
+        return self._threads.submit(self._run, request, path)
 
-    def poll(self) -> None:
-        """Complete the futures of the reads whose worker has replied; start waiting reads."""
-        busy = [w for w in self._workers if w.job is not None]
-        if busy:
-            ready, _, _ = select.select([w.proc.stdout for w in busy], [], [], 0)
-            for worker in busy:
-                if worker.proc.stdout in ready:
-                    self._finish(worker)
-        self._dispatch()
-
-    def wait(self, future: Future, timeout: float) -> tuple[torch.Tensor, float]:
-        """Poll until ``future`` is done (at most ``timeout`` seconds); its result."""
-        deadline = time.monotonic() + timeout
-        while not future.done() and time.monotonic() < deadline:
-            busy = [w.proc.stdout for w in self._workers if w.job is not None]
-            select.select(busy, [], [], min(0.05, max(0.0, deadline - time.monotonic())))
-            self.poll()
-        return future.result(timeout=0)
-
-    def _finish(self, worker: _Worker) -> None:
-        future = worker.job[0]
+    def _take(self) -> _Worker:
         try:
-            worker.finish()
+            return self._idle.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                if len(self._all) < self.max_workers:
+                    self._all.append(_Worker())
+                    return self._all[-1]
+            return self._idle.get()
+
+    def _run(self, request: bytes, path: str) -> tuple[torch.Tensor, float]:
+        worker = self._take()
+        try:
+            return worker.call(request, path)
         except (EOFError, OSError) as err:  # the process died: replace it, fail this read
-            future.set_exception(AdapterError(f"the adapter reader process failed: {err}"))
-            self._replace(worker)
-
-    def _dispatch(self) -> None:
-        while self._waiting:
-            worker = next((w for w in self._workers if w.job is None), None)
-            if worker is None:
-                if len(self._workers) >= self.max_workers:
-                    return
-                worker = _Worker()
-                self._workers.append(worker)
-            request, future = self._waiting.popleft()
-            try:
-                worker.send(request, future)
-            except OSError as err:  # the process died: replace it, fail this read
-                worker.job = None
-                future.set_exception(AdapterError(f"the adapter reader process failed: {err}"))
-                self._replace(worker)
-
-    def _replace(self, worker: _Worker) -> None:
-        worker.close()
-        self._workers[self._workers.index(worker)] = _Worker()
+            worker.close()
+            with self._lock:
+                self._all[self._all.index(worker)] = worker = _Worker()
+            raise AdapterError(f"the adapter reader process failed: {err}") from err
+        finally:
+            self._idle.put(worker)
 
     def shutdown(self) -> None:
         self._finalizer()
 
 
-def _close(workers: list[_Worker], waiting: collections.deque, directory: str) -> None:
+def _close(workers: list[_Worker], threads: ThreadPoolExecutor, directory: str) -> None:
+    threads.shutdown(wait=False, cancel_futures=True)
     for worker in workers:
-        if worker.job is not None:
-            worker.job[0].cancel()
         worker.close()
-    for _, future in waiting:
-        future.cancel()
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -8,15 +8,14 @@ n = one adapter's pages.
 host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
 onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
 On CUDA the copy runs on a side stream from a slice of one pinned ring
-(`unipage.pinned`: nothing is pinned per adapter) and records an event:
-``poll()`` reports loads whose event has completed, and only then does the
-engine tell the scheduler, so no batch reads an adapter before its pages are
-written.  A load without a host copy first reads and packs the
+(`unipage.pinned`: nothing is pinned per adapter) and records an event: ``poll()`` reports loads whose event has completed, and only
+then does the engine tell the scheduler, so no batch reads an adapter before
+its pages are written.  A load without a host copy first reads and packs the
 adapter's files: on CUDA in helper processes (`READ_WORKERS`, see
-`unipage.adapter_reader`: work in this process would fight the step loop for
-the GIL), so a step never waits on a disk read — ``poll()`` collects the
-finished reads without blocking, starts their page copies, and reports a read
-that failed.  On CPU a load completes inside ``apply``.
+`unipage.adapter_reader`: threads of this process would fight the step loop
+for the GIL), so a step never waits on a disk read — ``poll()`` starts the
+page copy once the packed buffer is ready, and reports a read that failed.
+On CPU a load completes inside ``apply``.
 """
 
 from __future__ import annotations
@@ -95,8 +94,6 @@ class PoolStorage:
         """CUDA: start the page copies of reads that finished; report the loads whose copies
         have completed since the last poll, and the reads that failed."""
         result = ApplyResult()
-        if self._reader is not None:
-            self._reader.poll()
         for name in [n for n, (future, _) in self._reads.items() if future.done()]:
             future, effect = self._reads.pop(name)
             try:
