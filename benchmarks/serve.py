@@ -331,7 +331,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-adapters-per-batch", type=int, help="LoRAConfig.max_adapters_per_batch")
     p.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one step")
     p.add_argument("--pool-pages", type=int, help="pool size (default: the engine's; c: 8192)")
-    p.add_argument("--host-cache-gib", type=float, default=8.0, help="pinned host tier for adapters")
+    p.add_argument("--host-cache-gib", type=float, default=8.0, help="host tier (CPU memory) for adapters")
     p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
                    help="b: model shapes")
     p.add_argument("--counts", nargs="+", type=int, default=[5, 50, 500, 5000], help="c: registered adapters")

@@ -1,6 +1,6 @@
 """`AdapterManager`: the adapter registry and GPU residency.  Pure Python.
 
-Tiers: disk (a PEFT directory) -> host cache (pinned CPU memory, same page
+Tiers: disk (a PEFT directory) -> host cache (CPU memory, same page
 layout) -> GPU pages taken from the unified `PagePool`.  This class only
 decides; data movement is described as *effects* (`LoadAdapter`,
 `EvictAdapter`, `DropHostCopy`) that an executor performs — `PoolStorage` on

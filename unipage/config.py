@@ -220,7 +220,7 @@ class LoRAConfig:
 
     max_rank: int = 64  # largest LoRA rank accepted, 1..1024
     max_adapters_per_batch: int = 8  # distinct adapters in one step (a kernel grid dimension), >= 1
-    host_cache_bytes: int = 8 << 30  # byte budget of the pinned host tier, >= 0
+    host_cache_bytes: int = 8 << 30  # byte budget of the host tier (CPU memory), >= 0
     adapter_roots: tuple[str, ...] = ()  # directories adapters may be loaded from; empty = anywhere
     eviction_policy: str = "lru"  # lru, lfu, fifo, size, cost or idle (see unipage.eviction)
     h2d_bytes_per_s: float = 20e9  # host-to-device bandwidth, for the cost-aware policy

@@ -1,4 +1,4 @@
-"""Bookkeeping of the host tier: which adapters sit in pinned CPU memory.
+"""Bookkeeping of the host tier: which adapters keep a copy in CPU memory.
 
 A byte budget with least-recently-used replacement.  Pure Python: the
 buffers themselves live in `unipage.storage.PoolStorage`; this index only

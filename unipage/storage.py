@@ -8,9 +8,10 @@ n = one adapter's pages.
 host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
 onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
 On CUDA the copy runs on a side stream from a slice of one pinned ring
-(`unipage.pinned`: nothing is pinned per adapter) and records an event: ``poll()`` reports loads whose event has completed, and only
-then does the engine tell the scheduler, so no batch reads an adapter before
-its pages are written.  A load without a host copy first reads and packs the
+(`unipage.pinned`: nothing is pinned per adapter) and records an event:
+``poll()`` reports loads whose event has completed, and only then does the
+engine tell the scheduler, so no batch reads an adapter before its pages are
+written.  A load without a host copy first reads and packs the
 adapter's files: on CUDA in helper processes (`READ_WORKERS`, see
 `unipage.adapter_reader`: threads of this process would fight the step loop
 for the GIL), so a step never waits on a disk read — ``poll()`` starts the
@@ -125,7 +126,7 @@ class PoolStorage:
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
         buf = self._host.get(effect.name) if effect.from_host else None
         if buf is None and self._reader is not None:
-            # Pinned later, on this thread: a graph capture here would fail on another thread's cudaHostAlloc.
+            # Staged in the pinned ring later, by `poll` on this thread.
             future = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
                                          self.dtype)
             self._reads[effect.name] = (future, effect)
