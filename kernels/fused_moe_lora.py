@@ -36,8 +36,10 @@ Kernels (one launch each):
 With launch config ``"pdl": true`` on Hopper+, both expands are programmatic dependent
 launches: each program reads its tile, the metadata, the page table, its first run of
 weights (and, for gate/up, the base GEMM's raw output) before ``gdc_wait``, so that
-chain of dependent loads overlaps the kernel before it.  Only ``z`` / ``down_z`` / ``y``
-are read after the wait.
+chain of dependent loads overlaps the kernel before it; ``z`` / ``down_z`` / ``y`` are
+read only after the wait.  A program with no work waits too before it exits (`_finish_early`).
+The shrink is a plain launch: it may trigger its dependents early but never waits itself, so
+launching it with PDL would race its reads of ``x`` with the kernel before.
 
 Tiles: *pair mode* (``block_m`` 1) gives each pair its own program with no
 alignment pass (decode: groups hold about one pair); *group mode* (``block_m``
@@ -228,6 +230,14 @@ def _skip(flags_ptr, slot, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _finish_early(USE_PDL: tl.constexpr):
+    """A PDL program that exits without work still waits for the kernel before: this grid must
+    not complete (and release the next launch) before that kernel has."""
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
 def _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M: tl.constexpr):
     if BLOCK_M == 1:
         n = num_pairs
@@ -382,6 +392,7 @@ def _expand_gate_up_kernel(
     num_n = tl.cdiv(inter, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
+        _finish_early(USE_PDL)
         return
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
@@ -389,6 +400,7 @@ def _expand_gate_up_kernel(
     meta = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
     group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
     if _skip(flags_ptr, slot, BLOCK_M):
+        _finish_early(USE_PDL)
         return
     pt = pt_ptr + slot * stride_pt
     gate = meta + F_SLICE0  # slice 0 feeds the gate columns; the last slice the up columns
@@ -447,6 +459,7 @@ def _expand_down_kernel(
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
+        _finish_early(USE_PDL)
         return
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
@@ -455,6 +468,7 @@ def _expand_down_kernel(
     rank = tl.load(meta + F_DOWN_RANK)
     group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
     if _skip(flags_ptr, slot, BLOCK_M) | (rank == 0):
+        _finish_early(USE_PDL)
         return
     pt = pt_ptr + slot * stride_pt
     offs_r = tl.arange(0, RD_PAD)

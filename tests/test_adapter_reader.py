@@ -71,3 +71,15 @@ def test_buffers_come_back_through_files_that_are_removed(tmp_path):
     finally:
         readers.shutdown()
     assert not os.path.exists(directory)
+
+
+def test_a_removed_directory_is_made_again(tmp_path):
+    """A temporary-file cleaner may remove the pool's directory while the server idles."""
+    memory, _ = setup(tmp_path)
+    readers = ReaderPool(1)
+    try:
+        os.rmdir(readers._dir)
+        buf, _ = readers.submit(*_args(memory, "a1", torch.float32)).result(timeout=120)
+        assert torch.equal(buf, read_and_pack(*_args(memory, "a1", torch.float32)))
+    finally:
+        readers.shutdown()

@@ -17,7 +17,7 @@ from unipage.graphs import bucket_sizes
 from unipage.lora_layout import TargetSpec, build_layout
 from unipage.models import lora_tables
 from unipage.models.lora_buffer import TableBuffer
-from unipage.models.lora_rows import GROUPS
+from unipage.models.lora_rows import GROUPS, model_groups
 from unipage.models.lora_tables import MIN_PAGES, MIN_SLOTS, LoraTables, largest_layout
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4,
@@ -267,3 +267,30 @@ def test_bucket_sizes_cover_every_batch():
     for count in range(1, 257):
         bucket = next(b for b in sizes if b >= count)
         assert bucket - count <= max(8, count // 4)  # padding stays small
+
+
+
+
+class _DoneEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_uploads_stage_in_one_contiguous_buffer(monkeypatch):
+    """A strided staging view would make the device copy go through a temporary, unpinned copy.
+    (On CPU: no pinning and no events; the staging logic is the same.)"""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(torch.cuda, "Event", _DoneEvent)
+    buf = TableBuffer(model_groups(MODEL), 8, 4, torch.device("cpu"), mirror=True)
+    first = None
+    for n in (5, 700, 3000):  # the last one grows the buffer
+        values = torch.randint(0, 1000, (2, n)).numpy()
+        staged = buf._staged(values)
+        assert staged.is_contiguous() and staged.shape == (2, n)
+        assert torch.equal(staged, torch.from_numpy(values)) and staged.data_ptr() == buf._stage.data_ptr()
+        first = first or buf._stage.data_ptr()
+        assert (buf._stage.data_ptr() == first) == (n < 3000)

@@ -98,9 +98,13 @@ class _Worker:
             _, shape, dtype_name, seconds = reply
             dtype = getattr(torch, dtype_name)
             buf = torch.empty(shape, dtype=dtype)
-            with open(path, "rb") as f:
-                if f.readinto(buf.view(-1).view(torch.uint8).numpy()) != buf.numel() * buf.element_size():
-                    raise AdapterError(f"the adapter reader process wrote a short buffer to {path}")
+            try:  # an error here is the file's, not the worker's: it lives on
+                with open(path, "rb") as f:
+                    got = f.readinto(buf.view(-1).view(torch.uint8).numpy())
+            except OSError as err:
+                raise AdapterError(f"reading the packed buffer back from {path} failed: {err}") from err
+            if got != buf.numel() * buf.element_size():
+                raise AdapterError(f"the adapter reader process wrote a short buffer to {path}")
             return buf, seconds
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -132,6 +136,7 @@ class ReaderPool:
 
     def submit(self, info, layout, model, page_elems: int, dtype: torch.dtype) -> Future:
         """A future of ``(packed buffer, seconds the worker spent)``; it raises `AdapterError` for a failed read."""
+        os.makedirs(self._dir, exist_ok=True)  # a temp-dir cleaner may have removed it
         path = os.path.join(self._dir, f"{next(self._names)}.bin")
         # Pickled here, on the caller's thread: a reader thread pickling it would hold the GIL
         # for a millisecond or more, and the step loop would wait for it.

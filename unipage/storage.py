@@ -8,7 +8,8 @@ n = one adapter's pages.
 host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
 onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
 On CUDA the copy runs on a side stream from a slice of one pinned ring
-(`unipage.pinned`: nothing is pinned per adapter) and records an event:
+(`unipage.pinned`: nothing is pinned per adapter unless the ring has no room
+for it) and records an event:
 ``poll()`` reports loads whose event has completed, and only then does the
 engine tell the scheduler, so no batch reads an adapter before its pages are
 written.  A load without a host copy first reads and packs the
@@ -101,11 +102,10 @@ class PoolStorage:
                 buf, seconds = future.result()
                 buf = self._check_pages(effect, buf)
                 self.reads.add(effect, seconds)
+                self._finish_read(effect, buf)
             except (AdapterError, OSError) as err:
                 log.warning("loading adapter %r failed: %s", name, err)
                 result.failed.append((name, str(err)))
-                continue
-            self._finish_read(effect, buf)
         result.done = [name for name, event in self._events.items() if event.query()]
         for name in result.done:
             del self._events[name]
@@ -133,17 +133,18 @@ class PoolStorage:
             return
         try:
             buf = buf if buf is not None else self.read_packed(effect)
+            self._finish_read(effect, buf)
         except (AdapterError, OSError) as err:
             log.warning("loading adapter %r failed: %s", effect.name, err)
             result.failed.append((effect.name, str(err)))
             return
-        self._finish_read(effect, buf)
         if not self._cuda:
             result.done.append(effect.name)
 
     def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor) -> None:
         """Keep the host copy if asked, and copy the pages into the pool (on CUDA: on the side stream,
-        from the pinned ring; pinned on its own only when the ring has no room for it)."""
+        from the pinned ring; pinned on its own only when the ring has no room for it).  A copy
+        that cannot be started (e.g. no device memory for it) is an `AdapterError`."""
         if effect.cache_on_host:
             self._host[effect.name] = buf
         if not self._cuda:
@@ -157,15 +158,21 @@ class PoolStorage:
             src, index = staged, self._ring.stage(pages)
             index = pages if index is None else index
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        failure = None
         with torch.cuda.stream(self._stream):
             # Allocated on the side stream, so their memory is not reused by the compute
             # stream before the copy has run.
-            self.pool.index_copy_(1, index.to(self.device, non_blocking=True),
-                                  src.to(self.device, non_blocking=True))
+            try:
+                self.pool.index_copy_(1, index.to(self.device, non_blocking=True),
+                                      src.to(self.device, non_blocking=True))
+            except RuntimeError as err:  # torch.cuda.OutOfMemoryError among others
+                failure = err
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(self._stream)  # after whatever part of the copy was issued
         if staged is not None:
-            self._ring.hold(event)
+            self._ring.hold(event)  # the slices come back either way
+        if failure is not None:
+            raise AdapterError(f"adapter {effect.name!r}: copying its pages to the device failed: {failure}")
         self._events[effect.name] = event
 
     def read_packed(self, effect: LoadAdapter) -> torch.Tensor:

@@ -56,7 +56,7 @@ class TableBuffer:
         mirror = device.type != "cpu" if mirror is None else mirror
         self.flat = torch.zeros_like(self.host, device=device) if mirror else self.host
         self.regions = [self._region(i) for i in range(len(cols))]  # (device [S, cols], host [S, cols]), made once
-        self._stage: torch.Tensor | None = None  # [2, capacity] int64 pinned: uploads pass through it (CUDA)
+        self._stage: torch.Tensor | None = None  # [2 * capacity] int64 pinned: uploads pass through it (CUDA)
         self._copied = None  # CUDA event: the last upload's copy out of the staging buffer is done
 
     def positions(self, slot: int) -> np.ndarray:
@@ -89,13 +89,14 @@ class TableBuffer:
         One pinned buffer, reused: allocating a pinned block per upload cost about a millisecond.
         The previous upload's copy ran in the step before, so the wait is normally none."""
         n = values.shape[1]
-        if self._stage is None or self._stage.shape[1] < n:
-            self._stage = torch.empty(2, max(1024, 1 << (n - 1).bit_length()), dtype=torch.int64, pin_memory=True)
+        if self._stage is None or self._stage.numel() < 2 * n:
+            self._stage = torch.empty(2 * max(1024, 1 << (n - 1).bit_length()), dtype=torch.int64, pin_memory=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
         self._copied.synchronize()
-        np.copyto(self._stage.numpy()[:, :n], values)  # one thread (see unipage.pinned)
-        return self._stage[:, :n]
+        staged = self._stage[:2 * n].view(2, n)  # contiguous: copied straight from pinned memory
+        np.copyto(staged.numpy(), values)  # one thread (see unipage.pinned)
+        return staged
 
     def upload_all(self) -> None:
         if self.flat is not self.host:
