@@ -9,12 +9,12 @@ time.  Random walks under every built-in eviction policy, with and without the K
 import random
 
 import pytest
-from test_reclaim_lane import BUILT_IN, SALTS, Side
+from test_reclaim_lane import BUILT_IN, SALTS, Side, cache_block, idle_adapter
 
-from unipage.eviction import ADAPTER, KV_BLOCK, Candidate, make_policy
+from unipage.eviction import KV_BLOCK, Candidate, make_policy
 from unipage.kv import KVManager
 from unipage.kv_groups import GroupedKV
-from unipage.pool import PageKind, PagePool
+from unipage.pool import PagePool
 from unipage.reclaim import Reclaimer
 
 
@@ -24,19 +24,12 @@ def offer(sides, rng, tick) -> None:
     stamp = tick if rng.random() < 0.7 else rng.randrange(max(1, tick - 6), tick + 1)
     uses, cost = rng.randrange(1, 4), rng.choice((0.0, 0.5, 2.0))
     if rng.random() < 0.8 and first.pool.num_free:
-        salt = rng.randrange(SALTS)
-        for side in sides:
-            [page] = side.pool.alloc(1)
-            side.pool.cache(page)
-            side.salt[page] = salt
-            side.reclaimer.add(Candidate(KV_BLOCK, page, 1, stamp, stamp, uses, cost))
+        cache_block(sides, rng.randrange(SALTS), stamp, uses, cost)
         return
     name = f"a{rng.randrange(SALTS)}"
     size = rng.randrange(1, 4)
     if name not in first.adapter_pages and first.pool.num_free >= size:
-        for side in sides:
-            side.adapter_pages[name] = side.pool.alloc(size, PageKind.ADAPTER)
-            side.reclaimer.add(Candidate(ADAPTER, name, size, stamp, stamp, uses, cost))
+        idle_adapter(sides, name, size, stamp, uses, cost)
 
 
 def walk(policy: str, lane: bool, seed: int, steps: int = 300) -> None:

@@ -11,8 +11,8 @@ import functools
 import random
 
 import pytest
-
 from test_scheduler_fast_paths import run_workload
+
 from unipage import memory as memory_module
 from unipage.eviction import ADAPTER, KV_BLOCK, POLICIES, Candidate, make_policy
 from unipage.pool import PageKind, PagePool
@@ -54,6 +54,22 @@ class Side:
                 self.pool.occupancy(), list(self.pool.free_stack()))
 
 
+def cache_block(sides, salt: int, stamp: int, uses: int, cost: float) -> None:
+    """A new cached KV block of ``salt``, the same on every side."""
+    for side in sides:
+        [page] = side.pool.alloc(1)
+        side.pool.cache(page)
+        side.salt[page] = salt
+        side.reclaimer.add(Candidate(KV_BLOCK, page, 1, stamp, stamp, uses, cost))
+
+
+def idle_adapter(sides, name: str, size: int, stamp: int, uses: int, cost: float) -> None:
+    """A resident, idle adapter of ``size`` pages, the same on every side."""
+    for side in sides:
+        side.adapter_pages[name] = side.pool.alloc(size, PageKind.ADAPTER)
+        side.reclaimer.add(Candidate(ADAPTER, name, size, stamp, stamp, uses, cost))
+
+
 def walk(policy: str, seed: int, steps: int = 600) -> None:
     rng = random.Random(seed)
     sides = [Side(policy, lane) for lane in (True, False)]
@@ -67,19 +83,12 @@ def walk(policy: str, seed: int, steps: int = 600) -> None:
         stamp = tick if r < 0.6 else rng.randrange(max(1, tick - 6) if r < 0.9 else 1, tick + 1)
         uses, cost = rng.randrange(1, 4), rng.choice((0.0, 0.5, 2.0))
         if op < 0.4 and first.pool.num_free:
-            salt = rng.randrange(SALTS)
-            for side in sides:
-                [page] = side.pool.alloc(1)
-                side.pool.cache(page)
-                side.salt[page] = salt
-                side.reclaimer.add(Candidate(KV_BLOCK, page, 1, stamp, stamp, uses, cost))
+            cache_block(sides, rng.randrange(SALTS), stamp, uses, cost)
         elif op < 0.5:
             name = f"a{rng.randrange(SALTS)}"
             size = rng.randrange(1, 4)
             if name not in first.adapter_pages and first.pool.num_free >= size:
-                for side in sides:
-                    side.adapter_pages[name] = side.pool.alloc(size, PageKind.ADAPTER)
-                    side.reclaimer.add(Candidate(ADAPTER, name, size, stamp, stamp, uses, cost))
+                idle_adapter(sides, name, size, stamp, uses, cost)
         elif op < 0.6 and first.salt:
             page = rng.choice(sorted(first.salt))
             for side in sides:

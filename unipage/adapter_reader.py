@@ -63,8 +63,8 @@ def _frame(obj) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _send(stream, obj) -> None:
-    data = obj if isinstance(obj, bytes) else _frame(obj)
+def _send(stream, data: bytes) -> None:
+    """One frame: ``data`` (a `_frame`) after its length."""
     stream.write(_LENGTH.pack(len(data)))
     stream.write(data)
     stream.flush()
@@ -194,7 +194,7 @@ def main() -> None:
             reply = ("ok", tuple(buf.shape), dtype_name, time.perf_counter() - start)
         except Exception as err:  # noqa: BLE001 - any failure is this load's, reported; the worker lives on
             reply = ("error", type(err).__name__, str(err))
-        _send(replies, reply)
+        _send(replies, _frame(reply))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """`PinnedRing`: one pinned host buffer that adapter page copies pass through.
 
-Pinning a buffer (``cudaHostAlloc``) costs about a millisecond per megabyte,
-paid on the step loop's thread.  Pinning every adapter as it arrives from the
-reader processes cost 2 ms a load — several milliseconds of a prefill step
+Pinning a buffer (``cudaHostAlloc``) costs milliseconds per megabyte (6 ms for
+2 MB on an H100 host), paid on the step loop's thread.  Pinning every adapter as
+it arrives from the reader processes cost about 2 ms a load while serving — several milliseconds of a prefill step
 that admits a few new adapters.  Instead the storage keeps one ring, pinned
 once: a host buffer is copied (``memcpy``) into the ring's next free bytes and
 the device copy reads it from there asynchronously.  Copies run in order on
@@ -29,7 +29,7 @@ class PinnedRing:
         self.capacity = nbytes // ALIGN * ALIGN
         self.buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
         self.head = 0  # where the next slice starts
-        self._live: deque[list] = deque()  # [start, end, event or None] of held slices, oldest first
+        self._live: deque[list] = deque()  # [start, event or None] of held slices, oldest first
 
     def stage(self, src: torch.Tensor) -> torch.Tensor | None:
         """A copy of ``src`` (same shape and dtype) in the ring, or None when there is no room now.
@@ -45,7 +45,7 @@ class PinnedRing:
         # threads (3 ms for 2 MB while serving, 0.03 ms alone).
         np.copyto(dst.numpy(), src.contiguous().view(-1).view(torch.uint8).numpy())
         dst = dst.view(src.dtype).view(src.shape)
-        self._live.append([start, start + size, None])
+        self._live.append([start, None])
         self.head = start + size if start + size < self.capacity else 0
         return dst
 
@@ -53,9 +53,9 @@ class PinnedRing:
         """The copies that read the slices staged since the last `hold` complete with ``event``
         (``query() -> bool``)."""
         for live in reversed(self._live):
-            if live[2] is not None:
+            if live[1] is not None:
                 break
-            live[2] = event
+            live[1] = event
 
     @property
     def in_use(self) -> int:
@@ -64,7 +64,7 @@ class PinnedRing:
 
     def _room(self, size: int) -> int | None:
         """Start of ``size`` free bytes at the head, or at 0 after a wrap; None if they are not free."""
-        while self._live and self._live[0][2] is not None and self._live[0][2].query():
+        while self._live and self._live[0][1] is not None and self._live[0][1].query():
             self._live.popleft()
         if size > self.capacity:
             return None

@@ -9,15 +9,14 @@ host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
 onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
 On CUDA the copy runs on a side stream from a slice of one pinned ring
 (`unipage.pinned`: nothing is pinned per adapter unless the ring has no room
-for it) and records an event:
-``poll()`` reports loads whose event has completed, and only then does the
-engine tell the scheduler, so no batch reads an adapter before its pages are
-written.  A load without a host copy first reads and packs the
-adapter's files: on CUDA in helper processes (`READ_WORKERS`, see
-`unipage.adapter_reader`: threads of this process would fight the step loop
-for the GIL), so a step never waits on a disk read — ``poll()`` starts the
-page copy once the packed buffer is ready, and reports a read that failed.
-On CPU a load completes inside ``apply``.
+for it) and records an event: ``poll()`` reports loads whose event has
+completed, and only then does the engine tell the scheduler, so no batch reads
+an adapter before its pages are written.  A load without a host copy first
+reads and packs the adapter's files: on CUDA in helper processes
+(`READ_WORKERS`, see `unipage.adapter_reader`: work in this process would fight
+the step loop for the GIL), so a step never waits on a disk read — ``poll()``
+starts the page copy once the packed buffer is ready, and reports a read that
+failed.  On CPU a load completes inside ``apply``.
 """
 
 from __future__ import annotations
