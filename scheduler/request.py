@@ -138,7 +138,7 @@ class Request:
     capacity: int = field(default=0, init=False)  # tokens its block table holds
     next_commit: int = field(default=NEVER, init=False)  # computed tokens at which a block fills
     next_check: int = field(default=0, init=False)  # computed tokens from which update() looks closer: a block
-    #   fills, the length limit is one token away, or no token was sampled yet (0)
+    #   fills, the length limit is one token away, or no token was sampled yet (0); 0 while not running
     skips: int = field(default=0, init=False)  # times passed over since it last entered the queue
     num_preemptions: int = field(default=0, init=False)
     first_token_time: float | None = field(default=None, init=False)

@@ -341,9 +341,9 @@ class Scheduler:
         others ("events": a prefill chunk, a block to commit, a first or last token) to `_apply_event`, in
         batch order.  Returns whether every request sampled at most one token.
         """
-        reqs, running, events = step.reqs, _RUNNING, []
+        reqs, events = step.reqs, []
         for i, req, tokens in zip(count(), reqs, sampled):  # the hot loop: one new token each for most requests
-            if req.status is running and req.num_computed_tokens < req.next_check:
+            if req.num_computed_tokens < req.next_check:  # (0 once it stopped running: an event)
                 try:
                     [token] = tokens  # (cheaper than len() and two subscripts)
                 except ValueError:  # none (a prefill chunk) or several
@@ -387,7 +387,7 @@ class Scheduler:
         if reason is not None:
             self._drop(req, RequestStatus.FINISHED, reason)
             self._remove_running(req)
-        elif tokens is plain.new_token_ids:
+        elif tokens is plain[1]:  # its new_token_ids (a subscript: cheaper than the property)
             return plain
         return RequestOutput(req.request_id, tokens, reason)
 
@@ -429,6 +429,7 @@ class Scheduler:
         req.block_table = req.window_table = None
         req.capacity = 0
         req.next_commit = NEVER
+        req.next_check = 0  # an update() with it in the batch (aborted while the step ran) looks closer
         name = req.adapter
         if name is not None:
             self.adapters.unpin(name)

@@ -1,6 +1,7 @@
 """The scheduler's fast paths give exactly the steps of its general ones.
 
-A seeded random workload (shared prefixes, adapters to load, aborts, stop
+A seeded random workload (shared prefixes, adapters to load, aborts (some
+while a step runs), stop
 tokens, several tokens sampled at once, a pool tight enough to preempt) runs
 twice — once as is, once with a fast path turned off — and every step's
 output, every `RequestOutput` and the memory's state must agree.
@@ -52,10 +53,13 @@ def run_workload(pages, admission, eviction, speculative, steps=150, seed=0):
         if rng.random() < 0.03:
             sched.abort(rng.choice(sorted(sched.requests)))
         out = sched.schedule()
+        batch = {rid: sched.get(rid) for rid in out.req_ids}
+        if out.req_ids and rng.random() < 0.03:  # aborted while its step runs: update() skips it
+            sched.abort(rng.choice(out.req_ids))
         done, loading = loading, [e.name for e in out.adapter_effects if isinstance(e, LoadAdapter)]
         sampled = []
         for rid in out.req_ids:
-            r = sched.get(rid)
+            r = batch[rid]
             count = rng.randrange(1, 4) if speculative else 1
             sampled.append([rng.randrange(2, 40) for _ in range(count)] if r.num_computed_tokens == r.num_tokens
                            else [])
