@@ -262,6 +262,29 @@ def _load_paged(pool_ptr, pt_ptr, row_virt, row_ok, col0, col_ok, PAGE_SHIFT: tl
 
 
 @triton.jit
+def _load_wide(pool_ptr, pt_ptr, row_virt, row_ok, col0, cols_left, WIDTH: tl.constexpr, RUN: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr):
+    """``[rows, WIDTH]``: row i = the pool elements at virtual ``row_virt[i] + col0 + [0, WIDTH)``;
+    columns ``>= cols_left`` read 0 (and look up no page).
+
+    Read as WIDTH / RUN runs per row, all issued at once (one page-table lookup per run, then
+    one vectorised load of the whole tile).  ``row_virt + col0`` is RUN-aligned and RUN <= 64,
+    so each run is inside one page.
+    """
+    runs = tl.arange(0, WIDTH // RUN)
+    lanes = tl.arange(0, RUN)
+    run_ok = row_ok[:, None] & (runs[None, :] * RUN < cols_left)
+    virt = row_virt[:, None] + col0 + runs[None, :] * RUN
+    page = tl.load(pt_ptr + (virt >> PAGE_SHIFT), mask=run_ok, other=0)
+    base = page.to(tl.int64) * (1 << PAGE_SHIFT) + (virt & ((1 << PAGE_SHIFT) - 1))
+    base = tl.multiple_of(base, [RUN, RUN])
+    col_ok = (runs[:, None] * RUN + lanes[None, :]) < cols_left
+    tile = tl.load(pool_ptr + base[:, :, None] + lanes[None, None, :],
+                   mask=run_ok[:, :, None] & col_ok[None, :, :], other=0.0)
+    return tl.reshape(tile, (row_virt.shape[0], WIDTH))
+
+
+@triton.jit
 def _mm(a, b, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``a [M, R] @ b [R, C]`` in float32: a broadcast-reduce for one pair, a tensor-core dot for tiles."""
     if PAIR:
@@ -352,25 +375,6 @@ def _slice_rows(field, group_off, RK_PAD: tl.constexpr):
     return group_off + tl.load(field + 2) + offs * stride, offs < tl.load(field + 1)
 
 
-@triton.jit
-def _gate_up_tiles(pool_ptr, pt, raw_ptr, rows, pair_ok, stride_raw, c0, last, inter, up_shift,
-                   gate_virt, gate_ok, up_virt, up_ok, down_virt, down_ok, PAGE_SHIFT: tl.constexpr,
-                   CHUNK: tl.constexpr, EVEN_N: tl.constexpr):
-    """The inputs of one CHUNK of columns at ``c0`` that do not depend on ``z``: the gate and
-    up B runs, the down A run and the base GEMM's raw gate/up (float32)."""
-    cols = c0 + tl.arange(0, CHUNK)
-    col_ok = _col_mask(cols, inter, EVEN_N)
-    c_in = tl.minimum(c0, last)  # a run past the end still looks up an in-buffer page
-    b_gate = _load_paged(pool_ptr, pt, gate_virt, gate_ok, c_in, col_ok, PAGE_SHIFT, CHUNK)
-    b_up = _load_paged(pool_ptr, pt, up_virt, up_ok, c_in + up_shift, col_ok, PAGE_SHIFT, CHUNK)
-    a_down = _load_paged(pool_ptr, pt, down_virt, down_ok, c_in, col_ok, PAGE_SHIFT, CHUNK)
-    mask = pair_ok[:, None] & col_ok[None, :]
-    raw = raw_ptr + rows * stride_raw + cols[None, :]
-    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
-    return b_gate, b_up, a_down, g, u
-
-
 @triton.jit(do_not_specialize=["num_pairs"])
 def _expand_gate_up_kernel(
     raw_ptr,  # [TK, 2I] model dtype: un-activated gate | up of LoRA pairs (from the base GEMM)
@@ -413,32 +417,26 @@ def _expand_gate_up_kernel(
     down_ok = offs_d < down_rank
     down_virt = group_off + tl.load(meta + F_DOWN_A) + offs_d * ((inter + 63) // 64 * 64)
     rows = pairs[:, None].to(tl.int64)
-    last = (inter - 1) // CHUNK * CHUNK
-    first = _gate_up_tiles(pool_ptr, pt, raw_ptr, rows, pair_ok, stride_raw, pid_n * BLOCK_N, last, inter,
-                           up_shift, gate_virt, gate_ok, up_virt, up_ok, down_virt, down_ok, PAGE_SHIFT, CHUNK,
-                           EVEN_N)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :]
+    b_gate = _load_wide(pool_ptr, pt, gate_virt, gate_ok, n0, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT)
+    b_up = _load_wide(pool_ptr, pt, up_virt, up_ok, n0 + up_shift, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT)
+    a_down = _load_wide(pool_ptr, pt, down_virt, down_ok, n0, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT)
+    raw = raw_ptr + rows * stride_raw + cols[None, :]
+    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_wait()  # the shrink's partials are complete and visible from here on
     dtype = pool_ptr.dtype.element_ty
     z_gate = _slice_z(z_ptr, pairs, pair_ok, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
     z_up = _slice_z(z_ptr, pairs, pair_ok, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
-    acc_down = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
-    for sub in tl.static_range(BLOCK_N // CHUNK):
-        c0 = pid_n * BLOCK_N + sub * CHUNK
-        if sub == 0:
-            b_gate, b_up, a_down, g, u = first
-        else:
-            b_gate, b_up, a_down, g, u = _gate_up_tiles(pool_ptr, pt, raw_ptr, rows, pair_ok, stride_raw, c0,
-                                                        last, inter, up_shift, gate_virt, gate_ok, up_virt,
-                                                        up_ok, down_virt, down_ok, PAGE_SHIFT, CHUNK, EVEN_N)
-        cols = c0 + tl.arange(0, CHUNK)
-        g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION)
-        u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION)
-        act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
-        tl.store(act_ptr + rows * stride_act + cols[None, :], act,
-                 mask=pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :])
-        acc_down += _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
+    g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION)
+    u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION)
+    act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
+    tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
     if down_rank > 0:
+        acc_down = _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
         tl.atomic_add(down_z_ptr + rows * RD_PAD + offs_d[None, :], acc_down,
                       mask=pair_ok[:, None] & down_ok[None, :], sem="relaxed")
 
@@ -450,7 +448,7 @@ def _expand_down_kernel(
     topk_weights_ptr,  # [TK] float32
     pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
     num_blocks_ptr, num_pairs, top_k, num_experts, hidden, stride_y, stride_pt,
-    RD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    RD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Up to `gdc_wait`: only routing, alignment, metadata and weights (all older than the
@@ -476,26 +474,17 @@ def _expand_down_kernel(
     rows = pairs[:, None].to(tl.int64)
     weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
     b_virt = group_off + tl.load(meta + F_DOWN_B) + offs_r * ((hidden + 63) // 64 * 64)
-    last = (hidden - 1) // 64 * 64
-    first = _load_paged(pool_ptr, pt, b_virt, r_ok, tl.minimum(pid_n * BLOCK_N, last),
-                        _col_mask(pid_n * BLOCK_N + tl.arange(0, 64), hidden, EVEN_N), PAGE_SHIFT, 64)
+    n0 = pid_n * BLOCK_N
+    b = _load_wide(pool_ptr, pt, b_virt, r_ok, n0, hidden - n0, BLOCK_N, RUN, PAGE_SHIFT)
     if USE_PDL:
         gdc_wait()  # down_z and y are complete and visible from here on
     z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
-    z = z.to(pool_ptr.dtype.element_ty)
-    for sub in tl.static_range(BLOCK_N // 64):
-        c0 = pid_n * BLOCK_N + sub * 64
-        cols = c0 + tl.arange(0, 64)
-        col_ok = _col_mask(cols, hidden, EVEN_N)
-        if sub == 0:
-            b = first
-        else:
-            b = _load_paged(pool_ptr, pt, b_virt, r_ok, tl.minimum(c0, last), col_ok, PAGE_SHIFT, 64)
-        delta = _mm(z, b, BLOCK_M == 1, DOT_PRECISION)
-        mask = pair_ok[:, None] & col_ok[None, :]
-        ptrs = y_ptr + rows * stride_y + cols[None, :]
-        y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + weight[:, None] * delta
-        tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    delta = _mm(z.to(pool_ptr.dtype.element_ty), b, BLOCK_M == 1, DOT_PRECISION)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = pair_ok[:, None] & _col_mask(cols, hidden, EVEN_N)[None, :]
+    ptrs = y_ptr + rows * stride_y + cols[None, :]
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + weight[:, None] * delta
+    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,7 +577,7 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
     block_n = max(64, min(cfg["down"]["block_n"], triton.next_power_of_2(meta.hidden)))
     _expand_down_kernel[(_num_tile_bound(plan) * triton.cdiv(meta.hidden, block_n),)](
         y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
-        plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
+        plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n, RUN=64,
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,
         EVEN_N=meta.hidden % block_n == 0, DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, **_launch_opts(cfg["down"]), **({"launch_pdl": True} if pdl else {}))
