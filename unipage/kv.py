@@ -316,16 +316,23 @@ class KVManager:
         seq = self._seqs.get(seq_id) or self._seq(seq_id)
         if not self.prefix_caching:
             return
-        block, hashes, table = self.block_tokens, seq.hashes, seq.table
         if num_tokens is None or num_tokens > len(tokens):
             num_tokens = len(tokens)
-        full, done = num_tokens // block, seq.committed
+        full, done, table = num_tokens // self.block_tokens, seq.committed, seq.table
         if full > len(table):
             full = len(table)
         if full <= done:
             return
         seq.tokens, seq.committed, now = tokens, full, self.reclaimer.tick()
         root = seq.root
+        if root is not None and root.lone is seq and seq.registered:  # a decode commit under a lone root
+            return
+        self._commit_blocks(seq, done, now)
+
+    def _commit_blocks(self, seq: _Sequence, done: int, now: int) -> None:
+        """`commit` past its checks: register blocks ``done`` to ``seq.committed`` (``now``: the commit's tick)."""
+        block, hashes, table, tokens, full, root = \
+            self.block_tokens, seq.hashes, seq.table, seq.tokens, seq.committed, seq.root
         if root is None:  # block 0: its hash names the root
             h = _new_hasher()
             h.update(root_hash(seq.salt) + self._pack(*tokens[:block]))
@@ -433,9 +440,14 @@ class KVManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}")
-        if seq.registered < seq.committed:
-            self._register_pending(seq)
-        self._release(seq.table[seq.dropped:] if seq.dropped else seq.table)
+        pending = seq.table[seq.registered:seq.committed]
+        if pending and len(seq.hashes) <= seq.registered and not seq.dropped \
+                and not any(map(self._blocks.__getitem__, pending)):  # unhashed and unregistered (as a rule)
+            self._release_pending(seq, pending)
+        else:
+            if seq.registered < seq.committed:
+                self._register_pending(seq)
+            self._release(seq.table[seq.dropped:] if seq.dropped else seq.table)
         if seq.root is not None:  # its registered blocks keep the root (and a lone chain) while they last
             self._leave_root(seq.root)
 
@@ -458,15 +470,54 @@ class KVManager:
 
     def _release(self, pages: list[int]) -> None:
         """Drop one use of each of a sequence's ``pages`` (in token order), as `free` describes."""
-        blocks, refs = self._blocks, self.pool.refcounts()
         cached, cached_blocks, unshared = [], [], []
-        for page in reversed(pages):  # tail first: the tail is older under LRU
+        self._sort_out(pages, cached, cached_blocks, unshared)
+        self._let_go(cached, cached_blocks, unshared)
+
+    def _release_pending(self, seq: _Sequence, pending: list[int]) -> None:
+        """`_register_pending` then `_release` of a whole closed sequence whose ``pending`` blocks are all
+        unhashed, unregistered, and in the window, in one pass over them: each is registered as it is sorted
+        out."""
+        table, start, end, salt, root = seq.table, seq.registered, seq.committed, seq.salt, seq.root
+        seq.registered = end
+        cached, cached_blocks, unshared = [], [], []
+        self._sort_out(table[end:], cached, cached_blocks, unshared)  # tail first: blocks never committed
+        blocks, block_at, refs, now = self._blocks, self._block_at, self.pool.refcounts(), self.reclaimer.now
+        for page in reversed(pending):  # `_new_blocks` and `_sort_out` for each, inlined
+            block = block_at[page]
+            if block is None:
+                block = block_at[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, None, salt, root)
+            else:
+                block.inserted = block.last_used = now
+                block.uses = 1
+                block.hash = None
+                block.salt = salt
+                block.root = root
+            blocks[page] = block
+            if refs[page] == 1:
+                cached.append(page)
+                cached_blocks.append(block)
+            else:
+                unshared.append(page)
+        self._salt_pages(salt).update(pending)
+        root.refs += len(pending)
+        self._sort_out(table[:start], cached, cached_blocks, unshared)
+        self._let_go(cached, cached_blocks, unshared)
+
+    def _sort_out(self, pages: list[int], cached: list[int], cached_blocks: list[_Block], unshared: list[int]) -> None:
+        """Append ``pages`` tail first (the tail is older under LRU) to ``cached`` (registered, and their last
+        user leaves: with their blocks) or ``unshared`` (to free)."""
+        blocks, refs = self._blocks, self.pool.refcounts()
+        for page in reversed(pages):
             block = blocks[page]
             if refs[page] == 1 and block is not None:
                 cached.append(page)
                 cached_blocks.append(block)
             else:
                 unshared.append(page)
+
+    def _let_go(self, cached: list[int], cached_blocks: list[_Block], unshared: list[int]) -> None:
+        """`_release`'s end: what `_sort_out` sorted is cached or freed."""
         if cached:  # registered pages whose last user left: cached blocks, stamped in order, and offered
             self.pool.cache_many(cached)
             self.reclaimer.add_used_now(cached_blocks)
