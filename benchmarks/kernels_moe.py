@@ -246,22 +246,25 @@ def _base_step(args: tuple, config: dict) -> None:
     fused_experts(*args, config=config)
 
 
-def _tune_shape(s: dict, tokens, save) -> dict:
-    """Tune base and LoRA configs per token count; ``save(entry)`` after each count keeps partial work."""
+def _tune_shape(s: dict, tokens, save, stages=("base", "lora")) -> None:
+    """Tune the ``stages``' configs per token count (the others keep their entries); ``save(kind,
+    entries)`` after each count keeps partial work."""
     base, lora = [], []
     for num_tokens in tokens:
         b = batch(s, num_tokens)
-        args = (b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"])
-        start = base_config(s["experts"], s["hidden"], s["inter"], b["topk_ids"], None)
-        entry, secs = descend(start, BASE_SPACE, functools.partial(_base_step, args))
-        base.append((b["topk_ids"].numel() / s["experts"], entry))
-        log.info("%s T=%d base %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
-        start = lora_config(b["lora"], b["topk_ids"])
-        entry, secs = descend(start, LORA_SPACE, functools.partial(lora_step, s, b))
-        lora.append((expected_load(b["topk_ids"].numel(), min(num_tokens, ADAPTERS) * s["experts"]), entry))
-        log.info("%s T=%d lora %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
-        save({"base": _bucketed(base), "lora": _bucketed(lora)})
-    return {"base": _bucketed(base), "lora": _bucketed(lora)}
+        if "base" in stages:
+            args = (b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"])
+            start = base_config(s["experts"], s["hidden"], s["inter"], b["topk_ids"], None)
+            entry, secs = descend(start, BASE_SPACE, functools.partial(_base_step, args))
+            base.append((b["topk_ids"].numel() / s["experts"], entry))
+            log.info("%s T=%d base %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
+            save("base", _bucketed(base))
+        if "lora" in stages:
+            start = lora_config(b["lora"], b["topk_ids"])
+            entry, secs = descend(start, LORA_SPACE, functools.partial(lora_step, s, b))
+            lora.append((expected_load(b["topk_ids"].numel(), min(num_tokens, ADAPTERS) * s["experts"]), entry))
+            log.info("%s T=%d lora %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
+            save("lora", _bucketed(lora))
 
 
 def _bucketed(tuned: list[tuple[float, dict]]) -> list[dict]:
@@ -274,18 +277,21 @@ def _bucketed(tuned: list[tuple[float, dict]]) -> list[dict]:
     return out
 
 
-def tune(shapes=tuple(SHAPES), tokens=TOKENS) -> Path:
+def tune(shapes=tuple(SHAPES), tokens=TOKENS, stages=("base", "lora")) -> Path:
+    """Tune ``stages`` ("base", "lora") for each shape; write ``configs/moe_<device>.json``.
+    Entries are read from the current configs (tuned start where tuned before), so the tuned
+    launch configs of the stages and shapes not tuned stay as they were."""
     path = CONFIG_DIR / f"moe_{device_key()}.json"
     table = json.loads(path.read_text()) if path.exists() else {}
     for name in shapes:
         s = setup(name)
         key = shape_key(s["hidden"], s["inter"], s["experts"], s["top_k"])
 
-        def save(entry, key=key):  # keep what is done if a later token count or shape fails
-            table[key] = entry
+        def save(kind, entries, key=key):  # keep what is done if a later token count or shape fails
+            table.setdefault(key, {})[kind] = entries
             path.write_text(json.dumps(table, indent=1) + "\n")
 
-        _tune_shape(s, tokens, save)
+        _tune_shape(s, tokens, save, stages)
         del s
         torch.cuda.empty_cache()
     return path
@@ -297,11 +303,13 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="tune launch configs instead of benchmarking")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--stages", nargs="+", default=["base", "lora"], choices=["base", "lora"],
+                        help="with --tune: the kernels to tune (the others keep their configs)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     start = time.time()
     if args.tune:
-        log.info("wrote %s", tune(args.shapes, args.tokens))
+        log.info("wrote %s", tune(args.shapes, args.tokens, args.stages))
     else:
         with open(args.out, "a") if args.out else open(sys.stdout.fileno(), "w", closefd=False) as out:
             run(out, args.shapes, args.tokens)

@@ -112,23 +112,6 @@ def _pair_groups(offs, topk_ids_ptr, slots_ptr, flags_ptr, num_pairs, top_k, num
 
 
 @triton.jit
-def _tile_groups(tiles, ends_ptr, total, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-                 LOG2_G_PAD: tl.constexpr):
-    """Group of each tile: the first g with ends[g] > tile·BM (binary search); -1 past the end."""
-    start = tiles * BLOCK_M
-    lo = tl.zeros_like(tiles)
-    hi = lo + G_PAD
-    for _ in tl.static_range(LOG2_G_PAD + 1):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        end = tl.load(ends_ptr + tl.minimum(mid, G_PAD - 1), volatile=True)
-        right = active & (end <= start)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & (end > start), mid, hi)
-    return tl.where(start < total, lo, -1)
-
-
-@triton.jit
 def _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     for start in range(0, max_blocks * BLOCK_M, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -136,23 +119,26 @@ def _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M: tl.constexpr, CHUN
 
 
 @triton.jit
-def _plan_groups(counts, ends_ptr, num_blocks_ptr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr):
-    """Pad each group's count to BM; store the padded ends and the tile count; return starts and total."""
+def _plan_groups(counts, num_blocks_ptr, BLOCK_M: tl.constexpr):
+    """Pad each group's count to BM; store the tile count; return the groups' starts and padded counts."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    tl.store(ends_ptr + tl.arange(0, G_PAD), ends)
-    tl.store(num_blocks_ptr, total // BLOCK_M)
-    return ends - padded, total
+    tl.store(num_blocks_ptr, tl.sum(padded, 0) // BLOCK_M)
+    return tl.cumsum(padded, 0) - padded, padded
 
 
 @triton.jit
-def _write_tile_groups(block_group_ptr, ends_ptr, total, max_blocks, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-                       LOG2_G_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """Group g owns tiles ``starts[g] / BM`` .. ``+ padded[g] / BM``: each group writes its own
+    (one vector store per tile of the largest group); tiles past the last group get -1."""
+    groups = tl.arange(0, G_PAD)
+    first, tiles = starts // BLOCK_M, padded // BLOCK_M
+    for j in range(0, tl.max(tiles, 0)):
+        tl.store(block_group_ptr + first + j, groups, mask=j < tiles)
+    used = tl.sum(tiles, 0)
     for start in range(0, max_blocks, CHUNK):
-        tiles = start + tl.arange(0, CHUNK)
-        groups = _tile_groups(tiles, ends_ptr, total, BLOCK_M, G_PAD, LOG2_G_PAD)
-        tl.store(block_group_ptr + tiles, groups, mask=tiles < max_blocks)
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(block_group_ptr + offs, tl.full([CHUNK], -1, tl.int32), mask=(offs >= used) & (offs < max_blocks))
 
 
 @triton.jit
@@ -168,10 +154,10 @@ def _scatter_chunk(offs, cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_
 def _align_kernel(
     topk_ids_ptr,  # [TK] int32 expert of each pair
     slots_ptr, flags_ptr,  # LORA: [T] int32 token slots (-1 none), [S] int32 slot has expert LoRA
-    counts_ptr, ends_ptr, cursor_ptr,  # [G_PAD] int32 scratch each
+    counts_ptr, cursor_ptr,  # [G_PAD] int32 scratch each
     sorted_ptr, block_group_ptr, num_blocks_ptr,  # outputs: see `Alignment`
     num_pairs, max_blocks, top_k, num_experts,
-    LORA: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr, LOG2_G_PAD: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     # Small TK, one program: histogram -> padded prefix sums -> tile groups -> scatter.
@@ -185,11 +171,10 @@ def _align_kernel(
                                     num_pairs, top_k, num_experts, LORA)
         tl.atomic_add(counts_ptr + group, 1, mask=valid, sem="relaxed")
     tl.debug_barrier()
-    starts, total = _plan_groups(tl.load(counts_ptr + offs_g, volatile=True), ends_ptr, num_blocks_ptr,
-                                 BLOCK_M, G_PAD)
+    starts, padded = _plan_groups(tl.load(counts_ptr + offs_g, volatile=True), num_blocks_ptr, BLOCK_M)
     tl.store(cursor_ptr + offs_g, starts)
     tl.debug_barrier()
-    _write_tile_groups(block_group_ptr, ends_ptr, total, max_blocks, BLOCK_M, G_PAD, LOG2_G_PAD, CHUNK)
+    _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M, G_PAD, CHUNK)
     for start in range(0, num_pairs, CHUNK):
         _scatter_chunk(start + tl.arange(0, CHUNK), cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_ptr,
                        num_pairs, top_k, num_experts, LORA)
@@ -212,20 +197,21 @@ def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, counts_ptr, num_pair
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks", "num_chunks"])
-def _align_plan_kernel(counts_ptr, cursor_ptr, ends_ptr, sorted_ptr, block_group_ptr, num_blocks_ptr,
+def _align_plan_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_group_ptr, num_blocks_ptr,
                        num_pairs, max_blocks, num_chunks, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-                       LOG2_G_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                       CHUNK: tl.constexpr):
     offs_g = tl.arange(0, G_PAD)
     totals = tl.zeros([G_PAD], tl.int32)
     for chunk in range(0, num_chunks):
         totals += tl.load(counts_ptr + chunk * G_PAD + offs_g)
-    running, total = _plan_groups(totals, ends_ptr, num_blocks_ptr, BLOCK_M, G_PAD)
+    running, padded = _plan_groups(totals, num_blocks_ptr, BLOCK_M)
+    starts = running
     for chunk in range(0, num_chunks):  # chunk c starts after the earlier chunks' pairs of each group
         tl.store(cursor_ptr + chunk * G_PAD + offs_g, running)
         running += tl.load(counts_ptr + chunk * G_PAD + offs_g)
     _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M, CHUNK)
     tl.debug_barrier()
-    _write_tile_groups(block_group_ptr, ends_ptr, total, max_blocks, BLOCK_M, G_PAD, LOG2_G_PAD, CHUNK)
+    _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M, G_PAD, CHUNK)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -259,18 +245,17 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     lora = token_slots is not None
     routing = (topk_ids, token_slots if lora else topk_ids, slot_flags if lora else topk_ids)
     shapes = {"G_PAD": g_pad, "CHUNK": chunk}
-    tiles = {"BLOCK_M": block_m, "LOG2_G_PAD": int(math.log2(g_pad)), **shapes}
+    tiles = {"BLOCK_M": block_m, **shapes}
     if num_pairs <= one_program_max:
-        scratch = torch.empty(3, g_pad, dtype=torch.int32, device=device)
-        _align_kernel[(1,)](*routing, scratch[0], scratch[1], scratch[2], out.sorted_pairs, out.block_group,
+        scratch = torch.empty(2, g_pad, dtype=torch.int32, device=device)
+        _align_kernel[(1,)](*routing, scratch[0], scratch[1], out.sorted_pairs, out.block_group,
                             out.num_blocks, num_pairs, blocks, top_k, num_experts, LORA=lora, **tiles, num_warps=8)
         return out
     chunks = triton.cdiv(num_pairs, chunk)
     counts, cursor = torch.empty(2, chunks, g_pad, dtype=torch.int32, device=device)
-    ends = torch.empty(g_pad, dtype=torch.int32, device=device)
     _align_count_kernel[(chunks,)](*routing, counts, num_pairs, top_k, num_experts, LORA=lora, **shapes,
                                    num_warps=4)
-    _align_plan_kernel[(1,)](counts, cursor, ends, out.sorted_pairs, out.block_group, out.num_blocks, num_pairs,
+    _align_plan_kernel[(1,)](counts, cursor, out.sorted_pairs, out.block_group, out.num_blocks, num_pairs,
                              blocks, chunks, **tiles, num_warps=8)
     _align_scatter_kernel[(chunks,)](*routing, cursor, out.sorted_pairs, num_pairs, top_k, num_experts, LORA=lora,
                                      **shapes, num_warps=4)
