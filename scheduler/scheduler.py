@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from itertools import count
 from typing import Callable
 
 from unipage.memory import UnifiedMemory
@@ -342,23 +341,26 @@ class Scheduler:
         batch order.  Returns whether every request sampled at most one token.
         """
         reqs, events = step.reqs, []
-        for i, req, tokens in zip(count(), reqs, sampled):  # the hot loop: one new token each for most requests
+        for req, tokens in zip(reqs, sampled):  # the hot loop: one new token each for most requests
             if req.num_computed_tokens < req.next_check:  # (0 once it stopped running: an event)
                 try:
                     [token] = tokens  # (cheaper than len() and two subscripts)
                 except ValueError:  # none (a prefill chunk) or several
-                    events.append(i)
+                    events.append(req)
                     continue
                 if token not in req.stop_set:
                     req.all_token_ids.append(token)
                     continue
-            events.append(i)
+            events.append(req)
         made = make_outputs(step.out.req_ids, sampled)  # batch order; events replace theirs
-        now, single, silent = self.clock(), True, False
-        for i in events:
-            made[i] = output = self._apply_event(reqs[i], sampled[i], now, made[i])
-            silent = silent or output is None
-            single = single and (output is None or len(sampled[i]) == 1)
+        now, single, silent, i, find = self.clock(), True, False, -1, reqs.index
+        for req in events:
+            i = find(req, i + 1)  # its place in the batch (events are in batch order: a search in C from the last)
+            made[i] = output = self._apply_event(req, sampled[i], now, made[i])
+            if output is None:
+                silent = True
+            elif len(sampled[i]) != 1:
+                single = False
         outputs += [o for o in made if o is not None] if silent else made
         return single
 
