@@ -582,19 +582,31 @@ class KVManager:
         self._unregister_many((page,))
 
     def _unregister_many(self, pages) -> None:
-        blocks, by_hash, by_salt, roots = self._blocks, self._by_hash, self._by_salt, self._roots
+        """Unregister ``pages``; a run of them under one salt and root (a chain's, as a rule) leaves its salt's
+        set and its root's count at once."""
+        blocks, by_hash = self._blocks, self._by_hash
+        run, salt, root = [], None, None
         for page in pages:
             block, blocks[page] = blocks[page], None
             if block.hash is not None:
                 del by_hash[block.hash]
-            salt_pages = by_salt[block.salt]
-            salt_pages.discard(page)
-            if not salt_pages:
-                del by_salt[block.salt]
-            root = block.root
-            root.refs -= 1
-            if not root.refs:
-                del roots[root.key]
+            if block.salt is not salt or block.root is not root:
+                if run:
+                    self._forget(run, salt, root)
+                run, salt, root = [], block.salt, block.root
+            run.append(page)
+        if run:
+            self._forget(run, salt, root)
+
+    def _forget(self, pages: list[int], salt: str, root: _Root) -> None:
+        """Take unregistered ``pages`` off ``salt``'s set and ``root``'s count (forgotten when empty)."""
+        salt_pages = self._by_salt[salt]
+        salt_pages.difference_update(pages)
+        if not salt_pages:
+            del self._by_salt[salt]
+        root.refs -= len(pages)
+        if not root.refs:
+            del self._roots[root.key]
 
     def _evict_cached(self, page: int) -> None:
         """Reclaimer callback: drop a cached block."""

@@ -42,6 +42,7 @@ from unipage.pool import PageKind, PagePool
 _SEQ, _KIND, _KEY = 2, 3, 4  # fields of an entry
 _NONE: dict = {}  # no candidates of a kind (never written)
 _NO_PAGES: frozenset = frozenset()
+_LATEST = 1 << 62  # a clock tick never reached: the stamp of no heap entry
 
 
 class Reclaimer:
@@ -312,20 +313,20 @@ class Reclaimer:
         """Evict up to ``limit`` one-page KV blocks of the lane from ``first`` on, while each is not among the
         ``protected`` pages and comes before the heap's ``entry``, exactly as one at a time; returns how many."""
         nxt, cands, seqs, end = self._next, self._lane_cand, self._lane_seq, self._end
+        stamp = entry[0] if entry is not None else _LATEST  # blocks last used before the entry's go first
         victims, page = [], first
-        while len(victims) < limit and page != end:
+        while limit > 0 and page != end:
             cand = cands[page]
-            if cand.pages != 1 or (protected and page in protected) or (
-                    entry is not None and (cand.last_used > entry[0] or (
-                        cand.last_used == entry[0] and seqs[page] > entry[_SEQ]))):
+            if cand.pages != 1 or (protected and page in protected) or (cand.last_used >= stamp and (
+                    cand.last_used > stamp or seqs[page] > entry[_SEQ])):
                 break
             victims.append(page)
+            cands[page] = None  # out of the lane (unlinked as a run below)
             page = nxt[page]
+            limit -= 1
         if victims:
             before = self._prev[first]  # unlink the run at once
             nxt[before], self._prev[page] = page, before
-            for victim in victims:
-                cands[victim] = None
             count = len(victims)
             self._lane_len -= count
             self._evictable_pages -= count
