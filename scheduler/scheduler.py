@@ -97,6 +97,8 @@ class Scheduler:
         self._awaiting: dict[str, dict[str, Request]] = {}  # adapter -> its WAITING_FOR_ADAPTER requests
         self._in_flight: Step | None = None  # the step being run
         self._all_decoding = False  # every running request has exactly one token to compute
+        self._full: list[Request] = []  # with prefix caching: the running requests whose KV the last update()
+        #   left full, in running order (each was an event then: a block filled, so it committed)
         self._seq = 0
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
@@ -159,6 +161,7 @@ class Scheduler:
         self._in_flight = None
         self._apply_loads(result)
         outputs, self._pending = self._pending, []
+        self._full = []
         single = self._apply_tokens(step, result.sampled_token_ids, outputs)
         # Next step, may every running request simply decode one token?  Yes if each sampled one just now.
         self._all_decoding = single and step.all_running and not step.partial
@@ -196,12 +199,18 @@ class Scheduler:
         without a preemption, it goes one by one and stops at the first request that would need one, and
         returns how many requests it scheduled; `_schedule_from` takes over from there.
         """
-        running, full = self.running, []
-        for req in running:  # the hottest loop of a step
-            done = req.num_computed_tokens
-            if done >= req.capacity:
-                full.append(req)
-            req.num_computed_tokens = done + 1
+        running = self.running
+        if self.kv.prefix_caching:  # the last update() listed those whose KV is full
+            full = [req for req in self._full if req.status is _RUNNING]  # (some may be aborted since)
+            for req in running:  # the hottest loop of a step
+                req.num_computed_tokens += 1
+        else:
+            full = []
+            for req in running:
+                done = req.num_computed_tokens
+                if done >= req.capacity:
+                    full.append(req)
+                req.num_computed_tokens = done + 1
         if full and not self._grow_each(full, step):
             for req in running:
                 req.num_computed_tokens -= 1
@@ -389,8 +398,11 @@ class Scheduler:
         if reason is not None:
             self._drop(req, RequestStatus.FINISHED, reason)
             self._remove_running(req)
-        elif tokens is plain[1]:  # its new_token_ids (a subscript: cheaper than the property)
-            return plain
+        else:
+            if req.num_computed_tokens >= req.capacity:  # a block more next step (listed for prefix caching)
+                self._full.append(req)
+            if tokens is plain[1]:  # its new_token_ids (a subscript: cheaper than the property)
+                return plain
         return RequestOutput(req.request_id, tokens, reason)
 
     def _commit(self, req: Request) -> None:

@@ -132,6 +132,9 @@ def check_scheduler(sched: "Scheduler") -> None:
             record = sched.adapters.get(req.adapter)
             assert record.loaded and record.pins >= counts[req.adapter] and record.slot == req.slot
     assert counts == sched.running_adapters and len(counts) <= sched.max_adapters
+    if sched._all_decoding and sched._in_flight is None and sched.kv.prefix_caching:  # the next step's growth
+        assert [r for r in sched._full if r.status is RequestStatus.RUNNING] == \
+            [r for r in sched.running if r.num_computed_tokens >= r.capacity], "a full KV left off the list"
     awaiting = {rid for reqs in sched._awaiting.values() for rid in reqs}
     for req in waiting:
         assert sched.requests[req.request_id] is req and req.status.is_waiting

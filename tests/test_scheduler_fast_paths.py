@@ -21,18 +21,19 @@ from unipage.scheduler import Request, Scheduler, SchedulerConfig, StepResult
 from unipage.scheduler import admission as admission_module
 from unipage.scheduler import scheduler as scheduler_module
 
-CONFIGS = {  # name -> (pages, admission, eviction policy, several tokens per sample)
-    "roomy": (160, "optimistic", "lru", False),
-    "preempting": (40, "optimistic", "lru", False),
-    "speculative": (60, "optimistic", "lfu", True),
-    "reserve": (80, "reserve", "cost", False),
+CONFIGS = {  # name -> (pages, admission, eviction policy, several tokens per sample, prefix caching)
+    "roomy": (160, "optimistic", "lru", False, True),
+    "preempting": (40, "optimistic", "lru", False, True),
+    "speculative": (60, "optimistic", "lfu", True, True),
+    "reserve": (80, "reserve", "cost", False, True),
+    "no_prefix_cache": (40, "optimistic", "lru", False, False),
 }
 
 
-def run_workload(pages, admission, eviction, speculative, steps=150, seed=0):
+def run_workload(pages, admission, eviction, speculative, prefix_caching=True, steps=150, seed=0):
     """Drive a scheduler through ``steps`` steps; returns one record per step."""
     rng = random.Random(seed)
-    config = UnipageConfig(MODEL, PoolConfig(block_tokens=4, num_pages=pages),
+    config = UnipageConfig(MODEL, PoolConfig(block_tokens=4, num_pages=pages, prefix_caching=prefix_caching),
                            LoRAConfig(max_rank=8, max_adapters_per_batch=3, eviction_policy=eviction))
     memory = UnifiedMemory(config)
     for i in range(6):
@@ -92,7 +93,7 @@ def test_the_all_decode_step_equals_the_general_loop(name, monkeypatch):
     monkeypatch.setattr(Scheduler, "_schedule_decodes", lambda self, step: 0)
     assert run_workload(*CONFIGS[name]) == with_fast_path
     assert calls["fast"] > (0 if name == "speculative" else 20)  # speculative: rarely one token each
-    if name == "preempting":
+    if name in ("preempting", "no_prefix_cache"):
         assert calls["short"] > 0  # it handed over to the general loop to preempt
 
 
