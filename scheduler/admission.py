@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_FOR_ADAPTER = RequestStatus.WAITING_FOR_ADAPTER
+_READY, _LOADING = Residency.READY, Residency.LOADING  # (a member read from its class is slow in Python 3.11)
 # Admission outcomes.  Skips for want of an adapter slot or pages count towards max_skips; a load in
 # flight does not, nor being held back while its adapter drains for a starving request.
 _ADMITTED, _NO_MEMORY, _DROPPED, _SKIP_LOADING, _SKIP_LIMIT, _SKIP_NO_SPACE, _SKIP_DRAIN = range(7)
@@ -193,9 +194,9 @@ class Admission:
             return _DROPPED  # unregistered while its requests waited
         state = self.adapters.request(name, step.protect)
         step.protect.add((ADAPTER, name))
-        if state is Residency.READY:
+        if state is _READY:
             return None
-        return _SKIP_LOADING if state is Residency.LOADING else _SKIP_NO_SPACE
+        return _SKIP_LOADING if state is _LOADING else _SKIP_NO_SPACE
 
     def _open_kv(self, req: Request, step: Step) -> int:
         """Open the request's KV with its cached prefix and grow it for this step (reserve: its whole life).

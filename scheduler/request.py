@@ -62,15 +62,17 @@ class RequestStatus(Enum):
     ABORTED = "aborted"  # aborted by the caller, dropped by the policy, or its adapter failed to load
 
     @property
-    def is_waiting(self) -> bool:
-        return self is _S.WAITING or self is _S.WAITING_FOR_ADAPTER or self is _S.PREEMPTED  # no Enum hashing
+    def is_waiting(self) -> bool:  # (module constants: in Python 3.11 a member read from its class is slow)
+        return self is _WAITING or self is _WAITING_FOR_ADAPTER or self is _PREEMPTED  # no Enum hashing
 
     @property
     def is_done(self) -> bool:
-        return self is RequestStatus.FINISHED or self is RequestStatus.ABORTED
+        return self is _FINISHED or self is _ABORTED
 
 
 _S = RequestStatus
+_WAITING, _WAITING_FOR_ADAPTER, _PREEMPTED, _FINISHED, _ABORTED = \
+    _S.WAITING, _S.WAITING_FOR_ADAPTER, _S.PREEMPTED, _S.FINISHED, _S.ABORTED
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset((_S.RUNNING, _S.WAITING_FOR_ADAPTER, _S.ABORTED)),
     _S.WAITING_FOR_ADAPTER: frozenset((_S.WAITING, _S.ABORTED)),
@@ -79,6 +81,8 @@ TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.FINISHED: frozenset(),
     _S.ABORTED: frozenset(),
 }
+_ALLOWED = {status.value: tuple(targets) for status, targets in TRANSITIONS.items()}  # `transition`'s table: an
+#   Enum member hashes in Python code, its value and an identity test in a tuple do not
 
 
 class FinishReason(Enum):
@@ -163,7 +167,7 @@ class Request:
         return (self.priority, self.arrival_time, self.seq)
 
     def transition(self, new: RequestStatus) -> None:
-        if new not in TRANSITIONS[self.status]:
+        if new not in _ALLOWED[self.status.value]:
             raise InvalidTransitionError(f"request {self.request_id!r}: {self.status.name} -> {new.name} "
                                          f"is not a legal transition")
         self.status = new

@@ -48,7 +48,9 @@ from unipage.scheduler.validate import validate_request, validate_result
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_ADAPTER = RequestStatus.WAITING_FOR_ADAPTER
-_STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH
+_PREEMPTED, _FINISHED, _ABORTED = RequestStatus.PREEMPTED, RequestStatus.FINISHED, RequestStatus.ABORTED
+_STOP, _LENGTH, _ABORT = FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT  # (a member read from
+#   its class is slow in Python 3.11)
 
 
 def _append_tokens(req: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
@@ -125,7 +127,7 @@ class Scheduler:
             return False
         if req.status is _RUNNING:
             self._remove_running(req)
-        self._drop(req, RequestStatus.ABORTED, FinishReason.ABORT)
+        self._drop(req, _ABORTED, _ABORT)
         return True
 
     def get(self, request_id: str) -> Request | None:
@@ -305,7 +307,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, step: Step) -> None:
         self._release_running(req)
-        req.transition(RequestStatus.PREEMPTED)
+        req.transition(_PREEMPTED)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.skips = 0
@@ -396,7 +398,7 @@ class Scheduler:
             self._commit(req)
         req.next_check = next_check(req)
         if reason is not None:
-            self._drop(req, RequestStatus.FINISHED, reason)
+            self._drop(req, _FINISHED, reason)
             self._remove_running(req)
         else:
             if req.num_computed_tokens >= req.capacity:  # a block more next step (listed for prefix caching)
@@ -465,13 +467,13 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_time = self.clock()
         del self.requests[req.request_id]
-        if status is RequestStatus.FINISHED:
+        if status is _FINISHED:
             self._finished_ids.append(req.request_id)
             self.stats.finished += 1
         else:
             self._aborted_ids.append(req.request_id)
             self.stats.aborted += 1
-            if reason is not FinishReason.ABORT:  # the scheduler's own decision: tell the caller why
+            if reason is not _ABORT:  # the scheduler's own decision: tell the caller why
                 self._pending.append(RequestOutput(req.request_id, [], reason, detail))
 
     def check(self) -> None:

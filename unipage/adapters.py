@@ -47,6 +47,11 @@ class Residency(Enum):
     NO_SPACE = "no_space"  # could not get pages now
 
 
+_ADAPTER_PAGES = PageKind.ADAPTER
+_READY, _LOADING, _NO_SPACE = Residency.READY, Residency.LOADING, Residency.NO_SPACE  # (a member read from
+#   its class is slow in Python 3.11)
+
+
 @dataclass(frozen=True, slots=True)
 class LoadAdapter:
     """Copy an adapter into its pages (reading it from disk first unless ``from_host``)."""
@@ -177,12 +182,12 @@ class AdapterManager:
         """
         record = self.get(name)
         if record.resident:
-            return Residency.READY if record.loaded else Residency.LOADING
-        pages = self.reclaimer.alloc(record.num_pages, PageKind.ADAPTER, protect)
+            return _READY if record.loaded else _LOADING
+        pages = self.reclaimer.alloc(record.num_pages, _ADAPTER_PAGES, protect)
         if pages is None:
-            return Residency.NO_SPACE
+            return _NO_SPACE
         self._start_load(record, pages)
-        return Residency.LOADING
+        return _LOADING
 
     def _start_load(self, record: AdapterRecord, pages: list[int]) -> None:
         record.pages, record.slot = pages, self._take_slot()
