@@ -132,6 +132,10 @@ class SchedulingPolicy:
     def on_step(self, reqs: Sequence[Request], sampled: Sequence[list[int]]) -> None:
         """A step ran: ``sampled[i]`` are the tokens ``reqs[i]`` generated."""
 
+    def on_decode_step(self, reqs: Sequence[Request], sampled: Sequence[list[int]]) -> None:
+        """`on_step` for a step in which every request generated exactly one token (the common step)."""
+        self.on_step(reqs, sampled)
+
 
 class FCFS(SchedulingPolicy):
     name = "fcfs"
@@ -284,6 +288,11 @@ class VTC(SchedulingPolicy):
         for req, tokens in zip(reqs, sampled):
             if tokens:
                 req.policy_data.counter += w * len(tokens)
+
+    def on_decode_step(self, reqs: Sequence[Request], sampled: Sequence[list[int]]) -> None:
+        w = self._w_out  # (w * 1 is w: the same sums as on_step's, a third of its time)
+        for req in reqs:
+            req.policy_data.counter += w
 
     # -- internals ---------------------------------------------------------
     def _served(self, req: Request) -> float:

@@ -164,10 +164,13 @@ class Scheduler:
         self._apply_loads(result)
         outputs, self._pending = self._pending, []
         self._full = []
-        single = self._apply_tokens(step, result.sampled_token_ids, outputs)
+        single, one_each = self._apply_tokens(step, result.sampled_token_ids, outputs)
         # Next step, may every running request simply decode one token?  Yes if each sampled one just now.
         self._all_decoding = single and step.all_running and not step.partial
-        self.policy.on_step(step.reqs, result.sampled_token_ids)
+        if one_each:
+            self.policy.on_decode_step(step.reqs, result.sampled_token_ids)
+        else:
+            self.policy.on_step(step.reqs, result.sampled_token_ids)
         return outputs
 
     # -- phase 0: early aborts -----------------------------------------------
@@ -344,12 +347,13 @@ class Scheduler:
             for req in list(self._awaiting.get(name, {}).values()):
                 self._drop(req, RequestStatus.ABORTED, FinishReason.LOAD_FAILED, f"adapter {name!r} failed to load")
 
-    def _apply_tokens(self, step: Step, sampled: list[list[int]], outputs: list[RequestOutput]) -> bool:
+    def _apply_tokens(self, step: Step, sampled: list[list[int]], outputs: list[RequestOutput]) -> tuple[bool, bool]:
         """Append sampled tokens, finish on a stop token or the length, commit newly full KV blocks.
 
         Most requests decode one token that changes nothing else: the hot loop does only that, and leaves the
         others ("events": a prefill chunk, a block to commit, a first or last token) to `_apply_event`, in
-        batch order.  Returns whether every request sampled at most one token.
+        batch order.  Returns whether every request that goes on sampled at most one token, and whether every
+        request in the batch sampled exactly one.
         """
         reqs, events = step.reqs, []
         for req, tokens in zip(reqs, sampled):  # the hot loop: one new token each for most requests
@@ -364,16 +368,18 @@ class Scheduler:
                     continue
             events.append(req)
         made = make_outputs(step.out.req_ids, sampled)  # batch order; events replace theirs
-        now, single, silent, i, find = self.clock(), True, False, -1, reqs.index
+        now, single, one_each, silent, i, find = self.clock(), True, True, False, -1, reqs.index
         for req in events:
             i = find(req, i + 1)  # its place in the batch (events are in batch order: a search in C from the last)
-            made[i] = output = self._apply_event(req, sampled[i], now, made[i])
+            tokens = sampled[i]
+            made[i] = output = self._apply_event(req, tokens, now, made[i])
             if output is None:
                 silent = True
-            elif len(sampled[i]) != 1:
-                single = False
+            if len(tokens) != 1:
+                one_each = False
+                single = single and output is None
         outputs += [o for o in made if o is not None] if silent else made
-        return single
+        return single, one_each
 
     def _apply_event(self, req: Request, tokens: list[int], now: float, plain: RequestOutput) -> RequestOutput | None:
         """A request off the hot loop; returns its output (None: aborted while the step ran, or mid-prefill).

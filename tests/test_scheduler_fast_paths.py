@@ -20,6 +20,7 @@ from unipage.memory import UnifiedMemory
 from unipage.scheduler import Request, Scheduler, SchedulerConfig, StepResult
 from unipage.scheduler import admission as admission_module
 from unipage.scheduler import scheduler as scheduler_module
+from unipage.scheduler.policies import VTC, SchedulingPolicy
 
 CONFIGS = {  # name -> (pages, admission, eviction policy, several tokens per sample, prefix caching)
     "roomy": (160, "optimistic", "lru", False, True),
@@ -30,7 +31,7 @@ CONFIGS = {  # name -> (pages, admission, eviction policy, several tokens per sa
 }
 
 
-def run_workload(pages, admission, eviction, speculative, prefix_caching=True, steps=150, seed=0):
+def run_workload(pages, admission, eviction, speculative, prefix_caching=True, steps=150, seed=0, policy="fcfs"):
     """Drive a scheduler through ``steps`` steps; returns one record per step."""
     rng = random.Random(seed)
     config = UnipageConfig(MODEL, PoolConfig(block_tokens=4, num_pages=pages, prefix_caching=prefix_caching),
@@ -40,7 +41,7 @@ def run_workload(pages, admission, eviction, speculative, prefix_caching=True, s
         memory.adapters.register(f"a{i}", synthetic_info(MODEL, 2 + i % 3, digest=f"digest-{i}"))
     clock = Clock()
     sched = Scheduler(memory, SchedulerConfig(max_model_len=64, max_num_batched_tokens=24, max_num_seqs=8,
-                                              admission=admission), clock=clock)
+                                              admission=admission, policy=policy), clock=clock)
     prefixes = [[rng.randrange(3, 40) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
     records, loading, next_id = [], [], 0
     for _ in range(steps):
@@ -69,7 +70,8 @@ def run_workload(pages, admission, eviction, speculative, prefix_caching=True, s
         records.append((dataclasses.asdict(out), [vars_of(o) for o in outputs], memory.occupancy(),
                         sorted((c.kind, str(c.key), c.last_used, c.uses) for c in memory.reclaimer.candidates()),
                         list(memory.pool._free),
-                        sorted((r.request_id, r.first_token_time, r.num_tokens) for r in sched.requests.values())))
+                        sorted((r.request_id, r.first_token_time, r.num_tokens) for r in sched.requests.values()),
+                        sched.policy.counters() if policy == "vtc" else None))
     return records
 
 
@@ -103,3 +105,10 @@ def test_the_plain_decode_update_equals_the_event_path(name, monkeypatch):
     for module in (scheduler_module, admission_module):  # every request an event, every step
         monkeypatch.setattr(module, "next_check", lambda req: 0)
     assert run_workload(*CONFIGS[name]) == with_hot_loop
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_vtc_counts_a_decode_step_as_on_step_does(name, monkeypatch):
+    with_decode_hook = run_workload(*CONFIGS[name], policy="vtc")
+    monkeypatch.setattr(VTC, "on_decode_step", SchedulingPolicy.on_decode_step)  # every step through on_step
+    assert run_workload(*CONFIGS[name], policy="vtc") == with_decode_hook
