@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
-from unipage.kernels import moe_lora_fused as fused_lora
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
 from unipage.kernels.moe_align import (
     Alignment,
@@ -150,16 +149,10 @@ def _moe_gemm_kernel(
     slots_ptr, flags_ptr,  # [T] int32 token slots, [S] int32 slot has expert LoRA (HAS_LORA)
     num_pairs, N, K_dim, a_div, w_rows,
     stride_am, stride_we, stride_wn, stride_om, stride_rm, alpha, limit,
-    # FUSED (`moe_lora_fused`): LoRA deltas in the epilogue.  lz: gate/up z partials [SPLIT_K, TK,
-    # R_PAD] (gate/up) or down_z [TK, RD_PAD] (down); ldz: down_z (gate/up, += act @ A_d.T); the
-    # layer's pool, page table and slot fields; its page-table row stride; top_k
-    lz_ptr, ldz_ptr, lpool_ptr, lpt_ptr, lmeta_ptr, lstride_pt, ltop_k,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FUSED: tl.constexpr, L_R_PAD: tl.constexpr,
-    L_RK_PAD: tl.constexpr, L_RD_PAD: tl.constexpr, L_SPLIT_K: tl.constexpr, L_S_TILE: tl.constexpr,
-    L_RUN: tl.constexpr, L_PAGE_SHIFT: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_m = tl.load(num_blocks_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -171,8 +164,6 @@ def _moe_gemm_kernel(
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
     a_rows = tl.where(pair_ok, pairs // a_div, 0)
-    if FUSED:
-        lkey, lrank, lslots = fused_lora.tile_slots(slots_ptr, flags_ptr, pairs, pair_ok, ltop_k, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_row = expert * w_rows + pid_n * BLOCK_N  # TMA: a tile past N reads the next rows, never stored
@@ -215,20 +206,7 @@ def _moe_gemm_kernel(
             tl.store(raw_ptrs, acc.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
             tl.store(raw_ptrs + N, acc_up.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
             mask = mask & ~lora[:, None]
-        if FUSED:
-            acc, acc_up = fused_lora.gate_up_delta(
-                acc, acc_up, pairs, lkey, lrank, lslots, expert, pid_n * BLOCK_N, N, lz_ptr, lpool_ptr, lpt_ptr,
-                lmeta_ptr, lstride_pt, num_pairs, L_R_PAD, L_RK_PAD, L_SPLIT_K, L_S_TILE, L_RUN, L_PAGE_SHIFT,
-                BLOCK_M, BLOCK_N, DOT_PRECISION)
         acc = gated_act(acc, acc_up, ACT, alpha, limit)
-        if FUSED:
-            fused_lora.down_shrink(acc.to(out_ptr.dtype.element_ty), pairs, lkey, lrank, lslots, expert,
-                                   pid_n * BLOCK_N, N, ldz_ptr, lpool_ptr, lpt_ptr, lmeta_ptr, lstride_pt, L_RD_PAD,
-                                   L_S_TILE, L_RUN, L_PAGE_SHIFT, BLOCK_M, BLOCK_N, DOT_PRECISION)
-    elif FUSED:
-        acc = fused_lora.down_delta(acc, pairs, lkey, lrank, lslots, expert, pid_n * BLOCK_N, N, lz_ptr, lpool_ptr,
-                                    lpt_ptr, lmeta_ptr, lstride_pt, L_RD_PAD, L_S_TILE, L_RUN, L_PAGE_SHIFT, BLOCK_M,
-                                    BLOCK_N, DOT_PRECISION)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -252,25 +230,21 @@ def _weight_source(w: torch.Tensor, cfg: dict):
 
 def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, gated: bool,
                  weights=None, raw=None, token_slots=None, slot_flags=None, bias=None,
-                 activation: GatedActivation = SILU, lora_plan=None) -> None:
+                 activation: GatedActivation = SILU) -> None:
     k_dim, has_lora = a.shape[1], raw is not None
-    if lora_plan is not None:  # fused LoRA: the slots and flags tell the tile's adapters
-        token_slots, slot_flags = lora_plan.lora.token_slots, lora_plan.lora.meta.slot_flags
-    slots_given = has_lora or lora_plan is not None
     w_src, tma = _weight_source(w, cfg)
     grid = (align.max_blocks * triton.cdiv(n, cfg["block_n"]),)
     _moe_gemm_kernel[grid](
         a, w_src, out, raw if has_lora else out, weights if weights is not None else out,
         bias if bias is not None else out, align.sorted_pairs, align.block_group, align.num_blocks,
-        token_slots if slots_given else align.sorted_pairs, slot_flags if slots_given else align.sorted_pairs,
+        token_slots if has_lora else align.sorted_pairs, slot_flags if has_lora else align.sorted_pairs,
         align.num_pairs, n, k_dim, a_div, w.shape[1], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         raw.stride(0) if has_lora else 0, float(activation.alpha), float(activation.limit),
         GATED=gated, MUL_WEIGHT=weights is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
         ACT=activation.code,
         EVEN_K=k_dim % cfg["block_k"] == 0, USE_TMA=tma, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **fused_lora.epilogue_args(lora_plan, "gate_up" if gated else "down", cfg["block_n"], out))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,13 +295,6 @@ def _check_bias(bias, w: torch.Tensor) -> None:
             raise ValueError("bias must be contiguous")
 
 
-def _check_lora_stage(raw, lora_plan, activation: GatedActivation) -> None:
-    if raw is not None and lora_plan is not None:
-        raise ValueError("raw (a separate LoRA pass) and lora_plan (LoRA fused) exclude each other")
-    if lora_plan is not None and lora_plan.lora.activation != activation:
-        raise ValueError(f"the LoRA plan's activation {lora_plan.lora.activation} differs from {activation}")
-
-
 def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
     _check_tensor("output", act_or_y, (rows, cols), x.dtype, x.device)
     if w.dtype != x.dtype or w.stride(-1) != 1:
@@ -342,7 +309,7 @@ def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
 
 def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                 slot_flags=None, config: dict | None = None, *, bias=None,
-                activation: GatedActivation = SILU, lora_plan=None) -> None:
+                activation: GatedActivation = SILU) -> None:
     """``act[p] = activation(x[t] @ Wg[e].T, x[t] @ Wu[e].T)`` for every pair ``p = (t, e)``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``topk_ids`` [T, K] int32; ``align`` from
@@ -351,39 +318,25 @@ def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_s
     expert LoRA get ``raw[p] = x[t] @ W[e].T`` (gate | up, un-activated) instead and
     their ``act`` row is left for the LoRA pass.  ``config``: base launch config entry.
     ``bias`` [E, 2I] (optional): added to gate | up before the activation (and into ``raw``).
-    ``activation``: `GatedActivation` (default silu).  ``lora_plan`` (instead of ``raw``): a
-    `MoeLoraPlan` whose shrink (`fused_moe_lora.moe_lora_shrink`) has run: LoRA pairs get their
-    gate/up deltas before the activation, and ``act @ A_d.T`` goes into ``lora_plan.down_z``
-    (`moe_lora_fused`).
+    ``activation``: `GatedActivation` (default silu).
     """
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
     _check_bias(bias, w_gate_up)
-    _check_lora_stage(raw, lora_plan, activation)
     if raw is not None:
         _check_tensor("raw", raw, (num_pairs, 2 * inter), x.dtype, x.device)
     cfg = base_config(w_gate_up.shape[0], x.shape[1], inter, topk_ids, config)
     _launch_gemm(x, w_gate_up, act, align, cfg["gate_up"], n=inter, a_div=topk_ids.shape[-1], gated=True,
-                 raw=raw, token_slots=token_slots, slot_flags=slot_flags, bias=bias, activation=activation,
-                 lora_plan=lora_plan)
+                 raw=raw, token_slots=token_slots, slot_flags=slot_flags, bias=bias, activation=activation)
 
 
 def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                     slot_flags=None, config: dict | None = None, *, bias=None,
-                    activation: GatedActivation = SILU, lora_plan=None) -> None:
-    """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused; with
-    ``lora_plan``, the deltas come from `fused_moe_lora.moe_lora_gate_up_ref`)."""
+                    activation: GatedActivation = SILU) -> None:
+    """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused)."""
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
     _check_bias(bias, w_gate_up)
-    _check_lora_stage(raw, lora_plan, activation)
-    if lora_plan is not None:
-        lora = lora_plan.lora
-        raw = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
-        moe_gate_up_ref(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags,
-                        bias=bias, activation=activation)
-        lora_ops.moe_lora_gate_up_ref(lora_plan, x, raw, act)
-        return
     h = _per_expert(x.float(), w_gate_up, topk_ids, topk_ids.shape[-1])
     if bias is not None:
         h += bias.float()[topk_ids.reshape(-1).long()]
@@ -397,26 +350,24 @@ def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, tok
 
 
 def moe_down(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None, *,
-             bias=None, lora_plan=None) -> None:
+             bias=None) -> None:
     """``y[p] = w[p] · (act[p] @ w_down[e].T + bias[e])`` for every pair ``p`` routed to expert ``e``.
 
     ``act`` [TK, I]; ``w_down`` [E, H, I]; ``topk_ids`` [T, K] int32; ``topk_weights``
     [T, K] float32; ``align`` as for `moe_gate_up`; ``y`` [TK, H] (written);
-    ``bias`` [E, H] (optional, zero if absent).  ``lora_plan``: the plan whose fused gate/up
-    stage filled ``down_z``: LoRA pairs get ``down_z @ B_d`` inside the routing weight.
+    ``bias`` [E, H] (optional, zero if absent).
     """
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
     _check_bias(bias, w_down)
     cfg = base_config(w_down.shape[0], hidden, act.shape[1], topk_ids, config)
     _launch_gemm(act, w_down, y, align, cfg["down"], n=hidden, a_div=1, gated=False,
-                 weights=topk_weights, bias=bias, lora_plan=lora_plan)
+                 weights=topk_weights, bias=bias)
 
 
 def moe_down_ref(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None, *,
-                 bias=None, lora_plan=None) -> None:
-    """Torch version of `moe_down` (``align`` and ``config`` unused; with ``lora_plan`` the deltas
-    come from `fused_moe_lora.moe_lora_down_ref`, from ``act``)."""
+                 bias=None) -> None:
+    """Torch version of `moe_down` (``align`` and ``config`` unused)."""
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
     _check_bias(bias, w_down)
@@ -424,8 +375,6 @@ def moe_down_ref(act, w_down, topk_ids, topk_weights, align: Alignment, y, confi
     if bias is not None:
         out += bias.float()[topk_ids.reshape(-1).long()]
     y.copy_(out * topk_weights.reshape(-1, 1))
-    if lora_plan is not None:
-        lora_ops.moe_lora_down_ref(lora_plan, act, y, topk_weights)
 
 
 def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div: int) -> torch.Tensor:
@@ -444,12 +393,10 @@ def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div:
 
 
 _TRITON = SimpleNamespace(align=moe_align, gate_up=moe_gate_up, down=moe_down, plan=lora_ops.plan_moe_lora,
-                          lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down,
-                          lora_shrink=lora_ops.moe_lora_shrink, can_fuse=fused_lora.can_fuse)
+                          lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down)
 _TORCH = SimpleNamespace(align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_down_ref,
                          plan=lora_ops.plan_moe_lora_ref, lora_gate_up=lora_ops.moe_lora_gate_up_ref,
-                         lora_down=lora_ops.moe_lora_down_ref, lora_shrink=None,
-                         can_fuse=lambda *args: False)  # the reference always runs the separate pass
+                         lora_down=lora_ops.moe_lora_down_ref)
 
 
 def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config, gate_up_bias=None,
@@ -466,20 +413,16 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
     if lora is not None and lora.activation != activation:
         lora = dataclasses.replace(lora, activation=activation)
     plan = ops.plan(lora, topk_ids, lora_config) if lora is not None and lora.meta.any_lora else None
-    fused = ops.can_fuse(plan, cfg["block_m"], cfg["gate_up"]["block_n"], cfg["down"]["block_n"])
-    if plan is None or fused:
-        if fused:
-            ops.lora_shrink(plan, x)
-        ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation,
-                    lora_plan=plan if fused else None)
+    if plan is None:
+        ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation)
     else:
         raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
         ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
                     bias=gate_up_bias, activation=activation)
         ops.lora_gate_up(plan, x, raw, act)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias, lora_plan=plan if fused else None)
-    if plan is not None and not fused:
+    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias)
+    if plan is not None:
         ops.lora_down(plan, act, y, topk_weights)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 

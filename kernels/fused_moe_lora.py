@@ -160,7 +160,7 @@ def lora_pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
                  for n in (meta.max_gate_up_rows, meta.max_gate_up_rank, meta.max_down_rank))
 
 
-def k_splits(hidden: int, split_k: int) -> tuple[int, int]:
+def _split_k(hidden: int, split_k: int) -> tuple[int, int]:
     """``(splits, elements per split)``: K cut into whole 64-runs, no split left empty."""
     runs = triton.cdiv(hidden, 64)
     per = triton.cdiv(runs, max(1, split_k))
@@ -174,7 +174,7 @@ def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) 
     if cfg["block_m"] > 1:
         align = align_fn(topk_ids, meta.num_experts, cfg["block_m"], lora.token_slots, meta.slot_flags)
     r_pad, _, rd_pad = lora_pads(meta)
-    splits, _ = k_splits(meta.hidden, cfg["split_k"])
+    splits, _ = _split_k(meta.hidden, cfg["split_k"])
     num_pairs, device = topk_ids.numel(), topk_ids.device
     return MoeLoraPlan(lora, topk_ids, cfg, align,
                        torch.empty(splits, num_pairs, r_pad, dtype=torch.float32, device=device),
@@ -262,34 +262,26 @@ def _load_paged(pool_ptr, pt_ptr, row_virt, row_ok, col0, col_ok, PAGE_SHIFT: tl
 
 
 @triton.jit
-def load_rows(pool_ptr, pt_ptr, pt_off, row_virt, row_ok, cols_left, WIDTH: tl.constexpr, RUN: tl.constexpr,
-              PAGE_SHIFT: tl.constexpr):
-    """``[rows, WIDTH]``: row i = the pool elements at virtual ``row_virt[i] + [0, WIDTH)`` through
-    the page-table row at ``pt_ptr + pt_off[i]``; columns ``>= cols_left`` read 0 (and look up no page).
+def _load_wide(pool_ptr, pt_ptr, row_virt, row_ok, col0, cols_left, WIDTH: tl.constexpr, RUN: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr):
+    """``[rows, WIDTH]``: row i = the pool elements at virtual ``row_virt[i] + col0 + [0, WIDTH)``;
+    columns ``>= cols_left`` read 0 (and look up no page).
 
     Read as WIDTH / RUN runs per row, all issued at once (one page-table lookup per run, then
-    one vectorised load of the whole tile).  ``row_virt`` is RUN-aligned and RUN <= 64, so each
-    run is inside one page.
+    one vectorised load of the whole tile).  ``row_virt + col0`` is RUN-aligned and RUN <= 64,
+    so each run is inside one page.
     """
     runs = tl.arange(0, WIDTH // RUN)
     lanes = tl.arange(0, RUN)
     run_ok = row_ok[:, None] & (runs[None, :] * RUN < cols_left)
-    virt = row_virt[:, None] + runs[None, :] * RUN
-    page = tl.load(pt_ptr + pt_off[:, None] + (virt >> PAGE_SHIFT), mask=run_ok, other=0)
+    virt = row_virt[:, None] + col0 + runs[None, :] * RUN
+    page = tl.load(pt_ptr + (virt >> PAGE_SHIFT), mask=run_ok, other=0)
     base = page.to(tl.int64) * (1 << PAGE_SHIFT) + (virt & ((1 << PAGE_SHIFT) - 1))
     base = tl.multiple_of(base, [RUN, RUN])
     col_ok = (runs[:, None] * RUN + lanes[None, :]) < cols_left
     tile = tl.load(pool_ptr + base[:, :, None] + lanes[None, None, :],
                    mask=run_ok[:, :, None] & col_ok[None, :, :], other=0.0)
     return tl.reshape(tile, (row_virt.shape[0], WIDTH))
-
-
-@triton.jit
-def _load_wide(pool_ptr, pt, row_virt, row_ok, col0, cols_left, WIDTH: tl.constexpr, RUN: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr):
-    """`load_rows` of one slot (page-table row ``pt``) from column ``col0`` of each row."""
-    return load_rows(pool_ptr, pt, tl.zeros_like(row_virt), row_virt + col0, row_ok, cols_left, WIDTH, RUN,
-                     PAGE_SHIFT)
 
 
 @triton.jit
@@ -536,22 +528,6 @@ def _use_pdl(plan: MoeLoraPlan) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def moe_lora_shrink(plan: MoeLoraPlan, x: torch.Tensor, pdl: bool = False) -> None:
-    """The gate/up shrink alone: split-K partials of ``x @ A_gu.T`` into ``plan.gate_up_z``, and
-    ``plan.down_z`` zeroed, for every LoRA pair (``x`` [T, H] model dtype).  ``pdl``: let the next
-    kernel (a PDL launch) start early."""
-    meta = plan.lora.meta
-    _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden))
-    cfg, page_shift = plan.config, plan.lora.pool.shape[1].bit_length() - 1
-    r_pad, _, rd_pad = lora_pads(meta)
-    splits, per_split = k_splits(meta.hidden, cfg["split_k"])
-    _shrink_kernel[(_num_tile_bound(plan) * splits,)](
-        x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), plan.lora.page_table.stride(0),
-        R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split, BLOCK_M=cfg["block_m"],
-        GROUP_M=cfg["shrink"]["group_m"], PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, **_launch_opts(cfg["shrink"]))
-
-
 def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
     """For every LoRA pair ``p = (t, e)``: ``act[p] = act_fn(h[:I], h[I:])``, ``h = raw[p] + delta_gu``
     (``act_fn``: ``plan.lora.activation``, silu-gated by default).
@@ -563,12 +539,16 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
     _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden), raw=(raw, num_pairs, 2 * meta.inter),
                  act=(act, num_pairs, meta.inter))
-    pdl, precision = _use_pdl(plan), "ieee" if x.dtype == torch.float32 else "tf32"
-    moe_lora_shrink(plan, x, pdl)
     cfg, tiles, page_shift = plan.config, _num_tile_bound(plan), plan.lora.pool.shape[1].bit_length() - 1
     r_pad, rk_pad, rd_pad = lora_pads(meta)
-    splits, _ = k_splits(meta.hidden, cfg["split_k"])
+    splits, per_split = _split_k(meta.hidden, cfg["split_k"])
+    pdl, precision = _use_pdl(plan), "ieee" if x.dtype == torch.float32 else "tf32"
     stride_pt = plan.lora.page_table.stride(0)
+    _shrink_kernel[(tiles * splits,)](
+        x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), stride_pt,
+        R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split, BLOCK_M=cfg["block_m"],
+        GROUP_M=cfg["shrink"]["group_m"], PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0,
+        DOT_PRECISION=precision, USE_PDL=pdl, **_launch_opts(cfg["shrink"]))
     chunk = _chunk(meta.inter)
     block_n = max(chunk, min(cfg["gate_up"]["block_n"], triton.next_power_of_2(meta.inter)))
     extra = {"launch_pdl": True} if pdl else {}

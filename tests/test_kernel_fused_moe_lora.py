@@ -10,33 +10,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from unipage.kernels.fused_moe import (
-    fused_experts,
-    fused_experts_ref,
-    moe_down,
-    moe_down_ref,
-    moe_gate_up,
-    moe_gate_up_ref,
-    route_topk_ref,
-)
-from unipage.kernels.fused_moe_lora import (
-    MoeLora,
-    lora_config,
-    lora_pairs,
-    moe_lora_down,
-    moe_lora_down_ref,
-    moe_lora_gate_up,
-    moe_lora_gate_up_ref,
-    moe_lora_meta,
-    moe_lora_shrink,
-    plan_moe_lora,
-    plan_moe_lora_ref,
-)
-from unipage.kernels.moe_align import moe_align_ref
-from unipage.kernels.moe_lora_fused import can_fuse
 
 from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
+from unipage.kernels.fused_moe import fused_experts, fused_experts_ref, moe_gate_up_ref, route_topk_ref
+from unipage.kernels.fused_moe_lora import (MoeLora, lora_pairs, moe_lora_down, moe_lora_down_ref,
+                                            moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, plan_moe_lora,
+                                            plan_moe_lora_ref)
+from unipage.kernels.moe_align import moe_align_ref
 from unipage.lora_layout import TargetSpec, build_layout
 
 H, I, E, K, LAYER = 64, 32, 8, 2, 1
@@ -238,54 +219,6 @@ def test_mixes_match_reference(mix):
     _close(_run(fused_experts, c, GROUP), _run(fused_experts_ref, c, GROUP), torch.float16)
 
 
-def _fused(config, slots_per_group=8):
-    return {**config, "fuse": True, "fuse_slots": slots_per_group}
-
-
-@pytest.mark.parametrize("slots_per_group", [2, 8])
-@pytest.mark.parametrize("mix", ["uniform", "zipf", "skewed", "distinct", "identical"])
-@pytest.mark.parametrize("shrink", ["pair", "group"])
-def test_fused_epilogues_match_reference(shrink, mix, slots_per_group):
-    """LoRA in the base GEMMs' epilogues: tiles hold up to six slots, taken two or eight at a time."""
-    c = _case(40, torch.float16, mix, seed=17)
-    config = _fused(PAIR if shrink == "pair" else GROUP, slots_per_group)
-    plan = plan_moe_lora(c["lora"], c["topk_ids"], config)
-    assert can_fuse(plan, BASE_CONFIG["block_m"], BASE_CONFIG["gate_up"]["block_n"], BASE_CONFIG["down"]["block_n"])
-    _close(_run(fused_experts, c, config), _run(fused_experts_ref, c, config), torch.float16)
-
-
-@pytest.mark.parametrize("page_elems", [64, 1024])
-def test_fused_float32_ragged_hidden_and_pages(page_elems):
-    c = _case(23, torch.float32, "zipf", page_elems=page_elems, seed=8, hidden=96)
-    _close(_run(fused_experts, c, _fused(_lora_config(16, split_k=2), 4)), _loop_moe(c, torch.float32),
-           torch.float32)
-
-
-def test_fused_stages_match_their_references():
-    """Stage by stage: ``act`` (poisoned first) and ``y`` from the fused epilogues equal the
-    reference stages given the same plan; pairs without LoRA get the base values."""
-    c = _case(40, torch.float32, "zipf", seed=4)
-    ids, weights, num_pairs = c["topk_ids"], c["topk_weights"], c["topk_ids"].numel()
-    config = _fused(GROUP, 4)
-    align = moe_align_ref(ids, E, BASE_CONFIG["block_m"])
-    outs = []
-    for gate_up, down, plan_fn in ((moe_gate_up, moe_down, plan_moe_lora),
-                                   (moe_gate_up_ref, moe_down_ref, plan_moe_lora_ref)):
-        plan = plan_fn(c["lora"], ids, config)
-        if plan_fn is plan_moe_lora:
-            moe_lora_shrink(plan, c["x"])
-        act = torch.full((num_pairs, I), float("nan"))
-        gate_up(c["x"], c["w_gate_up"], ids, align, act, config=BASE_CONFIG, lora_plan=plan)
-        y = torch.full((num_pairs, H), float("nan"))
-        down(act, c["w_down"], ids, weights, align, y, BASE_CONFIG, lora_plan=plan)
-        outs.append((act, y))
-    for got, want in zip(*outs):
-        _close(got, want, torch.float32)
-    with pytest.raises(ValueError, match="exclude"):
-        moe_gate_up(c["x"], c["w_gate_up"], ids, align, outs[0][0], torch.empty(num_pairs, 2 * I),
-                    lora_plan=plan_moe_lora(c["lora"], ids, config))
-
-
 @pytest.mark.parametrize("page_elems", [64, 1024])
 def test_page_sizes_split_k_and_ragged_hidden(page_elems):
     """H = 96: two 64-runs per A row (split-K of 2), the second half masked."""
@@ -415,11 +348,9 @@ def _gpu_case(shape, num_tokens, adapters=8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-@pytest.mark.parametrize("fuse", [False, True])
-def test_gpu_fused_moe_lora_bf16(shape, num_tokens, fuse):
+def test_gpu_fused_moe_lora_bf16(shape, num_tokens):
     x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case(shape, num_tokens)
-    config = {**lora_config(lora, topk_ids), "fuse": fuse}
-    got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
+    got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora)
     lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
     want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
     base = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids)
