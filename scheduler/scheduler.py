@@ -400,8 +400,10 @@ class Scheduler:
             tokens, reason = _append_tokens(req, tokens)
         if req.first_token_time is None:
             req.first_token_time = now
-        if req.num_computed_tokens >= req.next_commit:
-            self._commit(req)
+        done = req.num_computed_tokens
+        if done >= req.next_commit:  # `_commit`, inlined
+            self.kv.commit(req.request_id, req.all_token_ids, done)
+            req.next_commit = (done // self.block_tokens + 1) * self.block_tokens
         req.next_check = next_check(req)
         if reason is not None:
             self._drop(req, _FINISHED, reason)

@@ -488,16 +488,16 @@ class KVManager:
             if block is None:
                 block = block_at[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, None, salt, root)
             else:
-                block.inserted = block.last_used = now
                 block.uses = 1
                 block.hash = None
                 block.salt = salt
                 block.root = root
             blocks[page] = block
-            if refs[page] == 1:
+            if refs[page] == 1:  # cached: `_let_go` stamps it
                 cached.append(page)
                 cached_blocks.append(block)
             else:
+                block.inserted = block.last_used = now
                 unshared.append(page)
         self._salt_pages(salt).update(pending)
         root.refs += len(pending)
