@@ -302,7 +302,9 @@ def main() -> None:
     parser.add_argument("--out", help="append JSON lines to this file (default: stdout)")
     parser.add_argument("--tune", action="store_true", help="tune launch configs instead of benchmarking")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS),
+                        help="token counts; with --tune the tuned stages' entries for a shape are replaced by "
+                             "those of these counts alone (tune every count to keep decode and prefill covered)")
     parser.add_argument("--stages", nargs="+", default=["base", "lora"], choices=["base", "lora"],
                         help="with --tune: the kernels to tune (the others keep their configs)")
     args = parser.parse_args()
