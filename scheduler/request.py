@@ -125,13 +125,19 @@ class Request:
     priority: int = 0  # lower runs first; equal priorities are served in arrival order
 
     # -- scheduler state: set by Scheduler.add and the phases, read-only to callers --
-    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
-    all_token_ids: list[int] = field(default_factory=list, init=False)  # prompt + output
-    num_prompt_tokens: int = field(default=0, init=False)
+    # (The fields every step reads come first, side by side: in a slotted object they share cache lines.)
     num_computed_tokens: int = field(default=0, init=False)  # KV in the pool, incl. the step in flight
+    next_check: int = field(default=0, init=False)  # computed tokens from which update() looks closer: a block
+    #   fills, the length limit is one token away, or no token was sampled yet (0); 0 while not running
+    stop_set: frozenset = field(default=frozenset(), init=False)
+    all_token_ids: list[int] = field(default_factory=list, init=False)  # prompt + output
+    capacity: int = field(default=0, init=False)  # tokens its block table holds
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    next_commit: int = field(default=NEVER, init=False)  # computed tokens at which a block fills
+    policy_data: object = field(default=None, init=False)  # owned by the scheduling policy
+    num_prompt_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at the last admission
     max_len: int = field(default=0, init=False)  # num_tokens at which it finishes by LENGTH
-    stop_set: frozenset = field(default=frozenset(), init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
     seq: int = field(default=0, init=False)  # add() order: the tie-break of every ordering
     slot: int = field(default=-1, init=False)  # adapter slot while running; -1 = base model
@@ -139,15 +145,10 @@ class Request:
     block_table: list[int] | None = field(default=None, init=False)  # live KV table while running
     window_table: list[int] | None = field(default=None, init=False)  # live table of the sliding-window
     #   layers' KV while running, when the model mixes them with full layers (else None)
-    capacity: int = field(default=0, init=False)  # tokens its block table holds
-    next_commit: int = field(default=NEVER, init=False)  # computed tokens at which a block fills
-    next_check: int = field(default=0, init=False)  # computed tokens from which update() looks closer: a block
-    #   fills, the length limit is one token away, or no token was sampled yet (0); 0 while not running
     skips: int = field(default=0, init=False)  # times passed over since it last entered the queue
     num_preemptions: int = field(default=0, init=False)
     first_token_time: float | None = field(default=None, init=False)
     finish_time: float | None = field(default=None, init=False)
-    policy_data: object = field(default=None, init=False)  # owned by the scheduling policy
 
     @property
     def num_tokens(self) -> int:
