@@ -105,6 +105,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
         self._pending: list[RequestOutput] = []  # outputs decided in schedule(), returned by update()
+        self._stop_sets: dict[frozenset, frozenset] = {}  # one object per distinct stop set (`_stop_set`)
         self._admission = Admission(self)
 
     # -- API -----------------------------------------------------------------
@@ -115,10 +116,19 @@ class Scheduler:
         request.all_token_ids = list(request.prompt_token_ids)
         request.num_prompt_tokens = len(request.all_token_ids)
         request.max_len = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
-        request.stop_set = frozenset(request.stop_token_ids)
+        request.stop_set = self._stop_set(request.stop_token_ids)
         request.seq, self._seq = self._seq, self._seq + 1
         self.requests[request.request_id] = request
         self.policy.push(request)
+
+    def _stop_set(self, stop_token_ids) -> frozenset:
+        """The frozenset of ``stop_token_ids``, one object for equal sets (up to 256 of them): the requests'
+        stop tests, every step, then read the same memory."""
+        stops = frozenset(stop_token_ids)
+        shared = self._stop_sets.get(stops)
+        if shared is None and len(self._stop_sets) < 256:
+            shared = self._stop_sets[stops] = stops
+        return stops if shared is None else shared
 
     def abort(self, request_id: str) -> bool:
         """Drop a live request at once, freeing its KV and its adapter pin; False if it is not live."""

@@ -73,6 +73,15 @@ def test_stop_token_finishes_and_keeps_the_token():
     assert sched.get("r0") is None and step(sched)[0].finished_ids == ["r0"]
 
 
+def test_requests_with_equal_stop_tokens_share_one_stop_set():
+    sched = make()
+    for i, stops in enumerate(((2, 5), [5, 2], (7,), ())):
+        sched.add(req(f"r{i}", stop_token_ids=stops, start=10 * i))
+    sets = [sched.get(f"r{i}").stop_set for i in range(4)]
+    assert sets == [frozenset({2, 5}), frozenset({2, 5}), frozenset({7}), frozenset()]
+    assert sets[0] is sets[1] and sets[2] is not sets[0]
+
+
 def test_length_counts_the_model_context():
     sched = make(max_model_len=8)
     sched.add(req("r0", n=6, max_tokens=100))
