@@ -529,8 +529,9 @@ class KVManager:
         for seq in self._seqs.values():  # its committed blocks not registered yet never will be
             if seq.salt == salt:
                 seq.registered = max(seq.registered, seq.committed)
+        refs = self.pool.refcounts()  # a registered page is CACHED_KV exactly when no one holds it
         for page in sorted(self._by_salt.get(salt, ())):  # page order: how the set was built cannot matter
-            if self.pool.kind(page) == PageKind.CACHED_KV:
+            if not refs[page]:
                 self.reclaimer.remove(KV_BLOCK, page)
                 self.pool.drop(page)
                 freed += 1
@@ -545,7 +546,7 @@ class KVManager:
             raise KeyError(f"unknown sequence {seq_id!r}") from None
 
     def _take(self, page: int, now: int) -> None:
-        if self.pool.kind(page) == PageKind.CACHED_KV:
+        if not self.pool.refcounts()[page]:  # a registered page no one holds is CACHED_KV (`kind` makes an Enum)
             self.reclaimer.remove(KV_BLOCK, page)  # before its fields change: it is the candidate
             self.pool.reuse(page)
         else:
