@@ -108,6 +108,40 @@ def _run_starts(table, virt, ok, LOG2_P: tl.constexpr, PAGED: tl.constexpr):
     return tl.multiple_of(start, 64)  # runs start 64-aligned: lets the loads vectorize
 
 
+@triton.jit
+def _b_tile(pool_ptr, table, row_virt, row_ok, n0, width, BN: tl.constexpr, LOG2_P: tl.constexpr,
+            PAGED: tl.constexpr):
+    """``[rows, BN]``: columns ``n0 .. n0 + BN`` (0 from ``width`` on) of the B rows starting at
+    virtual ``row_virt``, every 64-run translated and loaded at once (no run-by-run chain)."""
+    runs = tl.arange(0, BN // 64)
+    cols = tl.arange(0, 64)
+    run_ok = row_ok[:, None] & (n0 + runs[None, :] * 64 < width)
+    virt = row_virt[:, None] + n0 + runs[None, :] * 64
+    if PAGED:
+        page = tl.load(table + (virt >> LOG2_P), mask=run_ok, other=0)
+        start = page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1))
+    else:  # the slot's buffer is contiguous from its first page
+        start = tl.load(table).to(tl.int64) * (1 << LOG2_P) + virt
+    start = tl.multiple_of(start, [64, 64])
+    col_ok = n0 + runs[:, None] * 64 + cols[None, :] < width
+    tile = tl.load(pool_ptr + start[:, :, None] + cols[None, None, :], mask=run_ok[:, :, None] & col_ok[None, :, :],
+                   other=0.0)
+    return tl.reshape(tile, (row_virt.shape[0], BN))
+
+
+@triton.jit
+def _product(h, b, GROUPED: tl.constexpr, FP32: tl.constexpr):
+    """``h [BM, R] @ b [R, C]`` in fp32: a tensor-core dot for grouped tiles, a broadcast-reduce for one token."""
+    if GROUPED:
+        if FP32:
+            out = tl.dot(h, b, input_precision="ieee")
+        else:
+            out = tl.dot(h, b)
+    else:
+        out = tl.sum(h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return out
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_kernel(
     x_ptr, x_stride, pool_ptr, table_ptr, table_stride,
@@ -198,40 +232,40 @@ def _expand_kernel(
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, 64)
     i0 = tl.arange(0, RK)
-    if USE_PDL:
-        gdc_wait()  # the shrink's partials are complete and visible from here on
-    if RK == RB:  # the whole rank in one chunk: sum the splits once, not per column run
-        h_all = _sum_splits(part_rows, i0, m_ok, i0 < rank, split_k, split_stride, SPLITS).to(dtype)
-    for n in range(n_lo, tl.minimum(n_lo + BN, width), 64):
-        n = tl.multiple_of(n, 64)  # a loop variable carries no hint of its own
-        n_ok = n + cols < width
+    if RK == RB:  # the whole rank in one chunk: one wide tile, its loads issued before the wait
+        n = n_lo + tl.arange(0, BN)
         if EVEN_N:
             y_mask = m_ok[:, None]
         else:
-            y_mask = m_ok[:, None] & n_ok[None, :]
-        y = tl.load(y_rows + n + cols[None, :], mask=y_mask, other=0.0)  # issued early: overlaps the B chain
-        acc = tl.zeros((BM, 64), dtype=tl.float32)
-        for r0 in range(0, rank, RK):
-            i = r0 + i0
-            i_ok = i < rank
-            if RK == RB:
-                h = h_all
-            else:
-                h = _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS).to(dtype)
-            start = _run_starts(table, b_virt + i * b_stride + n, i_ok, LOG2_P, PAGED)
+            y_mask = m_ok[:, None] & (n < width)[None, :]
+        y = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
+        b = _b_tile(pool_ptr, table, b_virt + i0 * b_stride, i0 < rank, n_lo, width, BN, LOG2_P, PAGED)
+        if USE_PDL:
+            gdc_wait()  # the shrink's partials are complete and visible from here on
+        h = _sum_splits(part_rows, i0, m_ok, i0 < rank, split_k, split_stride, SPLITS).to(dtype)
+        acc = _product(h, b, GROUPED, FP32)
+        tl.store(y_rows + n[None, :], (y.to(tl.float32) + scale * acc).to(dtype), mask=y_mask)
+    else:  # ranks above 64: rank chunks of RK rows, 64 columns at a time
+        if USE_PDL:
+            gdc_wait()
+        for n in range(n_lo, tl.minimum(n_lo + BN, width), 64):
+            n = tl.multiple_of(n, 64)  # a loop variable carries no hint of its own
+            n_ok = n + cols < width
             if EVEN_N:
-                b = tl.load(pool_ptr + start[:, None] + cols[None, :], mask=i_ok[:, None], other=0.0)
+                y_mask = m_ok[:, None]
             else:
-                b = tl.load(pool_ptr + start[:, None] + cols[None, :],
-                            mask=i_ok[:, None] & n_ok[None, :], other=0.0)
-            if GROUPED:
-                if FP32:
-                    acc += tl.dot(h, b, input_precision="ieee")
-                else:
-                    acc += tl.dot(h, b)
-            else:
-                acc += tl.sum(h.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-        tl.store(y_rows + n + cols[None, :], (y.to(tl.float32) + scale * acc).to(dtype), mask=y_mask)
+                y_mask = m_ok[:, None] & n_ok[None, :]
+            y = tl.load(y_rows + n + cols[None, :], mask=y_mask, other=0.0)
+            acc = tl.zeros((BM, 64), dtype=tl.float32)
+            for r0 in range(0, rank, RK):
+                i = r0 + i0
+                i_ok = i < rank
+                h = _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS).to(dtype)
+                start = _run_starts(table, b_virt + i * b_stride + n, i_ok, LOG2_P, PAGED)
+                b = tl.load(pool_ptr + start[:, None] + cols[None, :], mask=i_ok[:, None] & n_ok[None, :],
+                            other=0.0)
+                acc += _product(h, b, GROUPED, FP32)
+            tl.store(y_rows + n + cols[None, :], (y.to(tl.float32) + scale * acc).to(dtype), mask=y_mask)
 
 
 # ------------------------------------------------------------------ checks
