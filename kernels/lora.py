@@ -68,6 +68,10 @@ except ImportError:  # pragma: no cover - older Triton
     gdc_launch_dependents = gdc_wait = None
 
 RUN = 64  # elements per translated run; == unipage.lora_layout.ALIGN
+# Largest expand tile (block_m x block_n) loaded whole: its fp32 accumulator stays within 64
+# registers a thread at 4 warps.  Larger tiles go 64 columns at a time (on the H100 the whole
+# 64 x 256 tile was 15-20 % slower at 1,024-4,096 tokens; up to 16 x 128 it was 2-21 % faster).
+WIDE_TILE = 64 * 128
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -210,7 +214,7 @@ def _expand_kernel(
     token_slots_ptr, tiles_ptr, order_ptr, rank_ptr, b_off_ptr, part_ptr, col_tiles_ptr,
     num_tokens, split_k, scale,
     J: tl.constexpr, RB: tl.constexpr, RK: tl.constexpr, SPLITS: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, Y_DIV: tl.constexpr, GROUPED: tl.constexpr, EVEN_N: tl.constexpr,
+    BN: tl.constexpr, WIDE: tl.constexpr, Y_DIV: tl.constexpr, GROUPED: tl.constexpr, EVEN_N: tl.constexpr,
     PAGED: tl.constexpr, LOG2_P: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
@@ -232,7 +236,7 @@ def _expand_kernel(
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, 64)
     i0 = tl.arange(0, RK)
-    if RK == RB:  # the whole rank in one chunk: one wide tile, its loads issued before the wait
+    if WIDE:  # the whole rank in one chunk, a small tile: all its loads issued at once, before the wait
         n = n_lo + tl.arange(0, BN)
         if EVEN_N:
             y_mask = m_ok[:, None]
@@ -245,7 +249,7 @@ def _expand_kernel(
         h = _sum_splits(part_rows, i0, m_ok, i0 < rank, split_k, split_stride, SPLITS).to(dtype)
         acc = _product(h, b, GROUPED, FP32)
         tl.store(y_rows + n[None, :], (y.to(tl.float32) + scale * acc).to(dtype), mask=y_mask)
-    else:  # ranks above 64: rank chunks of RK rows, 64 columns at a time
+    else:  # rank chunks of RK rows, 64 columns at a time (an accumulator of BM x 64)
         if USE_PDL:
             gdc_wait()
         for n in range(n_lo, tl.minimum(n_lo + BN, width), 64):
@@ -390,7 +394,7 @@ def _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part
         y, y.stride(0), *args, meta.b_offset, part, col_tiles,
         y.shape[0], split_k, float(scale),
         RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,
-        Y_DIV=math.gcd(RUN, *meta.slice_starts),
+        WIDE=meta.rank_block <= 64 and batch.block_m * block_n <= WIDE_TILE, Y_DIV=math.gcd(RUN, *meta.slice_starts),
         EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), USE_PDL=cfg["pdl"], **consts,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **({"launch_pdl": True} if cfg["pdl"] else {}))
 

@@ -166,15 +166,16 @@ def test_kernel_matches_reference_on_both_paths(dtype, mix, count):
         assert_untouched(y_out, y0, slots, meta)
 
 
+@pytest.mark.parametrize("block_m, block_n", [(16, 128), (64, 256)])  # whole-tile expand / 64 columns at a time
 @pytest.mark.parametrize("grouped", [False, True])
-def test_uneven_d_in_split_k_row_blocks_and_wide_column_tiles(grouped):
+def test_uneven_d_in_split_k_row_blocks_and_wide_column_tiles(grouped, block_m, block_n):
     """d_in 160 (K masks on), 3-way Split-K, 16-row shrink blocks (several per slot), block_n 128
-    over slices of width 64/32/32 (N masks on), a larger page, and scale != 1."""
+    or 256 over slices of width 64/32/32 (N masks on), a larger page, and scale != 1."""
     world = build_world(d_in=160, page=128, seed=5)
     slots = token_mix("zipf", 33, [0, 1, 3, 4], torch.Generator().manual_seed(2))
-    config = {"block_k": 64, "split_k": 3, "rows": 16, "block_n": 128}
+    config = {"block_k": 64, "split_k": 3, "rows": 16, "block_n": block_n}
     meta, y0, y_ref, y_out = run_both(world, slots, scale=0.75, config=config,
-                                      batch=plan(slots, world, grouped, block_m=16))
+                                      batch=plan(slots, world, grouped, block_m=block_m if grouped else None))
     assert_close(y_out, y_ref, y0)
     assert_untouched(y_out, y0, slots, meta)
 
