@@ -252,6 +252,8 @@ def _expand_kernel(
     else:  # rank chunks of RK rows, 64 columns at a time (an accumulator of BM x 64)
         if USE_PDL:
             gdc_wait()
+        if RK == RB:  # the whole rank in one chunk: sum the splits once, not per column run
+            h_all = _sum_splits(part_rows, i0, m_ok, i0 < rank, split_k, split_stride, SPLITS).to(dtype)
         for n in range(n_lo, tl.minimum(n_lo + BN, width), 64):
             n = tl.multiple_of(n, 64)  # a loop variable carries no hint of its own
             n_ok = n + cols < width
@@ -259,15 +261,21 @@ def _expand_kernel(
                 y_mask = m_ok[:, None]
             else:
                 y_mask = m_ok[:, None] & n_ok[None, :]
-            y = tl.load(y_rows + n + cols[None, :], mask=y_mask, other=0.0)
+            y = tl.load(y_rows + n + cols[None, :], mask=y_mask, other=0.0)  # issued early: overlaps the B chain
             acc = tl.zeros((BM, 64), dtype=tl.float32)
             for r0 in range(0, rank, RK):
                 i = r0 + i0
                 i_ok = i < rank
-                h = _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS).to(dtype)
+                if RK == RB:
+                    h = h_all
+                else:
+                    h = _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS).to(dtype)
                 start = _run_starts(table, b_virt + i * b_stride + n, i_ok, LOG2_P, PAGED)
-                b = tl.load(pool_ptr + start[:, None] + cols[None, :], mask=i_ok[:, None] & n_ok[None, :],
-                            other=0.0)
+                if EVEN_N:
+                    b = tl.load(pool_ptr + start[:, None] + cols[None, :], mask=i_ok[:, None], other=0.0)
+                else:
+                    b = tl.load(pool_ptr + start[:, None] + cols[None, :],
+                                mask=i_ok[:, None] & n_ok[None, :], other=0.0)
                 acc += _product(h, b, GROUPED, FP32)
             tl.store(y_rows + n + cols[None, :], (y.to(tl.float32) + scale * acc).to(dtype), mask=y_mask)
 
