@@ -68,11 +68,11 @@ except ImportError:  # pragma: no cover - older Triton
     gdc_launch_dependents = gdc_wait = None
 
 RUN = 64  # elements per translated run; == unipage.lora_layout.ALIGN
-# Largest expand tile (block_m x block_n) loaded whole; larger tiles go 64 columns at a time.
-# Measured on the H100 (Llama-3.1-8B, r16, 16 adapters): whole tiles up to 16 x 128 were 2-20 %
-# faster (qkv at 1 token 9.6 -> 8.2 us, down 12.6 -> 10.1 us); 64 x 128 and 64 x 256 tiles were
-# 5-20 % slower (their accumulators and loads held at once cost occupancy).
-WIDE_TILE = 16 * 128
+# The GEMV path's expand (one token per tile) loads its tile whole; grouped tiles go 64 columns at
+# a time.  Measured on the H100 (Llama-3.1-8B, r16, 16 adapters, whole tiles against runs): GEMV
+# rows 10-24 % faster at 1 and 16 tokens for q/k/v, o, gate/up and down (qkv at 1 token 9.7 ->
+# 8.5 us, down 12.7 -> 10.0 us); grouped tiles from -6 % to +12 % (16 x 128 gate/up at 64 tokens
+# the worst) and 64 x 128 / 64 x 256 tiles 5-20 % slower.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -237,7 +237,7 @@ def _expand_kernel(
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, 64)
     i0 = tl.arange(0, RK)
-    if WIDE:  # the whole rank in one chunk, a small tile: all its loads issued at once, before the wait
+    if WIDE:  # one token, the whole rank in one chunk: all the tile's loads issued at once, before the wait
         n = n_lo + tl.arange(0, BN)
         if EVEN_N:
             y_mask = m_ok[:, None]
@@ -403,7 +403,7 @@ def _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part
         y, y.stride(0), *args, meta.b_offset, part, col_tiles,
         y.shape[0], split_k, float(scale),
         RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,
-        WIDE=meta.rank_block <= 64 and batch.block_m * block_n <= WIDE_TILE, Y_DIV=math.gcd(RUN, *meta.slice_starts),
+        WIDE=meta.rank_block <= 64 and not batch.grouped, Y_DIV=math.gcd(RUN, *meta.slice_starts),
         EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), USE_PDL=cfg["pdl"], **consts,
         num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **({"launch_pdl": True} if cfg["pdl"] else {}))
 

@@ -166,7 +166,7 @@ def test_kernel_matches_reference_on_both_paths(dtype, mix, count):
         assert_untouched(y_out, y0, slots, meta)
 
 
-@pytest.mark.parametrize("block_m, block_n", [(16, 128), (64, 256)])  # whole-tile expand / 64 columns at a time
+@pytest.mark.parametrize("block_m, block_n", [(16, 128), (64, 256)])  # GEMV: whole tiles of 128 / 256
 @pytest.mark.parametrize("grouped", [False, True])
 def test_uneven_d_in_split_k_row_blocks_and_wide_column_tiles(grouped, block_m, block_n):
     """d_in 160 (K masks on), 3-way Split-K, 16-row shrink blocks (several per slot), block_n 128
