@@ -22,8 +22,11 @@ Paging (contract of `unipage.lora_layout`): slot ``s``'s expert ``e`` group star
 at virtual offset ``expert_base + e·expert_stride``; virtual ``v`` lives at
 ``pool.view(-1)[page_table[s, v >> log2 P]·P + (v & (P-1))]``.  Every matrix row
 starts 64-aligned, so a tile is loaded as runs of CHUNK (a power of two <= 64)
-elements starting at CHUNK-aligned offsets of a row: each run lies in one page,
-and costs one page-table lookup per row — contiguous, vectorised loads.
+elements starting at CHUNK-aligned offsets of a row: each run lies in one page and
+costs one page-table lookup — contiguous, vectorised loads.  The shrink walks K one
+64-run at a time (`_load_paged`); an expand loads its whole weight tile at once
+(`_load_wide`: every (row, run) looked up, then one load), so those loads are in
+flight together.
 
 Kernels (one launch each):
 
@@ -34,10 +37,10 @@ Kernels (one launch each):
 - `_expand_down_kernel`: ``y += w · z_d @ B_d`` (the add fused into the epilogue).
 
 With launch config ``"pdl": true`` on Hopper+, both expands are programmatic dependent
-launches: each program reads its tile, the metadata, the page table, its first run of
-weights (and, for gate/up, the base GEMM's raw output) before ``gdc_wait``, so that
-chain of dependent loads overlaps the kernel before it; ``z`` / ``down_z`` / ``y`` are
-read only after the wait.  A program with no work waits too before it exits (`_finish_early`).
+launches: each program reads its tile, the metadata, the page table, its whole weight
+tiles (gate B, up B and down A; or down B) and, for gate/up, the base GEMM's raw output
+before ``gdc_wait``, so that chain of dependent loads overlaps the kernel before it;
+``z`` / ``down_z`` / ``y`` are read only after the wait.  A program with no work waits too before it exits (`_finish_early`).
 The shrink is a plain launch: it may trigger its dependents early but never waits itself, so
 launching it with PDL would race its reads of ``x`` with the kernel before.
 

@@ -28,8 +28,12 @@ Two kernels, each with two paths chosen by the `LoraBatch` plan:
 
 On Hopper+ the expand is a programmatic dependent launch of the shrink
 (config ``"pdl"``, default on): its programs start and read their tile
-metadata while the shrink finishes, and wait (``gdc_wait``) only before
-reading the partials.
+metadata (on the GEMV path also their B tile and ``y``) while the shrink
+finishes, and wait (``gdc_wait``) only before reading the partials.  Reading
+``y`` early is safe because the shrink is a plain launch (whatever wrote ``y``
+has finished before it starts) and nothing writes ``y`` between the two
+launches.  A program with no work waits too before it exits, so the expand
+never completes before the shrink.
 
 GEMV path: a row tile is one token (decode).  Grouped path: a row tile is
 ``block_m`` tokens of one adapter, gathered through ``token_order``, and the
@@ -209,6 +213,14 @@ def _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS: tl.cons
     return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
 
 
+@triton.jit
+def _finish_early(USE_PDL: tl.constexpr):
+    """An expand program leaving without work still waits for the shrink (PDL): the grid must not
+    complete before the kernel it depends on."""
+    if USE_PDL:
+        gdc_wait()
+
+
 @triton.jit(do_not_specialize=["num_tokens", "split_k"])
 def _expand_kernel(
     y_ptr, y_stride, pool_ptr, table_ptr, table_stride,
@@ -220,11 +232,13 @@ def _expand_kernel(
 ):
     slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
     if slot < 0:
+        _finish_early(USE_PDL)
         return
     col_tile = col_tiles_ptr + tl.program_id(1) * 4
     piece = tl.load(col_tile)
     rank = tl.load(rank_ptr + slot * J + piece)
     if rank == 0:
+        _finish_early(USE_PDL)
         return  # the slot's adapter lacks this target
     n_lo = tl.multiple_of(tl.load(col_tile + 1), 64)
     width = tl.load(col_tile + 2)
@@ -237,7 +251,8 @@ def _expand_kernel(
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, 64)
     i0 = tl.arange(0, RK)
-    if WIDE:  # one token, the whole rank in one chunk: all the tile's loads issued at once, before the wait
+    if WIDE:  # one token, the whole rank in one chunk: all the tile's loads (y too, see the module
+        # docstring) issued at once, before the wait
         n = n_lo + tl.arange(0, BN)
         if EVEN_N:
             y_mask = m_ok[:, None]

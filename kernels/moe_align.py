@@ -133,7 +133,7 @@ def _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M: tl.
     (one vector store per tile of the largest group); tiles past the last group get -1."""
     groups = tl.arange(0, G_PAD)
     first, tiles = starts // BLOCK_M, padded // BLOCK_M
-    for j in range(0, tl.max(tiles, 0)):
+    for j in range(tl.max(tiles, 0)):
         tl.store(block_group_ptr + first + j, groups, mask=j < tiles)
     used = tl.sum(tiles, 0)
     for start in range(0, max_blocks, CHUNK):
@@ -209,8 +209,7 @@ def _align_plan_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_group_ptr, num_
     for chunk in range(0, num_chunks):  # chunk c starts after the earlier chunks' pairs of each group
         tl.store(cursor_ptr + chunk * G_PAD + offs_g, running)
         running += tl.load(counts_ptr + chunk * G_PAD + offs_g)
-    _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M, CHUNK)
-    tl.debug_barrier()
+    _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M, CHUNK)  # the scatter launch fills it after
     _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M, G_PAD, CHUNK)
 
 

@@ -133,7 +133,8 @@ class SchedulingPolicy:
         """A step ran: ``sampled[i]`` are the tokens ``reqs[i]`` generated."""
 
     def on_decode_step(self, reqs: Sequence[Request], sampled: Sequence[list[int]]) -> None:
-        """`on_step` for a step in which every request generated exactly one token (the common step)."""
+        """`on_step` for a step in which every request generated exactly one token (the common step).
+        A policy whose parent overrides this must override it too when it overrides `on_step`."""
         self.on_step(reqs, sampled)
 
 

@@ -92,13 +92,13 @@ def _mix(name: str, num_tokens: int, num_slots: int, g: torch.Generator) -> torc
     return slots.int()
 
 
-def _case(num_tokens, dtype, mix="uniform", page_elems=128, seed=0, slots=SLOTS, hidden=H):
-    model = _model(hidden=hidden)
+def _case(num_tokens, dtype, mix="uniform", page_elems=128, seed=0, slots=SLOTS, hidden=H, inter=I):
+    model = _model(hidden=hidden, inter=inter)
     layouts, weights, pool, table = _pool(model, slots, dtype, page_elems, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
-    w_gate_up = (torch.randn(E, 2 * I, hidden, generator=g) / hidden ** 0.5).to(dtype)
-    w_down = (torch.randn(E, hidden, I, generator=g) / I ** 0.5).to(dtype)
+    w_gate_up = (torch.randn(E, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    w_down = (torch.randn(E, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
     topk_weights, topk_ids = route_topk_ref(torch.randn(num_tokens, E, generator=g), K, True)
     lora = MoeLora(pool[LAYER].contiguous(), table, _mix(mix, num_tokens, len(slots), g),
                    moe_lora_meta(layouts, LAYER))
@@ -122,7 +122,8 @@ def _loop_moe(c, dtype):
                 for piece, b in zip(entry.slices, m.b):
                     h[piece.col: piece.col + piece.b.cols] += z[piece.a_row: piece.a_row + piece.rank] @ \
                         b.to(dtype).float()
-            act = F.silu(h[:I]) * h[I:]
+            inter = h.shape[0] // 2
+            act = F.silu(h[:inter]) * h[inter:]
             y = c["w_down"][e].float() @ act
             if ("experts.down", e) in targets:
                 m = mats[(LAYER, "experts.down", e)]
@@ -217,6 +218,16 @@ def test_fused_experts_with_lora_matches_reference(mode, num_tokens, dtype):
 def test_mixes_match_reference(mix):
     c = _case(40, torch.float16, mix, seed=11)
     _close(_run(fused_experts, c, GROUP), _run(fused_experts_ref, c, GROUP), torch.float16)
+
+
+@pytest.mark.parametrize("inter, block_n", [(48, 64), (96, 64), (96, 128)])
+def test_gate_up_tiles_of_several_runs(inter, block_n):
+    """I = 48: runs of 16 (the up half starts 48 in), four to a 64-wide tile, the last one past the
+    end; I = 96: runs of 32, two or four to a tile that ends past the end (EVEN_N off).  Fused,
+    split, gate-only and up-only gate/up slots."""
+    c = _case(23, torch.float32, "uniform", seed=6, inter=inter)
+    for config in (_lora_config(1, split_k=2, block_n=block_n), _lora_config(16, block_n=block_n)):
+        _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
 
 
 @pytest.mark.parametrize("page_elems", [64, 1024])
