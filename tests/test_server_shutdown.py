@@ -73,7 +73,8 @@ def test_sigint_aborts_what_outlives_the_drain_timeout(limited):
             assert stream.finished.reason == "abort", stream.finished
             assert "drain timeout" in stream.finished.detail
             assert stream.finished.completion_tokens < 200
-    assert limited.stop() == 0, limited.log()
+    # the server exits by itself; a SIGTERM from stop() could land after its handlers are gone
+    assert limited.proc.wait(60) == 0, limited.log()
 
 
 def test_sigterm_finishes_live_requests_and_refuses_new_ones(tiny, tmp_path):
