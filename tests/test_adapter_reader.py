@@ -83,3 +83,20 @@ def test_a_removed_directory_is_made_again(tmp_path):
         assert torch.equal(buf, read_and_pack(*_args(memory, "a1", torch.float32)))
     finally:
         readers.shutdown()
+
+
+
+def test_after_shutdown_reads_fail_and_no_reader_is_started_again(tmp_path):
+    """A read caught by the shutdown (its worker closed under it) fails without starting a
+    replacement process, and a read after the shutdown fails at once."""
+    readers = ReaderPool(1)
+    worker = readers._take()  # a read in flight holds the only worker
+    readers.shutdown()
+    assert worker.proc.poll() is not None
+    path = str(tmp_path / "late.bin")
+    with pytest.raises(AdapterError, match="reader process failed"):
+        readers._call(worker, b"\0" * 8, path)
+    assert readers._all == [worker] and worker.proc.poll() is not None
+    with pytest.raises(AdapterError, match="shut down"):
+        readers._run(b"\0" * 8, path)
+    assert readers._all == [worker]

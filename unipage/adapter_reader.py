@@ -121,18 +121,21 @@ class _Worker:
 
 class ReaderPool:
     """Up to ``workers`` reader processes: one started at once (it imports torch while the engine
-    starts), the others when reads overlap.  They exit when the pool is shut down or collected."""
+    starts), the others when reads overlap.  They exit when the pool is shut down or collected;
+    after that no process is started again and a read fails with `AdapterError`."""
 
     def __init__(self, workers: int) -> None:
         self.max_workers = workers
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: list[_Worker] = [_Worker()]
         self._idle.put(self._all[0])
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _all and _closed
+        self._closed = threading.Event()
         self._threads = ThreadPoolExecutor(workers, "unipage-adapter-read")
         self._dir = tempfile.mkdtemp(prefix="unipage-reads-")  # the packed buffers on their way back
         self._names = itertools.count()
-        self._finalizer = weakref.finalize(self, _close, self._all, self._threads, self._dir)
+        self._finalizer = weakref.finalize(self, _close, self._lock, self._closed, self._all, self._threads,
+                                           self._dir)
 
     def submit(self, info, layout, model, page_elems: int, dtype: torch.dtype) -> Future:
         """A future of ``(packed buffer, seconds the worker spent)``; it raises `AdapterError` for a failed read."""
@@ -144,23 +147,31 @@ class ReaderPool:
         return self._threads.submit(self._run, request, path)
 
     def _take(self) -> _Worker:
+        if self._closed.is_set():
+            raise AdapterError("the adapter reader pool is shut down")
         try:
             return self._idle.get_nowait()
         except queue.Empty:
             with self._lock:
+                if self._closed.is_set():
+                    raise AdapterError("the adapter reader pool is shut down") from None
                 if len(self._all) < self.max_workers:
                     self._all.append(_Worker())
                     return self._all[-1]
             return self._idle.get()
 
     def _run(self, request: bytes, path: str) -> tuple[torch.Tensor, float]:
-        worker = self._take()
+        return self._call(self._take(), request, path)
+
+    def _call(self, worker: _Worker, request: bytes, path: str) -> tuple[torch.Tensor, float]:
         try:
             return worker.call(request, path)
-        except (EOFError, OSError) as err:  # the process died: replace it, fail this read
+        except (EOFError, OSError, ValueError) as err:  # the process died or its pipe was closed (shutdown):
+            # replace it unless shut down, fail this read
             worker.close()
             with self._lock:
-                self._all[self._all.index(worker)] = worker = _Worker()
+                if not self._closed.is_set():
+                    self._all[self._all.index(worker)] = worker = _Worker()
             raise AdapterError(f"the adapter reader process failed: {err}") from err
         finally:
             self._idle.put(worker)
@@ -169,9 +180,13 @@ class ReaderPool:
         self._finalizer()
 
 
-def _close(workers: list[_Worker], threads: ThreadPoolExecutor, directory: str) -> None:
+def _close(lock: threading.Lock, closed: threading.Event, workers: list[_Worker], threads: ThreadPoolExecutor,
+           directory: str) -> None:
+    with lock:  # a read that fails from here on starts no replacement
+        closed.set()
+        current = list(workers)
     threads.shutdown(wait=False, cancel_futures=True)
-    for worker in workers:
+    for worker in current:
         worker.close()
     shutil.rmtree(directory, ignore_errors=True)
 
