@@ -1,4 +1,4 @@
-"""Small helpers shared by the kernel launchers."""
+"""Small helpers shared by the kernels and their launchers."""
 
 from __future__ import annotations
 
@@ -6,6 +6,13 @@ import re
 from functools import cache
 
 import torch
+import triton
+import triton.language as tl
+
+try:  # programmatic dependent launch (Hopper+): optional
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
 
 
 @cache
@@ -44,3 +51,38 @@ def device_key(device: torch.device | str | None = None) -> str:
     if device.type != "cuda":
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
+
+
+@triton.jit
+def finish_early(USE_PDL: tl.constexpr):
+    """A PDL program that exits without work still waits for the kernel before: its grid must not
+    complete (and release the next launch) before the kernel it depends on has."""
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def load_runs(pool_ptr, pt_ptr, row_virt, row_ok, cols_left, WIDTH: tl.constexpr, RUN: tl.constexpr,
+              PAGE_SHIFT: tl.constexpr, PAGED: tl.constexpr):
+    """``[rows, WIDTH]``: row i = the pool elements at virtual ``row_virt[i] + [0, WIDTH)`` of the
+    buffer whose page-table row is ``pt_ptr``; columns ``>= cols_left`` read 0 (and look up no page).
+
+    Read as WIDTH / RUN runs per row, all issued at once: one page-table lookup per run, then one
+    vectorised load of the whole tile (no chain of dependent loads run by run).  ``row_virt`` is
+    RUN-aligned and RUN <= 64, so each run lies in one page.  Not PAGED: the buffer is contiguous
+    from its first page.
+    """
+    runs = tl.arange(0, WIDTH // RUN)
+    lanes = tl.arange(0, RUN)
+    run_ok = row_ok[:, None] & (runs[None, :] * RUN < cols_left)
+    virt = row_virt[:, None] + runs[None, :] * RUN
+    if PAGED:
+        page = tl.load(pt_ptr + (virt >> PAGE_SHIFT), mask=run_ok, other=0)
+        base = page.to(tl.int64) * (1 << PAGE_SHIFT) + (virt & ((1 << PAGE_SHIFT) - 1))
+    else:
+        base = tl.load(pt_ptr).to(tl.int64) * (1 << PAGE_SHIFT) + virt
+    base = tl.multiple_of(base, [RUN, RUN])
+    col_ok = (runs[:, None] * RUN + lanes[None, :]) < cols_left
+    tile = tl.load(pool_ptr + base[:, :, None] + lanes[None, None, :],
+                   mask=run_ok[:, :, None] & col_ok[None, :, :], other=0.0)
+    return tl.reshape(tile, (row_virt.shape[0], WIDTH))

@@ -25,7 +25,7 @@ starts 64-aligned, so a tile is loaded as runs of CHUNK (a power of two <= 64)
 elements starting at CHUNK-aligned offsets of a row: each run lies in one page and
 costs one page-table lookup — contiguous, vectorised loads.  The shrink walks K one
 64-run at a time (`_load_paged`); an expand loads its whole weight tile at once
-(`_load_wide`: every (row, run) looked up, then one load), so those loads are in
+(`common.load_runs`: every (row, run) looked up, then one load), so those loads are in
 flight together.
 
 Kernels (one launch each):
@@ -40,7 +40,8 @@ With launch config ``"pdl": true`` on Hopper+, both expands are programmatic dep
 launches: each program reads its tile, the metadata, the page table, its whole weight
 tiles (gate B, up B and down A; or down B) and, for gate/up, the base GEMM's raw output
 before ``gdc_wait``, so that chain of dependent loads overlaps the kernel before it;
-``z`` / ``down_z`` / ``y`` are read only after the wait.  A program with no work waits too before it exits (`_finish_early`).
+``z`` / ``down_z`` / ``y`` are read only after the wait.  A program with no work waits too
+before it exits (`common.finish_early`).
 The shrink is a plain launch: it may trigger its dependents early but never waits itself, so
 launching it with PDL would race its reads of ``x`` with the kernel before.
 
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from unipage.kernels.common import finish_early, gdc_launch_dependents, gdc_wait, load_runs
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
 from unipage.kernels.moe_align import (
     F_BASE,
@@ -93,10 +95,6 @@ __all__ = ["MoeLora", "MoeLoraMeta", "MoeLoraPlan", "expected_load", "lora_confi
            "moe_lora_down_ref", "moe_lora_gate_up", "moe_lora_gate_up_ref", "moe_lora_meta", "plan_moe_lora",
            "plan_moe_lora_ref"]
 
-try:  # programmatic dependent launch (Hopper+): optional
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton
-    gdc_launch_dependents = gdc_wait = None
 
 
 @dataclass(frozen=True)
@@ -233,14 +231,6 @@ def _skip(flags_ptr, slot, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _finish_early(USE_PDL: tl.constexpr):
-    """A PDL program that exits without work still waits for the kernel before: this grid must
-    not complete (and release the next launch) before that kernel has."""
-    if USE_PDL:
-        gdc_wait()
-
-
-@triton.jit
 def _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M: tl.constexpr):
     if BLOCK_M == 1:
         n = num_pairs
@@ -262,29 +252,6 @@ def _load_paged(pool_ptr, pt_ptr, row_virt, row_ok, col0, col_ok, PAGE_SHIFT: tl
     base = tl.multiple_of(base, CHUNK)
     ptrs = pool_ptr + base[:, None] + tl.arange(0, CHUNK)[None, :]
     return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _load_wide(pool_ptr, pt_ptr, row_virt, row_ok, col0, cols_left, WIDTH: tl.constexpr, RUN: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr):
-    """``[rows, WIDTH]``: row i = the pool elements at virtual ``row_virt[i] + col0 + [0, WIDTH)``;
-    columns ``>= cols_left`` read 0 (and look up no page).
-
-    Read as WIDTH / RUN runs per row, all issued at once (one page-table lookup per run, then
-    one vectorised load of the whole tile).  ``row_virt + col0`` is RUN-aligned and RUN <= 64,
-    so each run is inside one page.
-    """
-    runs = tl.arange(0, WIDTH // RUN)
-    lanes = tl.arange(0, RUN)
-    run_ok = row_ok[:, None] & (runs[None, :] * RUN < cols_left)
-    virt = row_virt[:, None] + col0 + runs[None, :] * RUN
-    page = tl.load(pt_ptr + (virt >> PAGE_SHIFT), mask=run_ok, other=0)
-    base = page.to(tl.int64) * (1 << PAGE_SHIFT) + (virt & ((1 << PAGE_SHIFT) - 1))
-    base = tl.multiple_of(base, [RUN, RUN])
-    col_ok = (runs[:, None] * RUN + lanes[None, :]) < cols_left
-    tile = tl.load(pool_ptr + base[:, :, None] + lanes[None, None, :],
-                   mask=run_ok[:, :, None] & col_ok[None, :, :], other=0.0)
-    return tl.reshape(tile, (row_virt.shape[0], WIDTH))
 
 
 @triton.jit
@@ -399,7 +366,7 @@ def _expand_gate_up_kernel(
     num_n = tl.cdiv(inter, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
-        _finish_early(USE_PDL)
+        finish_early(USE_PDL)
         return
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
@@ -407,7 +374,7 @@ def _expand_gate_up_kernel(
     meta = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
     group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
     if _skip(flags_ptr, slot, BLOCK_M):
-        _finish_early(USE_PDL)
+        finish_early(USE_PDL)
         return
     pt = pt_ptr + slot * stride_pt
     gate = meta + F_SLICE0  # slice 0 feeds the gate columns; the last slice the up columns
@@ -423,9 +390,9 @@ def _expand_gate_up_kernel(
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :]
-    b_gate = _load_wide(pool_ptr, pt, gate_virt, gate_ok, n0, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT)
-    b_up = _load_wide(pool_ptr, pt, up_virt, up_ok, n0 + up_shift, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT)
-    a_down = _load_wide(pool_ptr, pt, down_virt, down_ok, n0, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT)
+    b_gate = load_runs(pool_ptr, pt, gate_virt + n0, gate_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
+    b_up = load_runs(pool_ptr, pt, up_virt + n0 + up_shift, up_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
+    a_down = load_runs(pool_ptr, pt, down_virt + n0, down_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     raw = raw_ptr + rows * stride_raw + cols[None, :]
     g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
@@ -460,7 +427,7 @@ def _expand_down_kernel(
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
-        _finish_early(USE_PDL)
+        finish_early(USE_PDL)
         return
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
@@ -469,7 +436,7 @@ def _expand_down_kernel(
     rank = tl.load(meta + F_DOWN_RANK)
     group_off = tl.load(meta + F_BASE) + expert * tl.load(meta + F_STRIDE)
     if _skip(flags_ptr, slot, BLOCK_M) | (rank == 0):
-        _finish_early(USE_PDL)
+        finish_early(USE_PDL)
         return
     pt = pt_ptr + slot * stride_pt
     offs_r = tl.arange(0, RD_PAD)
@@ -478,7 +445,7 @@ def _expand_down_kernel(
     weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
     b_virt = group_off + tl.load(meta + F_DOWN_B) + offs_r * ((hidden + 63) // 64 * 64)
     n0 = pid_n * BLOCK_N
-    b = _load_wide(pool_ptr, pt, b_virt, r_ok, n0, hidden - n0, BLOCK_N, RUN, PAGE_SHIFT)
+    b = load_runs(pool_ptr, pt, b_virt + n0, r_ok, hidden - n0, BLOCK_N, RUN, PAGE_SHIFT, True)
     if USE_PDL:
         gdc_wait()  # down_z and y are complete and visible from here on
     z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)

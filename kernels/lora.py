@@ -52,7 +52,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from unipage.kernels.common import fit_stages
+from unipage.kernels.common import finish_early, fit_stages, gdc_launch_dependents, gdc_wait, load_runs
 from unipage.kernels.lora_meta import (
     DenseLoraMeta,
     LoraBatch,
@@ -66,10 +66,6 @@ from unipage.kernels.lora_meta import (
 from unipage.adapter_pack import gather_block
 from unipage.lora_layout import Block, round_up
 
-try:  # programmatic dependent launch (Hopper+): optional
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton
-    gdc_launch_dependents = gdc_wait = None
 
 RUN = 64  # elements per translated run; == unipage.lora_layout.ALIGN
 # The GEMV path's expand (one token per tile) loads its tile whole; grouped tiles go 64 columns at
@@ -115,27 +111,6 @@ def _run_starts(table, virt, ok, LOG2_P: tl.constexpr, PAGED: tl.constexpr):
     else:  # the slot's buffer is contiguous from its first page
         start = tl.load(table).to(tl.int64) * (1 << LOG2_P) + virt
     return tl.multiple_of(start, 64)  # runs start 64-aligned: lets the loads vectorize
-
-
-@triton.jit
-def _b_tile(pool_ptr, table, row_virt, row_ok, n0, width, BN: tl.constexpr, LOG2_P: tl.constexpr,
-            PAGED: tl.constexpr):
-    """``[rows, BN]``: columns ``n0 .. n0 + BN`` (0 from ``width`` on) of the B rows starting at
-    virtual ``row_virt``, every 64-run translated and loaded at once (no run-by-run chain)."""
-    runs = tl.arange(0, BN // 64)
-    cols = tl.arange(0, 64)
-    run_ok = row_ok[:, None] & (n0 + runs[None, :] * 64 < width)
-    virt = row_virt[:, None] + n0 + runs[None, :] * 64
-    if PAGED:
-        page = tl.load(table + (virt >> LOG2_P), mask=run_ok, other=0)
-        start = page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1))
-    else:  # the slot's buffer is contiguous from its first page
-        start = tl.load(table).to(tl.int64) * (1 << LOG2_P) + virt
-    start = tl.multiple_of(start, [64, 64])
-    col_ok = n0 + runs[:, None] * 64 + cols[None, :] < width
-    tile = tl.load(pool_ptr + start[:, :, None] + cols[None, None, :], mask=run_ok[:, :, None] & col_ok[None, :, :],
-                   other=0.0)
-    return tl.reshape(tile, (row_virt.shape[0], BN))
 
 
 @triton.jit
@@ -213,14 +188,6 @@ def _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS: tl.cons
     return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
 
 
-@triton.jit
-def _finish_early(USE_PDL: tl.constexpr):
-    """An expand program leaving without work still waits for the shrink (PDL): the grid must not
-    complete before the kernel it depends on."""
-    if USE_PDL:
-        gdc_wait()
-
-
 @triton.jit(do_not_specialize=["num_tokens", "split_k"])
 def _expand_kernel(
     y_ptr, y_stride, pool_ptr, table_ptr, table_stride,
@@ -232,13 +199,13 @@ def _expand_kernel(
 ):
     slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
     if slot < 0:
-        _finish_early(USE_PDL)
+        finish_early(USE_PDL)
         return
     col_tile = col_tiles_ptr + tl.program_id(1) * 4
     piece = tl.load(col_tile)
     rank = tl.load(rank_ptr + slot * J + piece)
     if rank == 0:
-        _finish_early(USE_PDL)
+        finish_early(USE_PDL)
         return  # the slot's adapter lacks this target
     n_lo = tl.multiple_of(tl.load(col_tile + 1), 64)
     width = tl.load(col_tile + 2)
@@ -259,7 +226,7 @@ def _expand_kernel(
         else:
             y_mask = m_ok[:, None] & (n < width)[None, :]
         y = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
-        b = _b_tile(pool_ptr, table, b_virt + i0 * b_stride, i0 < rank, n_lo, width, BN, LOG2_P, PAGED)
+        b = load_runs(pool_ptr, table, b_virt + i0 * b_stride + n_lo, i0 < rank, width - n_lo, BN, 64, LOG2_P, PAGED)
         if USE_PDL:
             gdc_wait()  # the shrink's partials are complete and visible from here on
         h = _sum_splits(part_rows, i0, m_ok, i0 < rank, split_k, split_stride, SPLITS).to(dtype)

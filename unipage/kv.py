@@ -476,31 +476,16 @@ class KVManager:
 
     def _release_pending(self, seq: _Sequence, pending: list[int]) -> None:
         """`_register_pending` then `_release` of a whole closed sequence whose ``pending`` blocks are all
-        unhashed, unregistered, and in the window, in one pass over them: each is registered as it is sorted
-        out."""
+        unhashed, unregistered, and in the window: registered without the per-page checks, then sorted out
+        with the rest (a cached block's stamp is `_let_go`'s)."""
         table, start, end, salt, root = seq.table, seq.registered, seq.committed, seq.salt, seq.root
         seq.registered = end
         cached, cached_blocks, unshared = [], [], []
         self._sort_out(table[end:], cached, cached_blocks, unshared)  # tail first: blocks never committed
-        blocks, block_at, refs, now = self._blocks, self._block_at, self.pool.refcounts(), self.reclaimer.now
-        for page in reversed(pending):  # `_new_blocks` and `_sort_out` for each, inlined
-            block = block_at[page]
-            if block is None:
-                block = block_at[page] = _Block(KV_BLOCK, page, 1, now, now, 1, self.block_cost_s, None, salt, root)
-            else:
-                block.uses = 1
-                block.hash = None
-                block.salt = salt
-                block.root = root
-            blocks[page] = block
-            if refs[page] == 1:  # cached: `_let_go` stamps it
-                cached.append(page)
-                cached_blocks.append(block)
-            else:
-                block.inserted = block.last_used = now
-                unshared.append(page)
+        self._new_blocks(pending, self.reclaimer.now, None, salt, root)
         self._salt_pages(salt).update(pending)
         root.refs += len(pending)
+        self._sort_out(pending, cached, cached_blocks, unshared)
         self._sort_out(table[:start], cached, cached_blocks, unshared)
         self._let_go(cached, cached_blocks, unshared)
 
