@@ -60,7 +60,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from unipage.kernels.common import finish_early, gdc_launch_dependents, gdc_wait, load_runs
+from unipage.kernels.common import (
+    finish_early,
+    gdc_launch_dependents,
+    gdc_wait,
+    load_runs,
+)
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
 from unipage.kernels.moe_align import (
     F_BASE,

@@ -52,7 +52,13 @@ import math
 import torch
 import triton
 import triton.language as tl
-from unipage.kernels.common import finish_early, fit_stages, gdc_launch_dependents, gdc_wait, load_runs
+from unipage.kernels.common import (
+    finish_early,
+    fit_stages,
+    gdc_launch_dependents,
+    gdc_wait,
+    load_runs,
+)
 from unipage.kernels.lora_meta import (
     DenseLoraMeta,
     LoraBatch,
@@ -65,7 +71,6 @@ from unipage.kernels.lora_meta import (
 
 from unipage.adapter_pack import gather_block
 from unipage.lora_layout import Block, round_up
-
 
 RUN = 64  # elements per translated run; == unipage.lora_layout.ALIGN
 # The GEMV path's expand (one token per tile) loads its tile whole; grouped tiles go 64 columns at
