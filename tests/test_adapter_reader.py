@@ -100,3 +100,26 @@ def test_after_shutdown_reads_fail_and_no_reader_is_started_again(tmp_path):
     with pytest.raises(AdapterError, match="shut down"):
         readers._run(b"\0" * 8, path)
     assert readers._all == [worker]
+
+
+def test_request_parts_pickle_whole(tmp_path):
+    """The slots dataclasses of a read request pickle field by field (`__reduce__`): every field comes back,
+    and the layout and model shared by adapters are pickled once per pool."""
+    import dataclasses
+    import pickle
+
+    from unipage.adapter_info import LoraModule
+    from unipage.lora_layout import TargetSpec
+
+    for obj in (LoraModule("m.layers.1.mlp.experts.gate_up_proj", 1, "experts.gate_up", 3, 1, 8, 0.5, True),
+                TargetSpec("experts.gate_up", (8, 8), True)):
+        assert len(obj.__reduce__()[1]) == len(dataclasses.fields(obj))
+        assert pickle.loads(pickle.dumps(obj)) == obj
+    memory, _ = setup(tmp_path)
+    readers = ReaderPool(1)
+    try:
+        _, layout, model, _, _ = _args(memory, "a0", torch.float32)
+        assert readers._pickled(layout) is readers._pickled(layout)
+        assert pickle.loads(readers._pickled(layout)) == layout and pickle.loads(readers._pickled(model)) == model
+    finally:
+        readers.shutdown()

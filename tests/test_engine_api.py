@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from unipage.scheduler import PromptTooLongError, Request, SchedulerConfig
 
+import unipage.runner as runner_module
 from unipage import LLM, SamplingParams
 from unipage.config import LoRAConfig, PoolConfig
 from unipage.engine import Engine
@@ -94,6 +95,35 @@ def test_abort_mid_run_frees_everything(moe):
     engine.step()
     assert not engine.has_unfinished() and not engine.runner.seqs
     assert engine.memory.occupancy()["kv"] == 0
+    engine.memory.check()
+
+
+def test_adapter_effects_run_once_the_forward_pass_is_launched(moe, monkeypatch):
+    """A step performs its adapter effects inside ``execute``, after the forward pass and before sampling,
+    also when nothing runs; the request on the adapter runs in the step after its load."""
+    engine = Engine(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=512))
+    engine.add_adapter("a", moe.adapters["expert-r8"])
+    events = []
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(engine.model, "forward", logged("forward", engine.model.forward))
+    monkeypatch.setattr(engine, "_perform", logged("effects", engine._perform))
+    monkeypatch.setattr(runner_module, "sample", logged("sample", runner_module.sample))
+    engine.add_request(Request("r", [1, 2, 3], adapter="a", sampling=GREEDY, max_tokens=2))
+    engine.step()  # the load starts (and completes, on CPU); nothing runs
+    assert events == ["effects"] and engine.memory.adapters.get("a").loaded
+    events.clear()
+    engine.add_request(Request("s", [4, 5, 6], sampling=GREEDY, max_tokens=2))
+    engine.step()
+    assert events == ["forward", "effects", "sample"]
+    assert len(engine.last_step.sampled) == 2  # r (on the adapter) and s ran
+    while engine.has_unfinished():
+        engine.step()
     engine.memory.check()
 
 

@@ -20,7 +20,8 @@ for the next poll, so loads took longer.)
 
 Protocol, over each worker's stdin/stdout: frames of an 8-byte little-endian
 length and a pickle.  A request is ``(info, layout, model, page_elems,
-dtype_name, path)``; a reply is ``("ok", shape, dtype_name, seconds)`` with the
+dtype_name, path)``, the layout and the model each a pickle of its own (the parent
+pickles one once for every adapter that shares it); a reply is ``("ok", shape, dtype_name, seconds)`` with the
 raw bytes written to ``path`` (seconds: the read and pack alone) or ``("error",
 exception type name, message)``.  The worker sends stray prints of imported code
 to stderr, so they never corrupt a frame.
@@ -29,6 +30,7 @@ to stderr, so they never corrupt a frame.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import pickle
@@ -49,6 +51,7 @@ import torch
 from unipage.errors import AdapterError
 
 _LENGTH = struct.Struct("<Q")
+PICKLE_CACHE = 64  # layouts and models kept pickled (parent) and unpickled (worker)
 
 
 def read_and_pack(info, layout, model, page_elems: int, dtype: torch.dtype) -> torch.Tensor:
@@ -134,6 +137,7 @@ class ReaderPool:
         self._threads = ThreadPoolExecutor(workers, "unipage-adapter-read")
         self._dir = tempfile.mkdtemp(prefix="unipage-reads-")  # the packed buffers on their way back
         self._names = itertools.count()
+        self._pickles: dict[int, tuple[object, bytes]] = {}  # id -> (object, its pickle): `_pickled`
         self._finalizer = weakref.finalize(self, _close, self._lock, self._closed, self._all, self._threads,
                                            self._dir)
 
@@ -142,9 +146,21 @@ class ReaderPool:
         os.makedirs(self._dir, exist_ok=True)  # a temp-dir cleaner may have removed it
         path = os.path.join(self._dir, f"{next(self._names)}.bin")
         # Pickled here, on the caller's thread: a reader thread pickling it would hold the GIL
-        # for a millisecond or more, and the step loop would wait for it.
-        request = _frame((info, layout, model, page_elems, str(dtype).removeprefix("torch."), path))
+        # for a millisecond or more, and the step loop would wait for it.  The layout and the model
+        # are shared by many adapters: each is pickled once.
+        request = _frame((info, self._pickled(layout), self._pickled(model), page_elems,
+                          str(dtype).removeprefix("torch."), path))
         return self._threads.submit(self._run, request, path)
+
+    def _pickled(self, obj) -> bytes:
+        """``obj`` pickled, from a small cache by identity (the entry keeps ``obj`` alive, so its id
+        names it alone)."""
+        hit = self._pickles.get(id(obj))
+        if hit is None:
+            if len(self._pickles) >= PICKLE_CACHE:
+                self._pickles.clear()
+            hit = self._pickles[id(obj)] = (obj, _frame(obj))
+        return hit[1]
 
     def _take(self) -> _Worker:
         if self._closed.is_set():
@@ -191,6 +207,12 @@ def _close(lock: threading.Lock, closed: threading.Event, workers: list[_Worker]
     shutil.rmtree(directory, ignore_errors=True)
 
 
+@functools.lru_cache(maxsize=PICKLE_CACHE)
+def _unpickled(data: bytes):
+    """A layout or model the parent pickled once (`ReaderPool._pickled`), unpickled once here."""
+    return pickle.loads(data)
+
+
 def main() -> None:
     """Serve read requests from stdin until it closes (the parent's exit closes it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the parent's to handle
@@ -200,6 +222,7 @@ def main() -> None:
     while True:
         try:
             info, layout, model, page_elems, dtype_name, path = _receive(requests)
+            layout, model = _unpickled(layout), _unpickled(model)
         except EOFError:
             return
         start = time.perf_counter()

@@ -2,9 +2,10 @@
 
     step():  out = scheduler.schedule()
              runner drops finished / aborted / preempted requests
-             perform out.adapter_effects in order (storage copies pages; runner updates slot tables)
              runner adds new requests and grows block tables
-             result = runner.execute(out)               # forward + sampling
+             result = runner.execute(out)               # forward + sampling; once the forward is
+                 launched: perform out.adapter_effects in order (storage starts reads and page
+                 copies; runner updates slot tables, sent to the device at the next step)
              scheduler.update(StepResult(result.sampled, loads done, loads failed))
 
 On CUDA an adapter's page copy runs on a side stream; the engine reports the
@@ -157,13 +158,23 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; the requests' new tokens and finishes."""
+        """Run one scheduling step; the requests' new tokens and finishes.
+
+        The adapter effects are performed while the GPU runs the step's forward pass (``execute``'s
+        ``during``): no request of this batch reads an adapter being loaded or evicted now, and the pages
+        a load writes were free when the step was scheduled, so no kernel of this step touches them
+        either.  Their host work (file-read requests, staging, copy launches) then hides behind the GPU.
+        """
         out = self.scheduler.schedule()
         self.runner.drop(out)
-        self._perform(out.adapter_effects)
         self.runner.admit(out)
-        self._poll_loads()  # reads finished: start their page copies
-        result = self.runner.execute(out)
+        self.storage.mark_step()  # the page copies started from here on need not wait for this step
+
+        def during() -> None:
+            self._perform(out.adapter_effects)
+            self._poll_loads()  # reads finished: start their page copies
+
+        result = self.runner.execute(out, during)
         self._poll_loads()  # copies finished while the step ran: report them in this update, a step sooner
         self.last_step = result
         done, failed, self._done, self._failed = self._done, self._failed, [], []

@@ -95,6 +95,9 @@ class TargetSpec:
     ranks: tuple[int, ...]  # rank of each output slice; slices split d_out evenly
     shared_a: bool = False  # every slice reads the same A rows (fused gate_up)
 
+    def __reduce__(self):  # pickled field by field (an adapter's info holds one per layer and target)
+        return TargetSpec, (self.target, self.ranks, self.shared_a)
+
     @property
     def a_rows(self) -> int:
         return self.ranks[0] if self.shared_a else sum(self.ranks)

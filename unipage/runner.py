@@ -11,6 +11,7 @@ samples a token for every request that caught up with its tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +92,12 @@ class ModelRunner:
             self.seqs[rid].window_table.extend(pages)
 
     # -- one step ------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> StepOutput:
+    def execute(self, out: SchedulerOutput, during: Callable[[], None] | None = None) -> StepOutput:
+        """Run the step's forward pass and sample.  ``during`` is called once the forward pass is launched
+        and before sampling waits for it (at once if nothing runs): host work that overlaps the GPU."""
         if not out.req_ids:
+            if during is not None:
+                during()
             return StepOutput([], {})
         self.lora.refresh()
         seqs = [self.seqs[rid] for rid in out.req_ids]
@@ -104,6 +109,8 @@ class ModelRunner:
             logits = self.model.logits(hidden if len(samplers) == len(seqs) else hidden[samplers])
         else:
             logits = self.model.forward(self._batch(out, seqs), self.pool, self.lora, self.block_tokens)
+        if during is not None:
+            during()
         tokens = sample(logits, [seqs[i].sampling for i in samplers], [seqs[i].generator for i in samplers])
         sampled: list[list[int]] = [[] for _ in seqs]
         for i, token in zip(samplers, tokens):

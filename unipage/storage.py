@@ -22,6 +22,7 @@ failed.  On CPU a load completes inside ``apply``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from unipage.errors import AdapterError
 from unipage.pinned import PinnedRing
 
 log = logging.getLogger(__name__)
-READ_WORKERS = 4  # processes that read and pack adapter files (CUDA)
+READ_WORKERS = min(8, max(2, (os.cpu_count() or 4) // 2))  # processes that read and pack adapter files (CUDA)
 RING_BYTES = 256 << 20  # the pinned ring that page copies pass through (CUDA)
 
 
@@ -74,6 +75,7 @@ class PoolStorage:
         self._reads: dict[str, tuple[Future, LoadAdapter]] = {}  # file reads in flight (CUDA)
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
         self._ring = PinnedRing(RING_BYTES) if self._cuda else None
+        self._fence: torch.cuda.Event | None = None  # `mark_step`: what a page copy waits for (CUDA)
         self.reads = ReadStats()
 
     def apply(self, effects) -> ApplyResult:
@@ -109,6 +111,16 @@ class PoolStorage:
         for name in result.done:
             del self._events[name]
         return result
+
+    def mark_step(self) -> None:
+        """Mark the device stream before a step's forward pass: page copies started from here on wait for
+        the work queued before the mark, not for that step (CUDA; the engine's contract: no kernel of the
+        step reads or writes the pages of a load it performs).  Without a mark a copy waits for all the
+        work queued on the device's current stream."""
+        if self._cuda:
+            if self._fence is None:
+                self._fence = torch.cuda.Event()
+            self._fence.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
         """Stop the background readers (reads in flight are abandoned)."""
@@ -156,7 +168,10 @@ class PoolStorage:
         else:
             src, index = staged, self._ring.stage(pages)
             index = pages if index is None else index
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._fence is not None:
+            self._stream.wait_event(self._fence)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         failure = None
         with torch.cuda.stream(self._stream):
             # Allocated on the side stream, so their memory is not reused by the compute
