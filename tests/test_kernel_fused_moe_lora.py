@@ -220,6 +220,17 @@ def test_mixes_match_reference(mix):
     _close(_run(fused_experts, c, GROUP), _run(fused_experts_ref, c, GROUP), torch.float16)
 
 
+@pytest.mark.parametrize("mode", ["pair", "group"])
+def test_metadata_rows_loaded_through_the_slot(mode, monkeypatch):
+    """Tables above `GATHER_SLOTS` rows: each program loads its slot's row through the slot
+    (threshold lowered so a small table takes that path) — same results as the gathered row."""
+    from unipage.kernels import fused_moe_lora as fl
+    monkeypatch.setattr(fl, "GATHER_SLOTS", 0)
+    c = _case(40, torch.float16, "zipf", seed=13)
+    config = PAIR if mode == "pair" else GROUP
+    _close(_run(fused_experts, c, config), _run(fused_experts_ref, c, config), torch.float16)
+
+
 @pytest.mark.parametrize("inter, block_n", [(48, 64), (96, 64), (96, 128)])
 def test_gate_up_tiles_of_several_runs(inter, block_n):
     """I = 48: runs of 16 (the up half starts 48 in), four to a 64-wide tile, the last one past the
