@@ -27,9 +27,10 @@ costs one page-table lookup — contiguous, vectorised loads.  A pair-mode shrin
 program and every expand program load their whole weight tile at once
 (`common.load_runs`: every (row, run) looked up, then one load), so those loads are in
 flight together; a group-mode shrink walks K one 64-run at a time (`_load_paged`).
-A program reads its slot's metadata row out of the whole table loaded at once
-(`_slot_row`, up to `GATHER_SLOTS` slots), so the chain from its start to its weights
-is: slot and expert -> page table -> weights, three dependent loads, cold in L2 at decode.
+In pair mode a program picks its slot's metadata row out of the whole table loaded at
+once (`_slot_row`, up to `GATHER_SLOTS` slots), so the chain from its start to its
+weights is slot and expert -> page table -> weights: three dependent loads, cold in L2
+at decode.
 
 Kernels (one launch each):
 
@@ -233,39 +234,46 @@ GATHER_SLOTS = 64  # up to this many slots a program loads the whole table (regi
 
 @triton.jit
 def _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD: tl.constexpr):
-    """``[F_PAD]`` int32: the fields of ``slot`` (`FIELDS`), its flag at ``F_FLAG``; zeros for slot -1.
-
-    With ``S_PAD`` (the table's rows, padded) the whole table and every flag are loaded and
-    the row is picked in registers: these loads need not wait for the slot's own, one
-    dependent memory round trip fewer before the weights (H100, 1 token, together with the
-    whole-split shrink: GPT-OSS 16.8 -> 12.2 us).  ``S_PAD`` 0: the row is loaded through
-    ``slot`` (tables of more than `GATHER_SLOTS` rows)."""
+    """``(row, meta)``: where a program reads its slot's metadata (`_field`).  ``meta`` points at
+    the slot's row of the table (slot 0's for slot -1).  With ``S_PAD`` (pair mode, the table's
+    rows padded) ``row`` [F_PAD] int32 holds the slot's fields and, at ``F_FLAG``, its flag
+    (zeros for slot -1): the whole table and every flag are loaded and the row picked in
+    registers, so these loads need not wait for the slot's own — one dependent memory round
+    trip fewer before the weights, worth more at decode than the reductions that pick the
+    fields out (group mode, where it is the other way round, passes ``S_PAD`` 0)."""
+    meta = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
     f = tl.arange(0, F_PAD)
-    if S_PAD == 0:
-        row_ptr = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
-        row = tl.load(row_ptr + f, mask=f < NUM_FIELDS, other=0)
-        flag = tl.load(flags_ptr + tl.maximum(slot, 0) + f * 0, mask=f == F_FLAG, other=0)
-        out = tl.where(slot >= 0, row + flag, 0)
-    else:
+    if S_PAD > 0:
         s = tl.arange(0, S_PAD)[:, None]
         ok = s < num_slots
         table = tl.load(meta_ptr + s * NUM_FIELDS + f[None, :], mask=ok & (f[None, :] < NUM_FIELDS), other=0)
         flag = tl.load(flags_ptr + s + f[None, :] * 0, mask=ok & (f[None, :] == F_FLAG), other=0)
-        out = tl.sum(tl.where(s == slot, table + flag, 0), axis=0)
-    return out
+        row = tl.sum(tl.where(s == slot, table + flag, 0), axis=0)
+    else:
+        row = f * 0  # unused
+    return row, meta
 
 
 @triton.jit
-def _field(row, index):
-    """Field ``index`` of a `_slot_row` (a compile-time or run-time index)."""
-    return tl.sum(tl.where(tl.arange(0, F_PAD) == index, row, 0))
+def _field(row, meta, index, S_PAD: tl.constexpr):
+    """Field ``index`` (compile- or run-time) of the slot's metadata, from `_slot_row`'s pair."""
+    if S_PAD > 0:
+        value = tl.sum(tl.where(tl.arange(0, F_PAD) == index, row, 0))
+    else:
+        value = tl.load(meta + index)
+    return value
 
 
 @triton.jit
-def _skip(row, slot, BLOCK_M: tl.constexpr):
-    """Whether a tile has no LoRA work: no slot, or (pair mode) a slot without LoRA in this layer."""
+def _skip(row, flags_ptr, slot, BLOCK_M: tl.constexpr, S_PAD: tl.constexpr):
+    """Whether a tile has no LoRA work: no slot, or (pair mode) a slot without LoRA in this layer.
+    Called after the tile's metadata loads are issued (from slot 0 when slot is -1)."""
     if BLOCK_M == 1:
-        skip = (slot < 0) | (_field(row, F_FLAG) == 0)
+        if S_PAD > 0:
+            flag = tl.sum(tl.where(tl.arange(0, F_PAD) == F_FLAG, row, 0))
+        else:
+            flag = tl.load(flags_ptr + tl.maximum(slot, 0))
+        skip = (slot < 0) | (flag == 0)
     else:
         skip = slot < 0
     return skip
@@ -334,7 +342,7 @@ def _shrink_kernel(
     pid_m, split = swizzle(pid, num_m, SPLIT_K, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
-    row = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
+    row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
     x_rows = tl.where(pair_ok, pairs // top_k, 0).to(tl.int64)
     k_lo = split * K_PER_SPLIT
     if BLOCK_M == 1:  # the pair's x run, loaded with the metadata
@@ -342,10 +350,10 @@ def _shrink_kernel(
         k_left = tl.minimum(K_PER_SPLIT, hidden - k_lo)
         x_run = tl.load(x_ptr + x_rows * stride_x + k_lo + offs_kt[None, :], mask=offs_kt[None, :] < k_left,
                         other=0.0)
-    rows_a = _field(row, F_GU_ROWS)
-    group_off = _field(row, F_BASE) + expert * _field(row, F_STRIDE)
-    gu_a = _field(row, F_GU_A)
-    if _skip(row, slot, BLOCK_M):
+    rows_a = _field(row, meta, F_GU_ROWS, S_PAD)
+    group_off = _field(row, meta, F_BASE, S_PAD) + expert * _field(row, meta, F_STRIDE, S_PAD)
+    gu_a = _field(row, meta, F_GU_A, S_PAD)
+    if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD):
         return
     if split == 0:
         zero = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
@@ -374,13 +382,13 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _slice_z(z_ptr, pairs, pair_ok, row, field, num_pairs, R_PAD: tl.constexpr, RK_PAD: tl.constexpr,
-             SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr):
+def _slice_z(z_ptr, pairs, pair_ok, row, meta, field, num_pairs, R_PAD: tl.constexpr, RK_PAD: tl.constexpr,
+             SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, S_PAD: tl.constexpr):
     """``z[:, a_row : a_row + rank]`` of the gate/up slice whose fields start at ``row[field]``
     (summed over the split-K partials)."""
-    a_row = _field(row, field)
+    a_row = _field(row, meta, field, S_PAD)
     offs = tl.arange(0, RK_PAD)
-    ok = pair_ok[:, None] & (offs < _field(row, field + 1))[None, :]
+    ok = pair_ok[:, None] & (offs < _field(row, meta, field + 1, S_PAD))[None, :]
     out = tl.zeros((BLOCK_M, RK_PAD), tl.float32)
     for split in tl.static_range(SPLIT_K):
         ptrs = z_ptr + (split * num_pairs + pairs[:, None]).to(tl.int64) * R_PAD + a_row + offs[None, :]
@@ -389,11 +397,12 @@ def _slice_z(z_ptr, pairs, pair_ok, row, field, num_pairs, R_PAD: tl.constexpr, 
 
 
 @triton.jit
-def _slice_rows(row, field, group_off, RK_PAD: tl.constexpr):
+def _slice_rows(row, meta, field, group_off, RK_PAD: tl.constexpr, S_PAD: tl.constexpr):
     """Virtual start and validity of each B row of the gate/up slice whose fields start at ``row[field]``."""
     offs = tl.arange(0, RK_PAD)
-    stride = (_field(row, field + 4) + 63) // 64 * 64
-    return group_off + _field(row, field + 2) + offs * stride, offs < _field(row, field + 1)
+    stride = (_field(row, meta, field + 4, S_PAD) + 63) // 64 * 64
+    start = group_off + _field(row, meta, field + 2, S_PAD)
+    return start + offs * stride, offs < _field(row, meta, field + 1, S_PAD)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -422,7 +431,7 @@ def _expand_gate_up_kernel(
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
-    row = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
+    row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
     rows = pairs[:, None].to(tl.int64)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -430,28 +439,29 @@ def _expand_gate_up_kernel(
     raw = raw_ptr + rows * stride_raw + cols[None, :]
     g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)  # the base output: needs no metadata
     u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
-    group_off = _field(row, F_BASE) + expert * _field(row, F_STRIDE)
-    if _skip(row, slot, BLOCK_M):
+    group_off = _field(row, meta, F_BASE, S_PAD) + expert * _field(row, meta, F_STRIDE, S_PAD)
+    if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD):
         finish_early(USE_PDL)
         return
     pt = pt_ptr + slot * stride_pt
     gate = F_SLICE0  # slice 0 feeds the gate columns; the last slice the up columns
-    up = gate + (tl.maximum(_field(row, F_GU_SLICES), 1) - 1) * SLICE_FIELDS
-    up_shift = inter - _field(row, up + 3)  # up column c is local column c + up_shift of its slice
-    gate_virt, gate_ok = _slice_rows(row, gate, group_off, RK_PAD)
-    up_virt, up_ok = _slice_rows(row, up, group_off, RK_PAD)
+    up = gate + (tl.maximum(_field(row, meta, F_GU_SLICES, S_PAD), 1) - 1) * SLICE_FIELDS
+    up_shift = inter - _field(row, meta, up + 3, S_PAD)  # up column c: local column c + up_shift
+    gate_virt, gate_ok = _slice_rows(row, meta, gate, group_off, RK_PAD, S_PAD)
+    up_virt, up_ok = _slice_rows(row, meta, up, group_off, RK_PAD, S_PAD)
     offs_d = tl.arange(0, RD_PAD)
-    down_rank = _field(row, F_DOWN_RANK)
+    down_rank = _field(row, meta, F_DOWN_RANK, S_PAD)
     down_ok = offs_d < down_rank
-    down_virt = group_off + _field(row, F_DOWN_A) + offs_d * ((inter + 63) // 64 * 64)
+    down_virt = group_off + _field(row, meta, F_DOWN_A, S_PAD) + offs_d * ((inter + 63) // 64 * 64)
     b_gate = load_runs(pool_ptr, pt, gate_virt + n0, gate_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     b_up = load_runs(pool_ptr, pt, up_virt + n0 + up_shift, up_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     a_down = load_runs(pool_ptr, pt, down_virt + n0, down_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     if USE_PDL:
         gdc_wait()  # the shrink's partials are complete and visible from here on
     dtype = pool_ptr.dtype.element_ty
-    z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
-    z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M).to(dtype)
+    z_gate = _slice_z(z_ptr, pairs, pair_ok, row, meta, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD)
+    z_up = _slice_z(z_ptr, pairs, pair_ok, row, meta, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD)
+    z_gate, z_up = z_gate.to(dtype), z_up.to(dtype)
     g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION)
     u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION)
     act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
@@ -484,18 +494,18 @@ def _expand_down_kernel(
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
-    row = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
+    row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
     weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
-    rank = _field(row, F_DOWN_RANK)
-    group_off = _field(row, F_BASE) + expert * _field(row, F_STRIDE)
-    if _skip(row, slot, BLOCK_M) | (rank == 0):
+    rank = _field(row, meta, F_DOWN_RANK, S_PAD)
+    group_off = _field(row, meta, F_BASE, S_PAD) + expert * _field(row, meta, F_STRIDE, S_PAD)
+    if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD) | (rank == 0):
         finish_early(USE_PDL)
         return
     pt = pt_ptr + slot * stride_pt
     offs_r = tl.arange(0, RD_PAD)
     r_ok = offs_r < rank
     rows = pairs[:, None].to(tl.int64)
-    b_virt = group_off + _field(row, F_DOWN_B) + offs_r * ((hidden + 63) // 64 * 64)
+    b_virt = group_off + _field(row, meta, F_DOWN_B, S_PAD) + offs_r * ((hidden + 63) // 64 * 64)
     n0 = pid_n * BLOCK_N
     b = load_runs(pool_ptr, pt, b_virt + n0, r_ok, hidden - n0, BLOCK_N, RUN, PAGE_SHIFT, True)
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -539,9 +549,10 @@ def _tile_args(plan: MoeLoraPlan) -> tuple:
 
 
 def _slots_pad(plan: MoeLoraPlan) -> int:
-    """`_slot_row`'s S_PAD: the table's rows padded to a power of two, 0 above `GATHER_SLOTS`."""
+    """`_slot_row`'s S_PAD: in pair mode the table's rows padded to a power of two; 0 (the row read
+    through the slot) in group mode and above `GATHER_SLOTS` rows."""
     slots = plan.lora.meta.table.shape[0]
-    return triton.next_power_of_2(slots) if slots <= GATHER_SLOTS else 0
+    return triton.next_power_of_2(slots) if plan.config["block_m"] == 1 and slots <= GATHER_SLOTS else 0
 
 
 def _num_tile_bound(plan: MoeLoraPlan) -> int:
@@ -585,10 +596,10 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     extra = {"launch_pdl": True} if pdl else {}
     _expand_gate_up_kernel[(tiles * triton.cdiv(meta.inter, block_n),)](
         raw, act, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.inter, raw.stride(0), act.stride(0),
-        stride_pt, float(plan.lora.activation.alpha), float(plan.lora.activation.limit), R_PAD=r_pad, RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"],
-        BLOCK_N=block_n, CHUNK=chunk, GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift,
-        EVEN_N=meta.inter % block_n == 0, S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl,
-        ACT=plan.lora.activation.code,
+        stride_pt, float(plan.lora.activation.alpha), float(plan.lora.activation.limit), R_PAD=r_pad,
+        RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n, CHUNK=chunk,
+        GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift, EVEN_N=meta.inter % block_n == 0,
+        S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code,
         **_launch_opts(cfg["gate_up"]), **extra)
 
 
