@@ -123,3 +123,18 @@ def test_request_parts_pickle_whole(tmp_path):
         assert pickle.loads(readers._pickled(layout)) == layout and pickle.loads(readers._pickled(model)) == model
     finally:
         readers.shutdown()
+
+
+def test_workers_import_this_process_package_not_the_working_directory(tmp_path, monkeypatch):
+    """A ``unipage`` folder in the working directory does not stand in for the package in the workers."""
+    memory, _ = setup(tmp_path / "adapters")
+    fake = tmp_path / "cwd" / "unipage"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise SystemExit("the wrong unipage was imported")\n')
+    monkeypatch.chdir(fake.parent)
+    readers = ReaderPool(1)
+    try:
+        buf, _ = readers.submit(*_args(memory, "a0", torch.float32)).result(timeout=120)
+        assert torch.equal(buf, read_and_pack(*_args(memory, "a0", torch.float32)))
+    finally:
+        readers.shutdown()

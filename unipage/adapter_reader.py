@@ -89,8 +89,10 @@ class _Worker:
 
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # modules as found here
-        self.proc = subprocess.Popen([sys.executable, "-m", "unipage.adapter_reader"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        # -P: not the working directory first (``-m`` would put it there), so a ``unipage`` folder in it
+        # cannot stand in for the package this process imported.
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "unipage.adapter_reader"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
     def call(self, request: bytes, path: str) -> tuple[torch.Tensor, float]:
         try:
