@@ -436,9 +436,6 @@ def _expand_gate_up_kernel(
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :]
-    raw = raw_ptr + rows * stride_raw + cols[None, :]
-    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)  # the base output: needs no metadata
-    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
     group_off = _field(row, meta, F_BASE, S_PAD) + expert * _field(row, meta, F_STRIDE, S_PAD)
     if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD):
         finish_early(USE_PDL)
@@ -456,6 +453,9 @@ def _expand_gate_up_kernel(
     b_gate = load_runs(pool_ptr, pt, gate_virt + n0, gate_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     b_up = load_runs(pool_ptr, pt, up_virt + n0 + up_shift, up_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     a_down = load_runs(pool_ptr, pt, down_virt + n0, down_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
+    raw = raw_ptr + rows * stride_raw + cols[None, :]
+    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_wait()  # the shrink's partials are complete and visible from here on
     dtype = pool_ptr.dtype.element_ty
@@ -513,10 +513,9 @@ def _expand_down_kernel(
     ptrs = y_ptr + rows * stride_y + cols[None, :]
     if USE_PDL:
         gdc_wait()  # down_z and y are complete and visible from here on
-    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
     delta = _mm(z.to(pool_ptr.dtype.element_ty), b, BLOCK_M == 1, DOT_PRECISION)
-    y += weight[:, None] * delta
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + weight[:, None] * delta
     tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
