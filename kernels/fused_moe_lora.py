@@ -234,14 +234,14 @@ GATHER_SLOTS = 64  # up to this many slots a program loads the whole table (regi
 
 @triton.jit
 def _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD: tl.constexpr):
-    """``(row, meta)``: where a program reads its slot's metadata (`_field`).  ``meta`` points at
-    the slot's row of the table (slot 0's for slot -1).  With ``S_PAD`` (pair mode, the table's
-    rows padded) ``row`` [F_PAD] int32 holds the slot's fields and, at ``F_FLAG``, its flag
-    (zeros for slot -1): the whole table and every flag are loaded and the row picked in
-    registers, so these loads need not wait for the slot's own — one dependent memory round
+    """``(row, at)``: where a program reads its slot's metadata; field ``F`` is
+    ``_field(row, at + F)``.  Group mode (``S_PAD`` 0): ``at`` points at the slot's row of the
+    table (slot 0's for slot -1), ``row`` is unused.  Pair mode (``S_PAD``: the table's rows
+    padded): ``row`` [F_PAD] int32 holds the slot's fields and, at ``F_FLAG``, its flag (zeros
+    for slot -1), and ``at`` is 0: the whole table and every flag are loaded and the row picked
+    in registers, so these loads need not wait for the slot's own — one dependent memory round
     trip fewer before the weights, worth more at decode than the reductions that pick the
-    fields out (group mode, where it is the other way round, passes ``S_PAD`` 0)."""
-    meta = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
+    fields out (in group mode it is the other way round)."""
     f = tl.arange(0, F_PAD)
     if S_PAD > 0:
         s = tl.arange(0, S_PAD)[:, None]
@@ -249,18 +249,20 @@ def _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD: tl.constexpr):
         table = tl.load(meta_ptr + s * NUM_FIELDS + f[None, :], mask=ok & (f[None, :] < NUM_FIELDS), other=0)
         flag = tl.load(flags_ptr + s + f[None, :] * 0, mask=ok & (f[None, :] == F_FLAG), other=0)
         row = tl.sum(tl.where(s == slot, table + flag, 0), axis=0)
+        at = tl.full([], 0, tl.int32)
     else:
         row = f * 0  # unused
-    return row, meta
+        at = meta_ptr + tl.maximum(slot, 0) * NUM_FIELDS
+    return row, at
 
 
 @triton.jit
-def _field(row, meta, index, S_PAD: tl.constexpr):
-    """Field ``index`` (compile- or run-time) of the slot's metadata, from `_slot_row`'s pair."""
+def _field(row, at, S_PAD: tl.constexpr):
+    """The slot's metadata field at ``at`` (see `_slot_row`)."""
     if S_PAD > 0:
-        value = tl.sum(tl.where(tl.arange(0, F_PAD) == index, row, 0))
+        value = tl.sum(tl.where(tl.arange(0, F_PAD) == at, row, 0))
     else:
-        value = tl.load(meta + index)
+        value = tl.load(at)
     return value
 
 
@@ -343,16 +345,14 @@ def _shrink_kernel(
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
     row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
-    x_rows = tl.where(pair_ok, pairs // top_k, 0).to(tl.int64)
-    k_lo = split * K_PER_SPLIT
     if BLOCK_M == 1:  # the pair's x run, loaded with the metadata
         offs_kt = tl.arange(0, K_TILE)
-        k_left = tl.minimum(K_PER_SPLIT, hidden - k_lo)
-        x_run = tl.load(x_ptr + x_rows * stride_x + k_lo + offs_kt[None, :], mask=offs_kt[None, :] < k_left,
-                        other=0.0)
-    rows_a = _field(row, meta, F_GU_ROWS, S_PAD)
-    group_off = _field(row, meta, F_BASE, S_PAD) + expert * _field(row, meta, F_STRIDE, S_PAD)
-    gu_a = _field(row, meta, F_GU_A, S_PAD)
+        k_left = tl.minimum(K_PER_SPLIT, hidden - split * K_PER_SPLIT)
+        x_run = tl.load(x_ptr + (pid_m // top_k).to(tl.int64) * stride_x + split * K_PER_SPLIT + offs_kt[None, :],
+                        mask=offs_kt[None, :] < k_left, other=0.0)
+    rows_a = _field(row, meta + F_GU_ROWS, S_PAD)
+    group_off = _field(row, meta + F_BASE, S_PAD) + expert * _field(row, meta + F_STRIDE, S_PAD)
+    gu_a = _field(row, meta + F_GU_A, S_PAD)
     if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD):
         return
     if split == 0:
@@ -366,10 +366,12 @@ def _shrink_kernel(
     r_ok = offs_r < rows_a
     pt = pt_ptr + slot * stride_pt
     if BLOCK_M == 1:  # the whole split at once: one page lookup per 64-run, then one load
-        a = load_runs(pool_ptr, pt, a_virt + k_lo, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
+        a = load_runs(pool_ptr, pt, a_virt + split * K_PER_SPLIT, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
         acc = _mm(x_run, tl.trans(a), True, DOT_PRECISION)
     else:
+        x_rows = tl.where(pair_ok, pairs // top_k, 0).to(tl.int64)
         acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
+        k_lo = split * K_PER_SPLIT
         for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, hidden), 64):
             offs_k = k0 + tl.arange(0, 64)
             k_ok = _col_mask(offs_k, hidden, EVEN_K)
@@ -382,13 +384,13 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _slice_z(z_ptr, pairs, pair_ok, row, meta, field, num_pairs, R_PAD: tl.constexpr, RK_PAD: tl.constexpr,
+def _slice_z(z_ptr, pairs, pair_ok, row, field, num_pairs, R_PAD: tl.constexpr, RK_PAD: tl.constexpr,
              SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, S_PAD: tl.constexpr):
     """``z[:, a_row : a_row + rank]`` of the gate/up slice whose fields start at ``row[field]``
     (summed over the split-K partials)."""
-    a_row = _field(row, meta, field, S_PAD)
+    a_row = _field(row, field, S_PAD)
     offs = tl.arange(0, RK_PAD)
-    ok = pair_ok[:, None] & (offs < _field(row, meta, field + 1, S_PAD))[None, :]
+    ok = pair_ok[:, None] & (offs < _field(row, field + 1, S_PAD))[None, :]
     out = tl.zeros((BLOCK_M, RK_PAD), tl.float32)
     for split in tl.static_range(SPLIT_K):
         ptrs = z_ptr + (split * num_pairs + pairs[:, None]).to(tl.int64) * R_PAD + a_row + offs[None, :]
@@ -397,12 +399,12 @@ def _slice_z(z_ptr, pairs, pair_ok, row, meta, field, num_pairs, R_PAD: tl.const
 
 
 @triton.jit
-def _slice_rows(row, meta, field, group_off, RK_PAD: tl.constexpr, S_PAD: tl.constexpr):
+def _slice_rows(row, field, group_off, RK_PAD: tl.constexpr, S_PAD: tl.constexpr):
     """Virtual start and validity of each B row of the gate/up slice whose fields start at ``row[field]``."""
     offs = tl.arange(0, RK_PAD)
-    stride = (_field(row, meta, field + 4, S_PAD) + 63) // 64 * 64
-    start = group_off + _field(row, meta, field + 2, S_PAD)
-    return start + offs * stride, offs < _field(row, meta, field + 1, S_PAD)
+    stride = (_field(row, field + 4, S_PAD) + 63) // 64 * 64
+    start = group_off + _field(row, field + 2, S_PAD)
+    return start + offs * stride, offs < _field(row, field + 1, S_PAD)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -432,24 +434,24 @@ def _expand_gate_up_kernel(
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
     row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
-    rows = pairs[:, None].to(tl.int64)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :]
-    group_off = _field(row, meta, F_BASE, S_PAD) + expert * _field(row, meta, F_STRIDE, S_PAD)
+    group_off = _field(row, meta + F_BASE, S_PAD) + expert * _field(row, meta + F_STRIDE, S_PAD)
     if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD):
         finish_early(USE_PDL)
         return
     pt = pt_ptr + slot * stride_pt
-    gate = F_SLICE0  # slice 0 feeds the gate columns; the last slice the up columns
-    up = gate + (tl.maximum(_field(row, meta, F_GU_SLICES, S_PAD), 1) - 1) * SLICE_FIELDS
-    up_shift = inter - _field(row, meta, up + 3, S_PAD)  # up column c: local column c + up_shift
-    gate_virt, gate_ok = _slice_rows(row, meta, gate, group_off, RK_PAD, S_PAD)
-    up_virt, up_ok = _slice_rows(row, meta, up, group_off, RK_PAD, S_PAD)
+    gate = meta + F_SLICE0  # slice 0 feeds the gate columns; the last slice the up columns
+    up = gate + (tl.maximum(_field(row, meta + F_GU_SLICES, S_PAD), 1) - 1) * SLICE_FIELDS
+    up_shift = inter - _field(row, up + 3, S_PAD)  # up column c: local column c + up_shift
+    gate_virt, gate_ok = _slice_rows(row, gate, group_off, RK_PAD, S_PAD)
+    up_virt, up_ok = _slice_rows(row, up, group_off, RK_PAD, S_PAD)
     offs_d = tl.arange(0, RD_PAD)
-    down_rank = _field(row, meta, F_DOWN_RANK, S_PAD)
+    down_rank = _field(row, meta + F_DOWN_RANK, S_PAD)
     down_ok = offs_d < down_rank
-    down_virt = group_off + _field(row, meta, F_DOWN_A, S_PAD) + offs_d * ((inter + 63) // 64 * 64)
+    down_virt = group_off + _field(row, meta + F_DOWN_A, S_PAD) + offs_d * ((inter + 63) // 64 * 64)
+    rows = pairs[:, None].to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :]
     b_gate = load_runs(pool_ptr, pt, gate_virt + n0, gate_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     b_up = load_runs(pool_ptr, pt, up_virt + n0 + up_shift, up_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     a_down = load_runs(pool_ptr, pt, down_virt + n0, down_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
@@ -459,9 +461,8 @@ def _expand_gate_up_kernel(
     if USE_PDL:
         gdc_wait()  # the shrink's partials are complete and visible from here on
     dtype = pool_ptr.dtype.element_ty
-    z_gate = _slice_z(z_ptr, pairs, pair_ok, row, meta, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD)
-    z_up = _slice_z(z_ptr, pairs, pair_ok, row, meta, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD)
-    z_gate, z_up = z_gate.to(dtype), z_up.to(dtype)
+    z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
+    z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
     g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION)
     u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION)
     act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
@@ -495,9 +496,8 @@ def _expand_down_kernel(
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
     row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
-    weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
-    rank = _field(row, meta, F_DOWN_RANK, S_PAD)
-    group_off = _field(row, meta, F_BASE, S_PAD) + expert * _field(row, meta, F_STRIDE, S_PAD)
+    rank = _field(row, meta + F_DOWN_RANK, S_PAD)
+    group_off = _field(row, meta + F_BASE, S_PAD) + expert * _field(row, meta + F_STRIDE, S_PAD)
     if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD) | (rank == 0):
         finish_early(USE_PDL)
         return
@@ -505,16 +505,17 @@ def _expand_down_kernel(
     offs_r = tl.arange(0, RD_PAD)
     r_ok = offs_r < rank
     rows = pairs[:, None].to(tl.int64)
-    b_virt = group_off + _field(row, meta, F_DOWN_B, S_PAD) + offs_r * ((hidden + 63) // 64 * 64)
+    weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
+    b_virt = group_off + _field(row, meta + F_DOWN_B, S_PAD) + offs_r * ((hidden + 63) // 64 * 64)
     n0 = pid_n * BLOCK_N
     b = load_runs(pool_ptr, pt, b_virt + n0, r_ok, hidden - n0, BLOCK_N, RUN, PAGE_SHIFT, True)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = pair_ok[:, None] & _col_mask(cols, hidden, EVEN_N)[None, :]
-    ptrs = y_ptr + rows * stride_y + cols[None, :]
     if USE_PDL:
         gdc_wait()  # down_z and y are complete and visible from here on
     z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
     delta = _mm(z.to(pool_ptr.dtype.element_ty), b, BLOCK_M == 1, DOT_PRECISION)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = pair_ok[:, None] & _col_mask(cols, hidden, EVEN_N)[None, :]
+    ptrs = y_ptr + rows * stride_y + cols[None, :]
     y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + weight[:, None] * delta
     tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
