@@ -127,32 +127,6 @@ def test_adapter_effects_run_once_the_forward_pass_is_launched(moe, monkeypatch)
     engine.memory.check()
 
 
-def test_reads_are_polled_while_the_gpu_is_busy(moe, monkeypatch):
-    """`_poll_while_busy` polls until the reads are done or the forward pass is (never without an event)."""
-    engine = Engine(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=512))
-
-    class Forward:
-        def __init__(self, busy_queries):
-            self.left = busy_queries
-
-        def query(self):
-            self.left -= 1
-            return self.left < 0
-
-    reads_left, polls = [0], []
-
-    def poll():
-        polls.append(1)
-        reads_left[0] -= 1
-
-    monkeypatch.setattr(engine, "_poll_loads", poll)
-    monkeypatch.setattr(type(engine.storage), "reading", property(lambda self: reads_left[0] > 0))
-    for reads, busy, want in ((2, 10, 2), (10, 3, 3), (5, None, 0), (0, 10, 0)):
-        reads_left[0], polls[:] = reads, []
-        engine._poll_while_busy(Forward(busy) if busy is not None else None)
-        assert len(polls) == want, (reads, busy)
-
-
 # -- sampling ----------------------------------------------------------------
 
 

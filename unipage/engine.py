@@ -48,7 +48,6 @@ MAX_LAYER_ELEMS = 2**31 - 1  # the kernels address one layer of the pool with 32
 LOAD_FORMATS = ("safetensors", "dummy")
 MAX_DENSE_LORA_SLOTS = 4096  # slot capacity given to a dense model's LoRA tables up front (at most)
 STALL_STEPS = 1000  # empty steps in a row with work left and nothing in flight: report a stall
-POLL_S = 0.0005  # poll for finished adapter reads this often while the GPU runs a step
 
 
 def default_pool(model: ModelConfig, device: torch.device, block_tokens: int = 16) -> PoolConfig:
@@ -171,10 +170,9 @@ class Engine:
         self.runner.admit(out)
         self.storage.mark_step()  # the page copies started from here on need not wait for this step
 
-        def during(forward_done) -> None:
+        def during() -> None:
             self._perform(out.adapter_effects)
             self._poll_loads()  # reads finished: start their page copies
-            self._poll_while_busy(forward_done)
 
         result = self.runner.execute(out, during)
         self._poll_loads()  # copies finished while the step ran: report them in this update, a step sooner
@@ -209,14 +207,6 @@ class Engine:
             for name, _ in result.failed:  # a file read in the background failed
                 self.runner.slot_evicted(self._in_flight.pop(name))
                 self._failed.append(name)
-
-    def _poll_while_busy(self, forward_done) -> None:
-        """While the GPU runs the step and file reads are in flight, poll every `POLL_S`: the page copy of
-        a read that finishes mid-step starts at once, not after the step (a prefill step takes tens of
-        ms), and the load is reported in this step's update.  The time would go waiting for the GPU."""
-        while forward_done is not None and self.storage.reading and not forward_done.query():
-            time.sleep(POLL_S)
-            self._poll_loads()
 
     def _watch_progress(self, out, outputs) -> None:
         busy = out.req_ids or out.adapter_effects or outputs or self._in_flight

@@ -92,14 +92,12 @@ class ModelRunner:
             self.seqs[rid].window_table.extend(pages)
 
     # -- one step ------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, during: Callable[[object], None] | None = None) -> StepOutput:
+    def execute(self, out: SchedulerOutput, during: Callable[[], None] | None = None) -> StepOutput:
         """Run the step's forward pass and sample.  ``during`` is called once the forward pass is launched
-        and before sampling waits for it (at once if nothing runs): host work that overlaps the GPU.  Its
-        argument is a CUDA event that completes with the forward pass (None when nothing is left to wait
-        for: on CPU, or with nothing run)."""
+        and before sampling waits for it (at once if nothing runs): host work that overlaps the GPU."""
         if not out.req_ids:
             if during is not None:
-                during(None)
+                during()
             return StepOutput([], {})
         self.lora.refresh()
         seqs = [self.seqs[rid] for rid in out.req_ids]
@@ -112,11 +110,7 @@ class ModelRunner:
         else:
             logits = self.model.forward(self._batch(out, seqs), self.pool, self.lora, self.block_tokens)
         if during is not None:
-            done = None
-            if logits.is_cuda:
-                done = torch.cuda.Event()
-                done.record()
-            during(done)
+            during()
         tokens = sample(logits, [seqs[i].sampling for i in samplers], [seqs[i].generator for i in samplers])
         sampled: list[list[int]] = [[] for _ in seqs]
         for i, token in zip(samplers, tokens):

@@ -112,11 +112,6 @@ class PoolStorage:
             del self._events[name]
         return result
 
-    @property
-    def reading(self) -> bool:
-        """Adapter files being read in the background (CUDA)."""
-        return bool(self._reads)
-
     def mark_step(self) -> None:
         """Mark the device stream before a step's forward pass: page copies started from here on wait for
         the work queued before the mark, not for that step (CUDA; the engine's contract: no kernel of the
