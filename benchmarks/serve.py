@@ -152,6 +152,7 @@ def write_run_log(ctx: Context, engine: Engine, work, timeline, rows, disk, reco
                         "input": [len(p) for p in work.prompts], "output": list(work.outputs),
                         "submit": timeline.submit.tolist(), "first": timeline.first.tolist(),
                         "finish": timeline.finish.tolist(), "tokens": timeline.tokens.tolist()},
+           "read_workers": engine.storage.read_workers,
            "columns": list(drv.COLUMNS), "steps": rows.tolist(), "h2d_bytes_per_s": ctx.h2d,
            "memory_bytes_per_s": ctx.bandwidth, "disk_bytes": disk.bytes, "disk_seconds": disk.seconds,
            "measured": record}

@@ -4,10 +4,10 @@ each measured workload in the simulator with it.
 Fit: each engine step that ran a batch is one row ``seconds = c . [1, terms]``
 with the simulator's terms (`serve_driver.TERMS`); the coefficients are a
 non-negative least-squares fit (Lawson-Hanson, columns scaled to unit norm)
-over every step of the runs of one model.  Steps that read an adapter file
-are left out: the engine reads files inside the step, the simulator overlaps
-reads with compute and charges them to ``disk_bytes_per_s`` instead (the
-measured read-and-pack rate).
+over every step of the runs of one model, steps that start adapter loads
+included: the step loop's host work per load is the ``load_s`` term (the file
+reads themselves run in reader processes, as the simulator's ``read_workers``
+readers at ``disk_bytes_per_s``, the measured read-and-pack rate of one).
 
 Replay: the same requests (adapters, lengths, submission order) as a `Trace`.
 Adapters the measured run had warmed up are made resident first by one tiny
@@ -31,6 +31,7 @@ from unipage.sim import CostProfile, Trace, build_config, simulate
 from unipage.sim.profile import _COEFFICIENTS as COEFFICIENTS
 
 WARM_OFFSET_S = 1000.0  # simulated seconds between the warm-up requests and the workload
+OLD_READ_WORKERS = 4  # reader processes of an engine whose run log does not say (before c8d81f4)
 THROUGHPUT_TOLERANCE, TTFT_TOLERANCE = 0.05, 0.10  # the issue's targets
 
 
@@ -64,11 +65,10 @@ def fit_coefficients(runs: list[np.ndarray]) -> tuple[dict, dict]:
     Each run's rows are weighted by one over its mean step time, so a run of short steps counts as much
     as a run of long ones (each run's throughput matters equally)."""
     col = {name: i for i, name in enumerate(COLUMNS)}
-    runs = [r[r[:, col["loads_disk"]] == 0] for r in runs]
     runs = [r for r in runs if len(r)]
     rows = np.concatenate(runs) if runs else np.zeros((0, len(COLUMNS)))
     if len(rows) < 2:
-        raise ValueError(f"{len(rows)} steps without adapter file reads: too few to fit a profile")
+        raise ValueError(f"{len(rows)} steps: too few to fit a profile")
     weight = np.concatenate([np.full(len(r), 1.0 / r[:, col["seconds"]].mean()) for r in runs])
     design = np.column_stack([np.ones(len(rows))] + [rows[:, col[t]] for t in TERMS])
     seconds = rows[:, col["seconds"]]
@@ -106,9 +106,12 @@ def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
               f"{quality['total_ratio']}, RMS relative error per step {quality['rms_rel_error']}; "
               f"h2d = pinned copy measured in the run; disk = the engine's adapter read-and-pack rate"
               f"{'' if disk_s > 0 else ' (no file reads measured: the default)'}")
+    workers = {max(1, lg.get("read_workers", OLD_READ_WORKERS)) for lg in logs}  # 0: read in the step (CPU)
+    if len(workers) != 1:
+        raise ValueError(f"the runs used different numbers of adapter readers: {sorted(workers)}")
     profile = CostProfile(name=f"{key}-{tag}", **coef, h2d_bytes_per_s=float(np.median([lg["h2d_bytes_per_s"]
                                                                                          for lg in logs])),
-                          disk_bytes_per_s=float(disk), source=source)
+                          disk_bytes_per_s=float(disk), read_workers=int(workers.pop()), source=source)
     return profile, quality
 
 

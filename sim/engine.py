@@ -120,34 +120,54 @@ class StepCost:
 
 
 class LoadQueue:
-    """Adapter loads in flight: a disk queue, then a host-to-device copy queue, both FIFO."""
+    """Adapter loads in flight: file reads on ``workers`` parallel readers, then a FIFO host-to-device queue.
 
-    def __init__(self, page_bytes: int, h2d_bytes_per_s: float, disk_bytes_per_s: float) -> None:
+    As in the engine's step loop, a finished read's copy starts only at a poll (`poll`: the end of a step,
+    or at once when nothing runs), and `pop_done` reports the copies complete by then.
+    """
+
+    def __init__(self, page_bytes: int, h2d_bytes_per_s: float, disk_bytes_per_s: float, workers: int = 1) -> None:
         self.page_bytes, self.h2d, self.disk = page_bytes, h2d_bytes_per_s, disk_bytes_per_s
-        self.disk_free = self.h2d_free = 0.0  # when each queue is next idle
-        self.heap: list[tuple[float, int, str]] = []  # (completion time, seq, adapter)
+        self.readers = [0.0] * workers  # heap: when each reader is next idle
+        self.h2d_free = 0.0  # when the copy queue is next idle
+        self.reads: list[tuple[float, int, LoadAdapter]] = []  # heap: (read done, seq, load), copy not started
+        self.heap: list[tuple[float, int, str]] = []  # heap: (copy done, seq, adapter)
         self.seq = 0
         self.bytes_h2d = self.bytes_disk = 0
         self.loads = self.from_host = 0
 
-    def start(self, load: LoadAdapter, now: float) -> float:
-        """Queue ``load`` issued at ``now``; returns when it completes."""
-        ready = now
-        if not load.from_host:
-            self.disk_free = max(self.disk_free, now) + load.info.file_bytes / self.disk
-            ready = self.disk_free
-            self.bytes_disk += load.info.file_bytes
-        nbytes = len(load.pages) * self.page_bytes
-        self.h2d_free = max(self.h2d_free, ready) + nbytes / self.h2d
-        self.bytes_h2d += nbytes
+    def start(self, load: LoadAdapter, now: float) -> None:
+        """Queue ``load`` issued at ``now``: its file read, or (from the host tier) its copy at once."""
         self.loads += 1
         self.from_host += load.from_host
         self.seq += 1
+        if load.from_host:
+            self._copy(load, now)
+            return
+        done = max(heapq.heappop(self.readers), now) + load.info.file_bytes / self.disk
+        heapq.heappush(self.readers, done)
+        heapq.heappush(self.reads, (done, self.seq, load))
+        self.bytes_disk += load.info.file_bytes
+
+    def _copy(self, load: LoadAdapter, now: float) -> None:
+        nbytes = len(load.pages) * self.page_bytes
+        self.h2d_free = max(self.h2d_free, now) + nbytes / self.h2d
+        self.bytes_h2d += nbytes
         heapq.heappush(self.heap, (self.h2d_free, self.seq, load.name))
-        return self.h2d_free
+
+    def poll(self, now: float) -> None:
+        """Start the copies of the reads finished by ``now``."""
+        reads = self.reads
+        while reads and reads[0][0] <= now:
+            self._copy(heapq.heappop(reads)[2], now)
 
     def next_done(self) -> float:
-        return self.heap[0][0] if self.heap else INF
+        """The next read or copy to finish (what an idle engine waits for)."""
+        return min(self.heap[0][0] if self.heap else INF, self.reads[0][0] if self.reads else INF)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.heap or self.reads)
 
     def pop_done(self, now: float) -> list[str]:
         heap, done = self.heap, []
@@ -196,7 +216,7 @@ class Simulation:
         self.cost = StepCost(config.profile, config, self.ranks)
         ucfg = config.unipage_config
         self.loads = LoadQueue(ucfg.page_bytes, config.lora.h2d_bytes_per_s,
-                               config.lora.disk_bytes_per_s)
+                               config.lora.disk_bytes_per_s, config.profile.read_workers)
         self.oracle: BeladyOracle | None = None
         policy = self.memory.reclaimer.policy
         if isinstance(policy, Belady):
@@ -275,7 +295,7 @@ class Simulation:
         next_sample, nxt, stalls = now, 0, 0
         steps = busy = batch_reqs = batch_tokens = 0
         check_every = self.config.check_every
-        while nxt < n or sched.has_unfinished() or loads.heap:
+        while nxt < n or sched.has_unfinished() or loads.in_flight:
             clock.now = now
             while nxt < n and arrival[nxt] <= now:
                 self._arrive(nxt)
@@ -284,16 +304,19 @@ class Simulation:
             if out.finished_ids or out.aborted_ids:  # finished in the last update, or dropped just now
                 self._record_done(out)
             in_system = len(self.live)  # requests in the system during this step
+            started = 0
             if out.adapter_effects:
                 for effect in out.adapter_effects:
                     if type(effect) is LoadAdapter:
                         loads.start(effect, now)
+                        started += 1
                         self.cost.slot_rank[effect.slot] = self.ranks[effect.name]
             if oracle is not None:
                 self._tell_oracle(out)
             start = now
             if out.req_ids:
                 dt, sampled = self._run_batch(out)
+                dt += self.cost.p.load_s * started
                 now += dt
                 steps += 1
                 busy += dt
@@ -314,7 +337,10 @@ class Simulation:
             if now > w0 and start < w1:
                 area += in_system * (min(now, w1) - max(start, w0))
             clock.now = now
-            sched.update(StepResult(sampled, loads.pop_done(now) if loads.heap else _NONE))
+            done = loads.pop_done(now) if loads.heap else _NONE  # before the poll: a copy it starts is not done
+            if loads.reads:
+                loads.poll(now)
+            sched.update(StepResult(sampled, done))
             if now >= next_sample:
                 self._sample(samples, now)
                 next_sample = now + sample_dt

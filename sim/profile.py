@@ -12,6 +12,7 @@ Shape of one step's time (every coefficient in seconds, from a `CostProfile`)::
            + MoE only, per MoE layer:
              expert_s           * experts touched by the batch                 base expert weights read
            + lora_expert_rank_s * sum over adapters of rank * experts touched  expert LoRA weights read
+           + load_s            * adapter loads started    the step loop's host work for each
 
 "Experts touched" by ``t`` tokens routed top-``k`` of ``E`` is the expectation
 ``E * (1 - (1 - k/E) ** t)`` (uniform routing): no per-token work in the
@@ -19,8 +20,11 @@ simulator.
 
 Adapter loads overlap compute (a side stream).  A load from the host tier
 takes ``bytes / h2d_bytes_per_s``; one that misses the host cache first reads
-the adapter file, ``file_bytes / disk_bytes_per_s``.  Disk reads are one FIFO
-queue and host-to-device copies another (a two-stage pipeline).
+the adapter file, ``file_bytes / disk_bytes_per_s``, in one of ``read_workers``
+parallel readers (the engine's reader processes).  Host-to-device copies are
+one FIFO queue.  As in the engine, the copy of a file read starts only when the
+step loop polls at the end of a step (at once when nothing runs), and a load is
+reported done at the end of the step in which its copy completed.
 
 A profile is a JSON object of these fields (`CostProfile.from_json`).  The
 built-in profiles (`BUILTIN_PROFILES`) are the *estimates* below, from public
@@ -42,7 +46,7 @@ from pathlib import Path
 from unipage.sim.errors import SimInputError
 
 _COEFFICIENTS = ("step_base_s", "prefill_token_s", "decode_token_s", "kv_token_read_s", "adapter_s",
-                 "adapter_rank_s", "lora_token_rank_s", "expert_s", "lora_expert_rank_s")
+                 "adapter_rank_s", "lora_token_rank_s", "expert_s", "lora_expert_rank_s", "load_s")
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,10 @@ class CostProfile:
     lora_token_rank_s: float = 0.0  # per scheduled token per unit of its adapter's rank, >= 0
     expert_s: float = 0.0  # MoE: per expert touched per MoE layer, >= 0
     lora_expert_rank_s: float = 0.0  # MoE: per (adapter, expert touched, MoE layer) per unit of rank, >= 0
+    load_s: float = 0.0  # per adapter load the step starts: the step loop's host work for it, >= 0
     h2d_bytes_per_s: float = 25e9  # host-to-device copy bandwidth for adapter loads, > 0
-    disk_bytes_per_s: float = 2e9  # adapter file read bandwidth (host-cache misses), > 0
+    disk_bytes_per_s: float = 2e9  # adapter file read bandwidth of one reader (host-cache misses), > 0
+    read_workers: int = 1  # adapter files read in parallel (the engine's reader processes), >= 1
     source: str = ""  # where the numbers come from (measured by which benchmark, or how estimated)
 
     def __post_init__(self) -> None:
@@ -74,6 +80,9 @@ class CostProfile:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise SimInputError(f"profile {self.name!r}: {key} must be a number > 0, got {value!r}")
+        if not isinstance(self.read_workers, int) or isinstance(self.read_workers, bool) or self.read_workers < 1:
+            raise SimInputError(f"profile {self.name!r}: read_workers must be an integer >= 1, got "
+                                f"{self.read_workers!r}")
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "profile") -> CostProfile:

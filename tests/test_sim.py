@@ -11,7 +11,14 @@ import textwrap
 
 import numpy as np
 import pytest
-from unipage.sim import SimInputError, Simulation, build_config, make_record, simulate
+from unipage.sim import (
+    CostProfile,
+    SimInputError,
+    Simulation,
+    build_config,
+    make_record,
+    simulate,
+)
 from unipage.sim.cli import main
 from unipage.sim.config import read_toml, to_toml
 from unipage.sim.engine import FINISHED
@@ -134,6 +141,39 @@ def test_exact_event_times_of_a_hand_checked_scenario(tmp_path):
     assert (record["adapter_loads"], record["bytes_h2d"], record["bytes_disk"]) == (1, 65536, 57344)
     assert record["ttft_p50_s"] == pytest.approx(0.018)  # TTFTs 0.088, 0.014, 0.018
     assert record["duration_s"] == pytest.approx(0.23)
+
+
+def _hand_run(tmp_path, profile: dict, trace: Trace):
+    (tmp_path / "hand.json").write_text(json.dumps({**HAND_PROFILE, **profile}))
+    raw = {"model": {"preset": "tiny"}, "pool": {"num_pages": 64}, "sim": {"profile": "hand.json"},
+           "workload": {"num_adapters": 2, "ranks": [8, 8]}}
+    return simulate(build_config(raw, tmp_path), trace)
+
+
+@pytest.mark.parametrize("workers, second", [(1, 0.138), (2, 0.108)])
+def test_file_reads_run_on_parallel_readers(tmp_path, workers, second):
+    """Two cold adapters at t=0, nothing else: reads of 50 ms on ``workers`` readers, then 20 ms copies in
+    one queue.  2 readers: both reads end at 0.05, copies 0.05-0.07 and 0.07-0.09, prefills (18 ms) at
+    0.07 and 0.09.  1 reader: the second read ends at 0.10, its copy at 0.12."""
+    trace = Trace(np.array([0.0, 0.0]), np.array([0, 1], dtype=np.int32), np.array([8, 8], dtype=np.int32),
+                  np.array([1, 1], dtype=np.int32), np.zeros(2, dtype=np.int32), ["a0", "a1"], [8, 8], ["t0"])
+    result = _hand_run(tmp_path, {"read_workers": workers}, trace)
+    assert result.first_token.tolist() == pytest.approx([0.088, second], abs=1e-12)
+
+
+def test_a_read_done_mid_step_is_copied_after_the_step(tmp_path):
+    """r0 (base model, 80 prompt tokens) runs from t=0 while a0's load starts: the step takes 0.010 + 0.080
+    + load_s 0.001 = 0.091.  The read ends at 0.05, mid-step: its copy starts at the step's end (the
+    engine polls there), 0.091-0.111, and r1's prefill follows, first token at 0.129."""
+    trace = Trace(np.array([0.0, 0.0]), np.array([-1, 0], dtype=np.int32), np.array([80, 8], dtype=np.int32),
+                  np.array([1, 1], dtype=np.int32), np.zeros(2, dtype=np.int32), ["a0", "a1"], [8, 8], ["t0"])
+    result = _hand_run(tmp_path, {"load_s": 0.001}, trace)
+    assert result.first_token.tolist() == pytest.approx([0.091, 0.129], abs=1e-12)
+
+
+def test_bad_read_workers(tmp_path):
+    with pytest.raises(SimInputError, match="read_workers"):
+        CostProfile.from_dict({**HAND_PROFILE, "read_workers": 0})
 
 
 # -- workloads ----------------------------------------------------------------------

@@ -112,6 +112,11 @@ class PoolStorage:
             del self._events[name]
         return result
 
+    @property
+    def read_workers(self) -> int:
+        """Reader processes adapter files may be read in at once (CUDA; 0: read in this process)."""
+        return self._reader.max_workers if self._reader is not None else 0
+
     def mark_step(self) -> None:
         """Mark the device stream before a step's forward pass: page copies started from here on wait for
         the work queued before the mark, not for that step (CUDA; the engine's contract: no kernel of the
