@@ -57,7 +57,7 @@ def pack_adapter(layout: AdapterLayout, weights: LoraWeights, page_elems: int,
 def _write_block(flat: torch.Tensor, block: Block, tensor: torch.Tensor, key, what: str) -> None:
     _check_shape(key, what, tensor, block)
     rows = flat[block.offset: block.offset + block.size].view(block.rows, block.stride)
-    rows[:, : block.cols] = tensor.to(flat.dtype)
+    rows[:, : block.cols].copy_(tensor)  # cast in the copy (one op: adapters are packed per load)
 
 
 def block_indices(page_table: torch.Tensor, block: Block, page_elems: int) -> torch.Tensor:
