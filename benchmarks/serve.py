@@ -290,6 +290,11 @@ def calibrate(ctx: Context) -> None:
     for path in a.logs:
         with open(path) as f:
             logs.append(json.load(f))
+        if "read_workers" not in logs[-1]:  # a log from before the field
+            if a.read_workers is None:
+                raise SystemExit(f"{path}: the run log does not say how many adapter reader processes the "
+                                 f"engine had; pass --read-workers N (the engine's storage.READ_WORKERS there)")
+            logs[-1]["read_workers"] = a.read_workers
     groups: dict[tuple, list[dict]] = {}
     for lg in logs:
         groups.setdefault((lg["model_key"], lg["device"]), []).append(lg)
@@ -351,6 +356,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--logs", nargs="*", default=[], help="calibrate: run logs to fit and replay")
     p.add_argument("--profile-dir", default="sim/profiles", help="calibrate: where the fitted profiles go")
     p.add_argument("--profile", default=None, help="calibrate: replay with this profile instead of fitting")
+    p.add_argument("--read-workers", type=int, default=None,
+                   help="calibrate: adapter reader processes of the engine, for run logs that do not say")
     args = p.parse_args(argv)
     for name, value in DEFAULTS.get(args.setup, {}).items():
         if getattr(args, name) is None:

@@ -30,8 +30,8 @@ from serve_driver import COLUMNS, TERMS, Timeline, serving_metrics
 from unipage.sim import CostProfile, Trace, build_config, simulate
 from unipage.sim.profile import _COEFFICIENTS as COEFFICIENTS
 
+assert len(TERMS) + 1 == len(COEFFICIENTS) and set(TERMS) <= set(COLUMNS), "fitted terms vs profile fields"
 WARM_OFFSET_S = 1000.0  # simulated seconds between the warm-up requests and the workload
-OLD_READ_WORKERS = 4  # reader processes of an engine whose run log does not say (before c8d81f4)
 THROUGHPUT_TOLERANCE, TTFT_TOLERANCE = 0.05, 0.10  # the targets
 
 
@@ -101,12 +101,14 @@ def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
     disk = disk_bytes / disk_s if disk_s > 0 else CostProfile.__dataclass_fields__["disk_bytes_per_s"].default
     tag = "cpu" if device_type == "cpu" else gpu_tag(device)
     runs = ", ".join(lg["label"] for lg in logs)
-    source = (f"measured by benchmarks/serve.py on {device} at commit {commit}: non-negative least-squares fit "
+    run_commits = ", ".join(sorted({str(lg.get("commit", "?")) for lg in logs}))
+    source = (f"measured by benchmarks/serve.py on {device} (runs at {run_commits}; fitted at {commit}): "
+              f"non-negative least-squares fit "
               f"of {quality['steps']} engine step times (runs: {runs}); predicted/measured total step time "
               f"{quality['total_ratio']}, RMS relative error per step {quality['rms_rel_error']}; "
               f"h2d = pinned copy measured in the run; disk = the engine's adapter read-and-pack rate"
               f"{'' if disk_s > 0 else ' (no file reads measured: the default)'}")
-    workers = {max(1, lg.get("read_workers", OLD_READ_WORKERS)) for lg in logs}  # 0: read in the step (CPU)
+    workers = {max(1, lg["read_workers"]) for lg in logs}  # 0: read in the step (CPU)
     if len(workers) != 1:
         raise ValueError(f"the runs used different numbers of adapter readers: {sorted(workers)}")
     profile = CostProfile(name=f"{key}-{tag}", **coef, h2d_bytes_per_s=float(np.median([lg["h2d_bytes_per_s"]

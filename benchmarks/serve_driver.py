@@ -29,7 +29,8 @@ GREEDY = SamplingParams(temperature=0)
 # One row per step: the cost model's terms (without its constant), loads, wall seconds, the floor's bytes.
 COLUMNS = ("prefill", "decode", "kv_read", "adapters", "adapter_ranks", "token_ranks", "experts", "lora_experts",
            "loads", "loads_disk", "seconds", "floor_weights", "floor_lora", "floor_kv")
-TERMS = COLUMNS[:9]  # the fitted terms, in `CostProfile` coefficient order after step_base_s
+TERMS = ("prefill", "decode", "kv_read", "adapters", "adapter_ranks", "token_ranks", "experts", "lora_experts",
+         "loads")  # the fitted terms, in `CostProfile` coefficient order after step_base_s
 
 
 def log(message: str) -> None:

@@ -144,6 +144,33 @@ def test_nnls_matches_the_constrained_optimum():
     assert (x >= 0).all() and np.allclose(grad[x > 0], 0, atol=1e-8) and (grad[x == 0] <= 1e-8).all()  # KKT
 
 
+def test_fit_recovers_planted_coefficients_by_name():
+    """Step rows made from known coefficients (one per fitted term, the per-load host time among them) come
+    back under the profile's field names."""
+    rng = np.random.default_rng(0)
+    col = {name: i for i, name in enumerate(serve.drv.COLUMNS)}
+    truth = dict(zip(serve_calib.COEFFICIENTS, rng.uniform(1e-4, 1e-3, len(serve_calib.COEFFICIENTS))))
+    runs = []
+    for _ in range(2):
+        rows = np.zeros((300, len(serve.drv.COLUMNS)))
+        for term in serve.drv.TERMS:
+            rows[:, col[term]] = rng.integers(0, 50, len(rows))
+        coef = list(truth.values())
+        rows[:, col["seconds"]] = coef[0] + sum(c * rows[:, col[t]] for c, t in zip(coef[1:], serve.drv.TERMS))
+        runs.append(rows)
+    got, quality = serve_calib.fit_coefficients(runs)
+    assert got.keys() == truth.keys() and got["load_s"] == pytest.approx(truth["load_s"], rel=1e-6)
+    assert all(got[k] == pytest.approx(v, rel=1e-6) for k, v in truth.items()), got
+    assert quality["total_ratio"] == pytest.approx(1.0)
+
+
+def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
+    log = tmp_path / "old.json"
+    log.write_text(json.dumps({"model_key": "m", "device": "d", "label": "x"}))
+    with pytest.raises(SystemExit, match="--read-workers"):
+        serve.main(["--setup", "calibrate", "--logs", str(log), "--out", str(tmp_path / "out.jsonl")])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--setup", "a", "--requests", "0"], "--requests must be >= 1"),
     (["--setup", "c", "--counts", "0", "5"], "--counts must be >= 1"),

@@ -166,3 +166,27 @@ def test_bad_adapter_directories_leave_the_registry_unchanged(tmp_path):
             memory.register_adapter(name, path)
     assert memory.adapters.names() == ["a0", "a1"]
     memory.check()
+
+
+def test_reads_started_before_apply_are_not_submitted_twice(tmp_path):
+    """`start_reads` submits the file reads of the loads (not of an adapter the same effects evict); `apply`
+    then submits only what was not submitted yet."""
+    from types import SimpleNamespace
+
+    from unipage.adapters import EvictAdapter
+
+    memory, storage = setup(tmp_path)
+    submitted = []
+    storage._reader = SimpleNamespace(submit=lambda info, *rest: submitted.append(info.path) or object())
+    memory.adapters.request("a0")
+    memory.adapters.request("a1")
+    a0, a1 = memory.adapters.take_effects()
+    evict = EvictAdapter("a1", a1.slot, a1.pages)
+    storage.start_reads([a0, evict, a1])
+    assert submitted == [a0.info.path]
+    storage.apply([a0])
+    assert submitted == [a0.info.path]  # already in flight
+    storage.apply([a1])
+    assert submitted == [a0.info.path, a1.info.path]
+    storage.start_reads([a0, a1])  # both in flight: nothing new
+    assert len(submitted) == 2

@@ -85,14 +85,14 @@ def _receive(stream):
 
 
 class _Worker:
-    """One ``python -m unipage.adapter_reader`` process."""
+    """One ``python -m unipage.adapter_reader`` process (with PYTHONSAFEPATH set)."""
 
     def __init__(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # modules as found here
-        # -P: not the working directory first (``-m`` would put it there), so a ``unipage`` folder in it
-        # cannot stand in for the package this process imported.
-        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "unipage.adapter_reader"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # Modules as found here; PYTHONSAFEPATH (Python 3.11+, as -P): not the working directory first
+        # (``-m`` would put it there), so a ``unipage`` folder in it cannot stand in for this package.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONSAFEPATH="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "unipage.adapter_reader"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
 
     def call(self, request: bytes, path: str) -> tuple[torch.Tensor, float]:
         try:

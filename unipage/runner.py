@@ -3,10 +3,11 @@
 The runner keeps its own state per request (the executor side of the
 scheduler's contract, see `unipage.scheduler.output`): tokens, block table,
 adapter slot and tokens computed.  A step's output is applied in the
-contract's order — drop finished/aborted/preempted, (the engine performs the
-adapter effects), add new requests, extend block tables — and then
-`execute` builds one `StepBatch` at one boundary, runs the forward pass and
-samples a token for every request that caught up with its tokens.
+contract's order — drop finished/aborted/preempted, add new requests, extend
+block tables — and then `execute` builds one `StepBatch` at one boundary, runs
+the forward pass (the engine performs the adapter effects once it is launched,
+through ``during``) and samples a token for every request that caught up with
+its tokens.
 """
 
 from __future__ import annotations

@@ -139,13 +139,34 @@ class PoolStorage:
     def has_host_copy(self, name: str) -> bool:
         return name in self._host
 
+    def start_reads(self, effects) -> None:
+        """Submit now the file reads of the loads among ``effects`` that `apply` would submit (CUDA: a load
+        with no host copy).  Reading touches no device state, so the engine starts the reads before a step's
+        forward pass and performs the rest of the effects while it runs.  A load of an adapter that
+        ``effects`` also evict is left to `apply`."""
+        if self._reader is None:
+            return
+        evicted = {e.name for e in effects if isinstance(e, EvictAdapter)}
+        for effect in effects:
+            if isinstance(effect, LoadAdapter) and effect.name not in evicted and self._needs_read(effect):
+                self._submit(effect)
+
+    def _needs_read(self, effect: LoadAdapter) -> bool:
+        return not (effect.from_host and effect.name in self._host) and self._reads.get(effect.name, (0, 0))[1] \
+            is not effect
+
+    def _submit(self, effect: LoadAdapter) -> None:
+        """Read and pack the adapter's files in a reader process (staged in the pinned ring later, by `poll`
+        on this thread)."""
+        future = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
+                                     self.dtype)
+        self._reads[effect.name] = (future, effect)
+
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
         buf = self._host.get(effect.name) if effect.from_host else None
         if buf is None and self._reader is not None:
-            # Staged in the pinned ring later, by `poll` on this thread.
-            future = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
-                                         self.dtype)
-            self._reads[effect.name] = (future, effect)
+            if self._needs_read(effect):  # else `start_reads` submitted it
+                self._submit(effect)
             return
         try:
             buf = buf if buf is not None else self.read_packed(effect)
