@@ -230,14 +230,15 @@ def _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr
 F_PAD = tl.constexpr(32)  # a metadata row in registers: the fields, then the slot's flag
 F_FLAG = NUM_FIELDS
 GATHER_SLOTS = 64  # up to this many slots a program loads the whole table (registers: S_PAD x F_PAD)
+assert len(FIELDS) < 32, "a metadata row and its flag must fit in F_PAD"
 
 
 @triton.jit
 def _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD: tl.constexpr):
     """``(row, at)``: where a program reads its slot's metadata; field ``F`` is
-    ``_field(row, at + F)``.  Group mode (``S_PAD`` 0): ``at`` points at the slot's row of the
-    table (slot 0's for slot -1), ``row`` is unused.  Pair mode (``S_PAD``: the table's rows
-    padded): ``row`` [F_PAD] int32 holds the slot's fields and, at ``F_FLAG``, its flag (zeros
+    ``_field(row, at + F)``.  ``S_PAD`` 0 (group mode, and pair mode above `GATHER_SLOTS` slots):
+    ``at`` points at the slot's row of the table (slot 0's for slot -1), ``row`` is unused.
+    ``S_PAD`` > 0 (pair mode: the table's rows padded): ``row`` [F_PAD] int32 holds the slot's fields and, at ``F_FLAG``, its flag (zeros
     for slot -1), and ``at`` is 0: the whole table and every flag are loaded and the row picked
     in registers, so these loads need not wait for the slot's own — one dependent memory round
     trip fewer before the weights, worth more at decode than the reductions that pick the
@@ -269,7 +270,8 @@ def _field(row, at, S_PAD: tl.constexpr):
 @triton.jit
 def _skip(row, flags_ptr, slot, BLOCK_M: tl.constexpr, S_PAD: tl.constexpr):
     """Whether a tile has no LoRA work: no slot, or (pair mode) a slot without LoRA in this layer.
-    Called after the tile's metadata loads are issued (from slot 0 when slot is -1)."""
+    Called after the tile's metadata loads are issued (through slot 0 when slot is -1 and ``S_PAD``
+    is 0; a gathered row is zeros then)."""
     if BLOCK_M == 1:
         if S_PAD > 0:
             flag = tl.sum(tl.where(tl.arange(0, F_PAD) == F_FLAG, row, 0))

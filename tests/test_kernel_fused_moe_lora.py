@@ -247,6 +247,14 @@ def test_page_sizes_split_k_and_ragged_hidden(page_elems):
         _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
 
 
+@pytest.mark.parametrize("hidden, split_k", [(320, 1), (200, 2)])
+def test_pair_mode_splits_of_several_runs(hidden, split_k):
+    """A pair-mode shrink program loads its whole K split at once: five 64-runs in one split (H = 320), and
+    two splits of two runs with the last one ragged (H = 200)."""
+    c = _case(5, torch.float32, "uniform", seed=8, hidden=hidden)
+    _close(_run(fused_experts, c, _lora_config(1, split_k=split_k)), _loop_moe(c, torch.float32), torch.float32)
+
+
 def test_without_lora_tokens_or_layers_equals_base():
     c = _case(7, torch.float32, "none")
     base = fused_experts(c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"], None, BASE_CONFIG)

@@ -37,7 +37,8 @@ from unipage.errors import AdapterError
 from unipage.pinned import PinnedRing
 
 log = logging.getLogger(__name__)
-READ_WORKERS = min(8, max(2, (os.cpu_count() or 4) // 2))  # processes that read and pack adapter files (CUDA)
+READ_WORKERS = min(8, max(2, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity")
+                           else (os.cpu_count() or 4) // 2))  # processes that read and pack adapter files (CUDA)
 RING_BYTES = 256 << 20  # the pinned ring that page copies pass through (CUDA)
 
 
