@@ -20,10 +20,10 @@ for the next poll, so loads took longer.)
 
 Protocol, over each worker's stdin/stdout: frames of an 8-byte little-endian
 length and a pickle.  A request is ``(info, layout, model, page_elems,
-dtype_name, path)``, the layout and the model each a pickle of its own (the parent
-pickles one once for every adapter that shares it); a reply is ``("ok", shape, dtype_name, seconds)`` with the
-raw bytes written to ``path`` (seconds: the read and pack alone) or ``("error",
-exception type name, message)``.  The worker sends stray prints of imported code
+dtype_name, path)``, the layout and the model each a pickle of its own (the
+parent pickles one once for every adapter that shares it); a reply is ``("ok",
+shape, dtype_name, seconds)`` with the raw bytes written to ``path`` (seconds:
+the read and pack alone) or ``("error", exception type name, message)``.  The worker sends stray prints of imported code
 to stderr, so they never corrupt a frame.
 """
 
