@@ -10,7 +10,9 @@ sampled itself), and its state is dropped when its id shows up in
 ignored).  The executor applies a step's output in this order: drop
 finished/aborted/preempted, perform ``adapter_effects`` in order, add
 ``new_requests``, extend block tables by ``new_block_ids`` (and window tables
-by ``new_window_block_ids``), run the batch.
+by ``new_window_block_ids``), run the batch (the effects may also be performed
+while the batch runs: none of its requests uses what they load or evict).  An
+executor that cannot run the batch calls ``Scheduler.abandon_step()``.
 
 Batch order (``req_ids``): the running requests scheduled this step, in the
 scheduler's running order, then the new ones.  Token ``t`` of the batch
@@ -70,7 +72,8 @@ class SchedulerOutput:
     #   (<= max_adapters_per_batch)
     adapter_effects: list[AdapterEffect] = field(default_factory=list)  # loads, evictions and host-copy
     #   drops decided since the last step, in the order they must be performed
-    preempted_ids: list[str] = field(default_factory=list)  # preempted this step: KV freed, will recompute
+    preempted_ids: list[str] = field(default_factory=list)  # preempted this step (or by abandon_step()
+    #   since the last one): KV freed, will recompute
     aborted_ids: list[str] = field(default_factory=list)  # aborted since the last step, from any state
     finished_ids: list[str] = field(default_factory=list)  # finished in the last update()
 

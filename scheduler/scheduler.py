@@ -104,6 +104,7 @@ class Scheduler:
         self._seq = 0
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
+        self._abandoned_ids: list[str] = []  # preempted by `abandon_step`: the next output's preempted_ids
         self._pending: list[RequestOutput] = []  # outputs decided in schedule(), returned by update()
         self._stop_sets: dict[frozenset, frozenset] = {}  # one object per distinct stop set (`_stop_set`)
         self._admission = Admission(self)
@@ -139,6 +140,32 @@ class Scheduler:
             self._remove_running(req)
         self._drop(req, _ABORTED, _ABORT)
         return True
+
+    def abandon_step(self) -> list[str]:
+        """The executor could not run the step in flight (its forward pass raised): the step's running
+        requests are preempted by recompute (their KV freed, back to waiting, listed in the next output's
+        ``preempted_ids``) and the step is no longer in flight, so `schedule` may be called again.  The
+        adapter loads the step started stay in flight: report them through a later `update` as usual.
+        Returns the preempted ids."""
+        step = self._in_flight
+        if step is None:
+            raise RuntimeError("no step in flight: nothing to abandon")
+        self._in_flight = None
+        self._all_decoding = False  # its premise (every running request sampled in the last step) is void
+        ids = []
+        for req in step.reqs:
+            if req.status is _RUNNING:
+                self._release_running(req)
+                self._remove_running(req)
+                req.transition(_PREEMPTED)
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                req.skips = 0
+                self.policy.push(req)
+                self.stats.preemptions += 1
+                ids.append(req.request_id)
+        self._abandoned_ids += ids
+        return ids
 
     def get(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -340,6 +367,8 @@ class Scheduler:
             out.adapters = list(dict.fromkeys(r.adapter for r in step.reqs if r.adapter is not None))
         out.adapter_effects = self.adapters.take_effects()
         out.aborted_ids, self._aborted_ids = self._aborted_ids, []
+        if self._abandoned_ids:
+            out.preempted_ids[:0], self._abandoned_ids = self._abandoned_ids, []
         out.finished_ids, self._finished_ids = self._finished_ids, []
         self._in_flight = step
         self.stats.steps += 1

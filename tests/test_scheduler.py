@@ -358,3 +358,35 @@ def test_request_outputs_are_immutable_records_equal_only_to_request_outputs():
     assert pickle.loads(pickle.dumps(out)) == out and repr(out) == "RequestOutput('r0', [5], STOP, '')"
     with pytest.raises(AttributeError):
         out.detail = "changed"
+
+
+def test_an_abandoned_step_preempts_its_requests_and_the_scheduler_goes_on():
+    """The executor could not run a step: `abandon_step` preempts the step's running requests (KV freed),
+    reports them in the next output's preempted_ids, and they run again and finish; a load the step started
+    completes through a later update."""
+    sched = make(adapters={"a": 2})
+    ex = Executor(sched, load_steps=1)
+    for i in range(3):
+        sched.add(req(f"r{i}", n=6, max_tokens=3, start=10 * i + 1))
+    sched.add(req("ra", n=4, adapter="a", max_tokens=2))
+    step(sched, ex)  # r0..r2 prefill; a's load starts
+    out = sched.schedule()
+    assert out.req_ids == ["r0", "r1", "r2"]
+    with pytest.raises(RuntimeError, match="in flight"):
+        sched.schedule()
+    assert sorted(sched.abandon_step()) == ["r0", "r1", "r2"]
+    sched.check()
+    assert sched.memory.occupancy()["kv"] == 0 and all(sched.get(r).status.name == "PREEMPTED" for r in out.req_ids)
+    with pytest.raises(RuntimeError, match="no step in flight"):
+        sched.abandon_step()
+    out, _ = step(sched, ex)
+    assert out.preempted_ids[:3] == ["r0", "r1", "r2"]
+    assert {n.request_id for n in out.new_requests} >= {"r0", "r1", "r2"}
+    finished = set()
+    for _ in range(20):
+        if not sched.has_unfinished():
+            break
+        _, outputs = step(sched, ex)
+        finished |= {o.request_id for o in outputs if o.finished}
+    assert finished >= {"r0", "r1", "r2", "ra"} and not sched.has_unfinished()
+    assert sched.memory.occupancy()["kv"] == 0

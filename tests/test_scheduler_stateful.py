@@ -80,6 +80,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, finish_loads, fail):
         self._step(finish_loads, fail)
 
+    @rule()
+    def abandoned_step(self):
+        """The executor cannot run a step: its running requests are preempted and come back later."""
+        out = self.sched.schedule()
+        self._check_output(out)
+        self.loading += [e.name for e in out.adapter_effects if isinstance(e, LoadAdapter)]
+        ids = self.sched.abandon_step()
+        assert sorted(ids) == sorted(rid for rid in out.req_ids if self.sched.get(rid) is not None)
+        self.abandoned = set(ids)
+
     def _step(self, finish_loads, fail):
         sched = self.sched
         out = sched.schedule()
@@ -111,8 +121,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         expect = [sched.adapters.get(sched.get(rid).adapter).slot if sched.get(rid).adapter else -1
                   for rid, n in zip(out.req_ids, out.num_scheduled_tokens) for _ in range(n)]
         assert out.token_slots == expect
-        if sched.config.admission == "reserve":
-            assert not out.preempted_ids
+        if sched.config.admission == "reserve":  # no preemption, but of an abandoned step's requests
+            assert set(out.preempted_ids) <= getattr(self, "abandoned", set())
+        self.abandoned = set()
 
     @invariant()
     def consistent(self):

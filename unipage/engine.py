@@ -173,17 +173,35 @@ class Engine:
         self.storage.start_reads(out.adapter_effects)  # file reads touch no device state: start them now
         self.storage.mark_step()  # the page copies started from here on need not wait for this step
 
+        performed = False
+
         def during() -> None:
+            nonlocal performed
+            performed = True
             self._perform(out.adapter_effects)
             self._poll_loads()  # reads finished: start their page copies
 
-        result = self.runner.execute(out, during)
+        try:
+            result = self.runner.execute(out, during)
+        except Exception:
+            self._abandon(out, performed)
+            raise
         self._poll_loads()  # copies finished while the step ran: report them in this update, a step sooner
         self.last_step = result
         done, failed, self._done, self._failed = self._done, self._failed, [], []
         outputs = self.scheduler.update(StepResult(result.sampled, done, failed))
         self._watch_progress(out, outputs)
         return outputs
+
+    def _abandon(self, out, performed: bool) -> None:
+        """The step's forward pass raised: still perform its adapter effects (the adapter manager counts on
+        them), and have the scheduler preempt the step's requests, so that the engine can go on (the next
+        step drops them from the runner and recomputes them)."""
+        try:
+            if not performed:
+                self._perform(out.adapter_effects)
+        finally:
+            self.scheduler.abandon_step()
 
     # -- adapter effects -----------------------------------------------------
     def _perform(self, effects) -> None:
