@@ -28,6 +28,7 @@ never evicting an adapter the step uses or passed over (``Step.protect``).
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from unipage.adapters import Residency
@@ -95,11 +96,14 @@ class Admission:
         self._protect_reserved(step)
         admitted, dropped, examined = [], [], 0
         candidates = sched.policy.candidates(ctx)
+        # The reserved request is examined first: requests put back ahead of it (preempted ones) would hide
+        # it behind the lookahead while the slot they wait for is kept for it (a deadlock).
+        owner = self.reserved_for
         try:
-            for req in candidates:
+            for req in itertools.chain((owner,) if owner is not None else (), candidates):
                 if not step.budget or len(sched.running) >= cfg.max_num_seqs or examined == cfg.lookahead:
                     break
-                if not req.status.is_waiting:
+                if not req.status.is_waiting or (req is owner and examined):
                     continue
                 examined += 1
                 outcome = self._try_admit(req, step)

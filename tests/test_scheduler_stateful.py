@@ -153,3 +153,24 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)
+
+
+def test_a_request_put_back_ahead_of_a_reservation_does_not_hide_it():
+    """Found by the machine: one adapter slot, lookahead 1; r3 holds the reservation for the slot, then an
+    abandoned step puts r2 (another adapter) back ahead of it.  Examined in policy order alone, r2 could not
+    take the reserved slot and r3 was never reached: both waited forever."""
+    state = SchedulerMachine()
+    state.setup(policy="affinity", admission="optimistic", eviction="lru", max_adapters=1, max_skips=0,
+                prefix_caching=False, budget=4, seqs=4, lookahead=1, prefetch=0, chunk=0, seed=0, window=0)
+    state.add(adapter=None, extra=0, max_tokens=1, prefix=0)
+    state.abort(index=0)
+    state.add(adapter=None, extra=0, max_tokens=1, prefix=0)
+    state.add(adapter=1, extra=0, max_tokens=2, prefix=0)
+    state.abort(index=1)
+    state.step(fail=False, finish_loads=1)
+    state.add(adapter=0, extra=0, max_tokens=1, prefix=0)
+    state.step(fail=False, finish_loads=0)
+    state.step(fail=False, finish_loads=0)
+    state.abandoned_step()
+    state.consistent()
+    state.teardown()
