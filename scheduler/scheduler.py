@@ -155,15 +155,8 @@ class Scheduler:
         ids = []
         for req in step.reqs:
             if req.status is _RUNNING:
-                self._release_running(req)
                 self._remove_running(req)
-                req.transition(_PREEMPTED)
-                req.num_computed_tokens = 0
-                req.num_preemptions += 1
-                req.skips = 0
-                self.policy.push(req)
-                self.stats.preemptions += 1
-                ids.append(req.request_id)
+                self._preempt(req, ids)
         self._abandoned_ids += ids
         return ids
 
@@ -329,7 +322,7 @@ class Scheduler:
                 raise RuntimeError(f"reserve mode: request {req.request_id!r} outgrew its reservation")
             later = self.running[self.running.index(req):]  # not yet scheduled this step
             victim = self.policy.victim([r for r in later if r.status is _RUNNING])
-            self._preempt(victim, step)
+            self._preempt(victim, step.out.preempted_ids)
             if victim is req:
                 return False
         return True
@@ -345,14 +338,16 @@ class Scheduler:
         req.capacity = len(req.block_table) * self.block_tokens
         return True
 
-    def _preempt(self, req: Request, step: Step) -> None:
+    def _preempt(self, req: Request, preempted_ids: list[str]) -> None:
+        """Preempt a running request by recompute (the caller updates ``self.running``); its id goes to
+        ``preempted_ids``."""
         self._release_running(req)
         req.transition(_PREEMPTED)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.skips = 0
         self.policy.push(req)
-        step.out.preempted_ids.append(req.request_id)
+        preempted_ids.append(req.request_id)
         self.stats.preemptions += 1
 
     def _seal(self, step: Step) -> SchedulerOutput:
