@@ -230,7 +230,7 @@ def _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr
 F_PAD = tl.constexpr(32)  # a metadata row in registers: the fields, then the slot's flag
 F_FLAG = NUM_FIELDS
 GATHER_SLOTS = 64  # up to this many slots a program loads the whole table (registers: S_PAD x F_PAD)
-assert len(FIELDS) < 32, "a metadata row and its flag must fit in F_PAD"
+assert len(FIELDS) < F_PAD.value, "a metadata row and its flag must fit in F_PAD"
 
 
 @triton.jit
@@ -238,8 +238,8 @@ def _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD: tl.constexpr):
     """``(row, at)``: where a program reads its slot's metadata; field ``F`` is
     ``_field(row, at + F)``.  ``S_PAD`` 0 (group mode, and pair mode above `GATHER_SLOTS` slots):
     ``at`` points at the slot's row of the table (slot 0's for slot -1), ``row`` is unused.
-    ``S_PAD`` > 0 (pair mode: the table's rows padded): ``row`` [F_PAD] int32 holds the slot's fields and, at ``F_FLAG``, its flag (zeros
-    for slot -1), and ``at`` is 0: the whole table and every flag are loaded and the row picked
+    ``S_PAD`` > 0 (pair mode: the table's rows padded): ``row`` [F_PAD] int32 holds the slot's
+    fields and, at ``F_FLAG``, its flag (zeros for slot -1), and ``at`` is 0: the whole table and every flag are loaded and the row picked
     in registers, so these loads need not wait for the slot's own — one dependent memory round
     trip fewer before the weights, worth more at decode than the reductions that pick the
     fields out (in group mode it is the other way round)."""

@@ -362,8 +362,9 @@ class Scheduler:
             out.adapters = list(dict.fromkeys(r.adapter for r in step.reqs if r.adapter is not None))
         out.adapter_effects = self.adapters.take_effects()
         out.aborted_ids, self._aborted_ids = self._aborted_ids, []
-        if self._abandoned_ids:
-            out.preempted_ids[:0], self._abandoned_ids = self._abandoned_ids, []
+        if self._abandoned_ids:  # preempted by abandon_step() since the last output: listed first
+            out.preempted_ids = self._abandoned_ids + out.preempted_ids
+            self._abandoned_ids = []
         out.finished_ids, self._finished_ids = self._finished_ids, []
         self._in_flight = step
         self.stats.steps += 1

@@ -37,8 +37,8 @@ from unipage.errors import AdapterError
 from unipage.pinned import PinnedRing
 
 log = logging.getLogger(__name__)
-READ_WORKERS = min(8, max(2, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity")
-                           else (os.cpu_count() or 4) // 2))  # processes that read and pack adapter files (CUDA)
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
+READ_WORKERS = min(8, max(2, CPUS // 2))  # processes that read and pack adapter files (CUDA)
 RING_BYTES = 256 << 20  # the pinned ring that page copies pass through (CUDA)
 
 
@@ -153,8 +153,11 @@ class PoolStorage:
                 self._submit(effect)
 
     def _needs_read(self, effect: LoadAdapter) -> bool:
-        return not (effect.from_host and effect.name in self._host) and self._reads.get(effect.name, (0, 0))[1] \
-            is not effect
+        """Whether ``effect``'s file read is still to submit: no host copy to load from, no read of it in flight."""
+        if effect.from_host and effect.name in self._host:
+            return False
+        in_flight = self._reads.get(effect.name)
+        return in_flight is None or in_flight[1] is not effect
 
     def _submit(self, effect: LoadAdapter) -> None:
         """Read and pack the adapter's files in a reader process (staged in the pinned ring later, by `poll`
