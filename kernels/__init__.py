@@ -5,6 +5,8 @@ See docs/design.md ("Kernels") and each module's docstring for shapes and math.
 
 from unipage.kernels.attention import (AttentionConfig, paged_attention_decode, paged_attention_decode_ref,
                                        paged_attention_prefill, paged_attention_prefill_ref)
+from unipage.kernels.elementwise import (add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, rope_qk,
+                                         rope_qk_ref, silu_mul, silu_mul_ref)
 from unipage.kernels.fused_moe import (fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
                                        moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
 from unipage.kernels.fused_moe_lora import (MoeLora, MoeLoraMeta, MoeLoraPlan, moe_lora_down, moe_lora_down_ref,
@@ -23,4 +25,6 @@ __all__ = [
     "moe_gate_up_ref", "route_topk", "route_topk_ref", "MoeLora", "MoeLoraMeta", "MoeLoraPlan", "moe_lora_down",
     "moe_lora_down_ref", "moe_lora_gate_up", "moe_lora_gate_up_ref", "moe_lora_meta", "plan_moe_lora",
     "plan_moe_lora_ref",
+    "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul",
+    "silu_mul_ref",
 ]
