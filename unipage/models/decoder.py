@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from unipage.config import ModelConfig
 from unipage.errors import CheckpointError
@@ -100,13 +99,6 @@ class LayerWeights:
     experts_down_bias: torch.Tensor | None = None  # GPT-OSS [E, H]
     sinks: torch.Tensor | None = None  # GPT-OSS [heads] float32: attention sink logits
     window: int = 0  # sliding-window length of this layer's attention; 0 = full
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in float32, scale in the input dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class DecoderLM:
@@ -201,15 +193,20 @@ class DecoderLM:
             plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens,
                                    max_groups=batch.active_slots)
         ctx = _Context(batch, cos, sin, lora if lora_on else None, plan, block_tokens)
+        ops, rows = self.ops, batch.logits_rows
         h = self.embed[batch.input_ids]
+        x = ops.rms_norm(h, self.layers[0].input_norm, self.eps)
+        # each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed
         for i, (layer, row) in enumerate(zip(self.layers, self.model.layer_rows)):
             layer_lora = ctx.lora.layers[i] if ctx.lora is not None else None
             pool_l = pool[row]
-            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.eps), pool_l, layer_lora, ctx)
-            x = rms_norm(h, layer.post_norm, self.eps)
-            mlp = self._moe if layer.router is not None else self._mlp
-            h = h + mlp(layer, x, pool_l, layer_lora, ctx)
-        return rms_norm(h[batch.logits_rows], self.norm, self.eps)
+            h, x = ops.add_rms_norm(h, self._attention(layer, x, pool_l, layer_lora, ctx), layer.post_norm, self.eps)
+            mlp = (self._moe if layer.router is not None else self._mlp)(layer, x, pool_l, layer_lora, ctx)
+            if i + 1 < len(self.layers):
+                h, x = ops.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, self.eps)
+            else:  # the last residual add and the final norm only for the rows sampled
+                x = ops.add_rms_norm(h[rows], mlp[rows], self.norm, self.eps)[1]
+        return x
 
     def _lora(self, y, x, pool_l, meta, ctx: _Context) -> None:
         if ctx.lora is not None and meta is not None:
@@ -223,17 +220,18 @@ class DecoderLM:
         self._lora(qkv, x, pool_l, layer_lora and layer_lora.qkv, ctx)
         q_width, kv_width = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        norm = self.ops.rms_norm
         if self.family.qk_norm == "full":
-            q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
+            q, k = norm(q, layer.q_norm, self.eps), norm(k, layer.k_norm, self.eps)
         q = q.reshape(tokens, m.num_heads, m.head_dim)
         k = k.reshape(tokens, m.num_kv_heads, m.head_dim)
         v = v.reshape(tokens, m.num_kv_heads, m.head_dim)
         if self.family.qk_norm == "head":
-            q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
-        q, k = rope.rotate(q, ctx.cos, ctx.sin), rope.rotate(k, ctx.cos, ctx.sin)
+            q, k = norm(q, layer.q_norm, self.eps), norm(k, layer.k_norm, self.eps)
+        q, k = self.ops.rope(q, k, ctx.cos, ctx.sin)  # new contiguous tensors
         slot_mapping, tables = _kv_tables(layer, ctx.batch)
-        self.ops.write_kv(pool_l, k.contiguous(), v.contiguous(), slot_mapping)
-        out = self._attend(q.contiguous(), pool_l, tables, layer, ctx).reshape(tokens, q_width)
+        self.ops.write_kv(pool_l, k, v, slot_mapping)  # v: a strided view of qkv, which write_kv takes
+        out = self._attend(q, pool_l, tables, layer, ctx).reshape(tokens, q_width)
         o = out @ layer.w_o.T
         if layer.b_o is not None:
             o = o + layer.b_o
@@ -256,8 +254,7 @@ class DecoderLM:
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
         gate_up = x @ layer.w_gate_up.T
         self._lora(gate_up, x, pool_l, layer_lora and layer_lora.gate_up, ctx)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = self.ops.silu_mul(gate_up)
         down = act @ layer.w_down.T
         self._lora(down, act, pool_l, layer_lora and layer_lora.down, ctx)
         return down

@@ -25,12 +25,18 @@ class Ops:
     route: Callable  # route_topk signature
     experts: Callable  # fused_experts signature
     plans_lora: bool  # whether lora() uses a LoraBatch plan (the references ignore it)
+    rms_norm: Callable  # (x, weight, eps) -> normed
+    add_rms_norm: Callable  # (h, delta, weight, eps) -> (h + delta, normed)
+    rope: Callable  # rope_qk signature: (q, k, cos, sin) -> (q', k')
+    silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up
 
 
 TORCH = Ops("torch", K.lora_shrink_expand_ref, K.write_kv_ref, K.paged_attention_prefill_ref, None,
-            K.route_topk_ref, K.fused_experts_ref, plans_lora=False)
+            K.route_topk_ref, K.fused_experts_ref, plans_lora=False, rms_norm=K.rms_norm_ref,
+            add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref, silu_mul=K.silu_mul_ref)
 TRITON = Ops("triton", K.lora_shrink_expand, K.write_kv, K.paged_attention_prefill, K.paged_attention_decode,
-             K.route_topk, K.fused_experts, plans_lora=True)
+             K.route_topk, K.fused_experts, plans_lora=True, rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm,
+             rope=K.rope_qk, silu_mul=K.silu_mul)
 
 
 def ops_for(device: torch.device, kernels: str | None = None) -> Ops:

@@ -13,6 +13,7 @@ import math
 import torch
 
 from unipage.errors import CheckpointError
+from unipage.kernels.elementwise import rotate_ref
 
 
 def rope_parameters(hf: dict) -> dict:
@@ -95,7 +96,6 @@ def cos_sin(freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, D]`` by ``cos/sin [T, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotate ``x [T, heads, D]`` by ``cos/sin [T, D]`` (the torch reference; the model rotates q and k
+    together through its kernel set's ``rope``)."""
+    return rotate_ref(x, cos, sin)
