@@ -41,8 +41,15 @@ products use ``tl.dot``.
 
 Paging: every tile is loaded in 64-column runs.  A run starts 64-aligned in
 a row whose stride is a multiple of 64, so it lies in one page: its physical
-offset is translated once per (row, run) — ``page_table[slot, v >> log2 P] * P
-+ (v & (P - 1))`` — and the 64 elements follow contiguously.
+offset is ``page_table[slot, v >> log2 P] * P + (v & (P - 1))`` and the 64
+elements follow contiguously.  The expand translates once per (row, run).  The
+shrink translates before its K loop whenever a split's K range is at most one
+page (``k_per_split <= P``): each A row's range then spans at most two pages,
+and a run picks one of the two bases with a compare.  Looked up inside the
+loop, each A copy waited on a page-table copy that the pipeliner had put one
+stage ahead of it; with the few K steps of a split that chain was not hidden
+(H100, Llama-3.1-8B qkv r16, 256 tokens: shrink 13.9 us paged against 10.9 us
+contiguous; hoisted 11.6 us).
 """
 
 from __future__ import annotations
@@ -119,6 +126,31 @@ def _run_starts(table, virt, ok, LOG2_P: tl.constexpr, PAGED: tl.constexpr):
 
 
 @triton.jit
+def _page_pair(table, virt_lo, virt_hi, ok, LOG2_P: tl.constexpr, PAGED: tl.constexpr):
+    """``(edge, base_lo, base_hi)``: the run at virtual element ``v`` in ``[virt_lo, virt_hi)`` starts
+    at pool element ``(base_lo if v < edge else base_hi) + v``.  Needs ``virt_hi - virt_lo <= P``:
+    the range then lies in at most two pages, looked up here once instead of once per run."""
+    if PAGED:
+        page = virt_lo >> LOG2_P
+        edge = (page + 1) << LOG2_P
+        lo = tl.load(table + page, mask=ok, other=0)
+        hi = tl.load(table + page + 1, mask=ok & (edge < virt_hi), other=0)  # only if the range crosses
+        base_lo = (lo.to(tl.int64) - page) << LOG2_P
+        base_hi = (hi.to(tl.int64) - page - 1) << LOG2_P
+    else:  # the slot's buffer is contiguous from its first page
+        edge = virt_hi
+        base_lo = tl.load(table).to(tl.int64) << LOG2_P
+        base_hi = base_lo
+    return edge, base_lo, base_hi
+
+
+@triton.jit
+def _pair_start(edge, base_lo, base_hi, virt):
+    """Pool element offsets (int64) of the runs at ``virt``, from `_page_pair`'s translation."""
+    return tl.multiple_of(tl.where(virt < edge, base_lo, base_hi) + virt, 64)
+
+
+@triton.jit
 def _product(h, b, GROUPED: tl.constexpr, FP32: tl.constexpr):
     """``h [BM, R] @ b [R, C]`` in fp32: a tensor-core dot for grouped tiles, a broadcast-reduce for one token."""
     if GROUPED:
@@ -138,7 +170,7 @@ def _shrink_kernel(
     num_tokens, d_in, a_stride, k_per_split,
     J: tl.constexpr, RB: tl.constexpr, ROWS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     GROUPED: tl.constexpr, EVEN_K: tl.constexpr, PAGED: tl.constexpr, LOG2_P: tl.constexpr,
-    FP32: tl.constexpr, USE_PDL: tl.constexpr,
+    FP32: tl.constexpr, USE_PDL: tl.constexpr, HOIST: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()  # the expand may start its prologue now
@@ -158,19 +190,27 @@ def _shrink_kernel(
     cols = tl.arange(0, 64)
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, d_in)
+    if HOIST:  # the split's K range of a row spans at most two pages: translate them once
+        edge, base_lo, base_hi = _page_pair(table, row_virt + k_lo, row_virt + k_hi, row_ok, LOG2_P, PAGED)
     acc = tl.zeros((BM, ROWS), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         for r in tl.static_range(BK // 64):
             k = tl.multiple_of(k0 + r * 64, 64)
             if EVEN_K:
                 x = tl.load(x_rows + k + cols[None, :], mask=m_ok[:, None], other=0.0)
-                start = _run_starts(table, row_virt + k, row_ok, LOG2_P, PAGED)
+                if HOIST:
+                    start = _pair_start(edge, base_lo, base_hi, row_virt + k)
+                else:
+                    start = _run_starts(table, row_virt + k, row_ok, LOG2_P, PAGED)
                 a = tl.load(pool_ptr + start[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
             else:
                 k_ok = k + cols < d_in
                 x = tl.load(x_rows + k + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                run_ok = row_ok & (row * 0 + k < d_in)  # vector form: the interpreter rejects bool scalars here
-                start = _run_starts(table, row_virt + k, run_ok, LOG2_P, PAGED)
+                if HOIST:
+                    start = _pair_start(edge, base_lo, base_hi, row_virt + k)
+                else:
+                    run_ok = row_ok & (row * 0 + k < d_in)  # vector form: the interpreter rejects bool scalars here
+                    start = _run_starts(table, row_virt + k, run_ok, LOG2_P, PAGED)
                 a = tl.load(pool_ptr + start[:, None] + cols[None, :],
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if GROUPED:
@@ -352,9 +392,9 @@ def _common(pool, page_table, token_slots, meta, batch, contiguous) -> tuple[lis
     args = [pool, page_table, page_table.stride(0), token_slots,
             batch.tiles if batch.grouped else token_slots,
             batch.token_order if batch.grouped else token_slots, meta.rank]
-    consts = dict(J=meta.num_slices, RB=meta.rank_block, BM=batch.block_m, GROUPED=batch.grouped,
-                  PAGED=not contiguous, LOG2_P=pool.shape[1].bit_length() - 1,
-                  FP32=pool.dtype == torch.float32)
+    consts = {"J": meta.num_slices, "RB": meta.rank_block, "BM": batch.block_m, "GROUPED": batch.grouped,
+              "PAGED": not contiguous, "LOG2_P": pool.shape[1].bit_length() - 1,
+              "FP32": pool.dtype == torch.float32}
     return args, consts
 
 
@@ -374,7 +414,8 @@ def _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous) -> t
     _shrink_kernel[grid](
         x, x.stride(0), *args, meta.a_offset, part,
         count, meta.d_in, round_up(meta.d_in), k_per_split,
-        ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=cfg["pdl"], **consts,
+        ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=cfg["pdl"],
+        HOIST=k_per_split <= pool.shape[1], **consts,
         num_warps=cfg["shrink_warps"], num_stages=stages)
     return part, split_k
 

@@ -8,12 +8,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from unipage.kernels import lora_meta
+from unipage.kernels.lora import lora_shrink_expand, lora_shrink_expand_ref
+from unipage.kernels.lora_meta import (
+    dense_lora_meta,
+    launch_config,
+    plan_lora_batch,
+    split_k_plan,
+)
 
 from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
-from unipage.kernels import lora_meta
-from unipage.kernels.lora import lora_shrink_expand, lora_shrink_expand_ref
-from unipage.kernels.lora_meta import dense_lora_meta, launch_config, plan_lora_batch, split_k_plan
 from unipage.lora_layout import TargetSpec, build_layout
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -176,6 +181,22 @@ def test_uneven_d_in_split_k_row_blocks_and_wide_column_tiles(grouped, block_m, 
     config = {"block_k": 64, "split_k": 3, "rows": 16, "block_n": block_n}
     meta, y0, y_ref, y_out = run_both(world, slots, scale=0.75, config=config,
                                       batch=plan(slots, world, grouped, block_m=block_m if grouped else None))
+    assert_close(y_out, y_ref, y0)
+    assert_untouched(y_out, y0, slots, meta)
+
+
+@pytest.mark.parametrize("d_in, page, config", [
+    (640, 256, {"block_k": 64, "split_k": 4}),  # 192-wide splits, translated before the K loop; rows cross pages
+    (160, 256, {"block_k": 64, "split_k": 1}),  # the same with K masks (the last run lies past d_in)
+    (640, 128, {"block_k": 64, "split_k": 1}),  # a split wider than a page: translated run by run
+])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_shrink_page_translation_across_page_edges(grouped, d_in, page, config):
+    """A rows of 640 elements in 256-element pages straddle page edges inside a split's K range:
+    the second page of the range must be used past the edge (noise pages show up otherwise)."""
+    world = build_world(d_in=d_in, page=page, seed=3)
+    slots = token_mix("zipf", 33, [0, 1, 3, 4], torch.Generator().manual_seed(2))
+    meta, y0, y_ref, y_out = run_both(world, slots, config=config, batch=plan(slots, world, grouped))
     assert_close(y_out, y_ref, y0)
     assert_untouched(y_out, y0, slots, meta)
 
