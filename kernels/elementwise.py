@@ -3,8 +3,10 @@
 Shape legend: T = tokens of the step, N = normalised width (hidden size, the
 q/k projection, or head_dim), HQ / HK = query / key heads, D = head_dim,
 I = MLP width.  ``dtype`` is the activations' (fp16, bf16 or fp32); every
-kernel computes in float32 and rounds where the torch reference rounds, so the
-reference on the same inputs differs only by the order of a row's sum.
+kernel computes in float32 and rounds to dtype where the torch reference rounds.
+The residual sum is bit-identical to torch's add; the norms differ by the order
+of a row's sum; rope on an H100 differs from torch's bf16 expression by one
+bf16 ulp in some elements (the same rounding steps, compiled differently).
 
     rms_norm:      y = w · dtype(x / sqrt(mean(x²) + eps))        (transformers' RMSNorm)
     add_rms_norm:  s = dtype(h + delta);  y = rms_norm(s)         returns (s, y)
