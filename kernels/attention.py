@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 from unipage.kernels.common import num_sms
 from unipage.kernels.kv_write import kv_block_tokens
+from unipage.kernels.launch import launch
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
@@ -335,14 +336,14 @@ def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: to
     part_lse = torch.empty((batch, heads, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = heads // num_kv_heads
     sinks_arg = q if sinks is None else sinks  # never read without sinks
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    launch(_decode_kernel, (batch, num_kv_heads, num_splits),
         q, pool, block_tables, context_lens, sinks_arg, out, part_out, part_lse,
         q.stride(0), q.stride(1), block_tables.stride(0), num_splits, window, scale * LOG2E,
         H=heads, KVH=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=head_dim,
         BT=block_tokens, BLOCK_N=cfg.block_n, SPLIT=split, PRECISION=_precision(q.dtype),
         HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
-        _merge_splits_kernel[(batch * heads,)](part_out, part_lse, sinks_arg, out, num_splits, H=heads, D=head_dim,
+        launch(_merge_splits_kernel, (batch * heads,), part_out, part_lse, sinks_arg, out, num_splits, H=heads, D=head_dim,
                                                HAS_SINKS=sinks is not None, num_warps=1)
     return out
 
@@ -478,7 +479,7 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     group_p = triton.next_power_of_2(group)
     block_m = max(cfg.block_m, group_p, 16)
     grid = (triton.cdiv(max_q_len, block_m // group_p), batch, num_kv_heads)
-    _prefill_kernel[grid](
+    launch(_prefill_kernel, grid,
         q, pool, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), window, scale * LOG2E,
         KVH=num_kv_heads, GROUP=group, GROUP_P=group_p, D=head_dim, BT=block_tokens,

@@ -50,7 +50,18 @@ def device_key(device: torch.device | str | None = None) -> str:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda":
         return "cpu"
-    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
+    return _cuda_key(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@cache
+def _cuda_key(index: int) -> str:  # (a device's name never changes: asked once, not at every launch)
+    return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(index).lower()).strip("_")
+
+
+@cache
+def hopper_or_later(device: torch.device) -> bool:
+    """Whether a device is a CUDA GPU of compute capability 9 or more (Hopper's PDL, TMA)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit

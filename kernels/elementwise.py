@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from unipage.kernels.launch import launch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -95,7 +96,7 @@ def _launch_norm(x, delta, weight, eps, add: bool) -> tuple[torch.Tensor | None,
         return total, out
     block = triton.next_power_of_2(n)
     per_program = max(1, min(32, 2048 // block))  # short rows (q/k heads) share a program
-    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+    launch(_rms_norm_kernel, (triton.cdiv(rows, per_program),),
         x, delta if add else x, weight, out, total if add else out, rows, heads, n,
         stride_xt, stride_xh, stride_dt, stride_dh, eps,
         ADD=add, ROWS=per_program, BLOCK=block, num_warps=8 if per_program * block >= 4096 else 4)
@@ -215,7 +216,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if tokens == 0:
         return q_out, k_out
     half = head_dim // 2
-    _rope_kernel[(tokens,)](
+    launch(_rope_kernel, (tokens,),
         q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), sin.stride(0), HQ=heads_q, HK=heads_k, HQ_P=triton.next_power_of_2(heads_q),
         HK_P=triton.next_power_of_2(heads_k), HALF=half, HALF_P=triton.next_power_of_2(half),
@@ -274,7 +275,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if tokens == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block,
+    launch(_silu_mul_kernel, (tokens, triton.cdiv(inter, block)), gate_up, out, inter, gate_up.stride(0), BLOCK=block,
                                                           num_warps=4)
     return out
 

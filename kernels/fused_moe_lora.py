@@ -68,8 +68,10 @@ from unipage.kernels.common import (
     finish_early,
     gdc_launch_dependents,
     gdc_wait,
+    hopper_or_later,
     load_runs,
 )
+from unipage.kernels.launch import launch
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
 from unipage.kernels.moe_align import (
     F_BASE,
@@ -566,9 +568,7 @@ def _launch_opts(cfg: dict) -> dict:
 
 
 def _use_pdl(plan: MoeLoraPlan) -> bool:
-    device = plan.topk_ids.device
-    return (bool(plan.config.get("pdl")) and device.type == "cuda" and gdc_wait is not None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return bool(plan.config.get("pdl")) and gdc_wait is not None and hopper_or_later(plan.topk_ids.device)
 
 
 def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
@@ -587,7 +587,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     splits, per_split = _split_k(meta.hidden, cfg["split_k"])
     pdl, precision = _use_pdl(plan), "ieee" if x.dtype == torch.float32 else "tf32"
     stride_pt = plan.lora.page_table.stride(0)
-    _shrink_kernel[(tiles * splits,)](
+    launch(_shrink_kernel, (tiles * splits,),
         x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), stride_pt,
         R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split,
         K_TILE=triton.next_power_of_2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
@@ -596,7 +596,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     chunk = _chunk(meta.inter)
     block_n = max(chunk, min(cfg["gate_up"]["block_n"], triton.next_power_of_2(meta.inter)))
     extra = {"launch_pdl": True} if pdl else {}
-    _expand_gate_up_kernel[(tiles * triton.cdiv(meta.inter, block_n),)](
+    launch(_expand_gate_up_kernel, (tiles * triton.cdiv(meta.inter, block_n),),
         raw, act, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.inter, raw.stride(0), act.stride(0),
         stride_pt, float(plan.lora.activation.alpha), float(plan.lora.activation.limit), R_PAD=r_pad,
         RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n, CHUNK=chunk,
@@ -620,7 +620,7 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
                          f"{list(topk_weights.shape)} {topk_weights.dtype}")
     cfg, pdl = plan.config, _use_pdl(plan)
     block_n = max(64, min(cfg["down"]["block_n"], triton.next_power_of_2(meta.hidden)))
-    _expand_down_kernel[(_num_tile_bound(plan) * triton.cdiv(meta.hidden, block_n),)](
+    launch(_expand_down_kernel, (_num_tile_bound(plan) * triton.cdiv(meta.hidden, block_n),),
         y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
         plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n, RUN=64,
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from unipage.kernels.launch import launch
 
 
 @triton.jit
@@ -92,7 +93,7 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping:
     _check(head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two >= 16")
     if tokens == 0:
         return
-    _write_kv_kernel[(tokens,)](
+    launch(_write_kv_kernel, (tokens,),
         pool, k, v, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         BT=block_tokens, KVH=kv_heads, KVH_P=triton.next_power_of_2(kv_heads), D=head_dim)
 

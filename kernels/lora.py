@@ -64,8 +64,10 @@ from unipage.kernels.common import (
     fit_stages,
     gdc_launch_dependents,
     gdc_wait,
+    hopper_or_later,
     load_runs,
 )
+from unipage.kernels.launch import launch
 from unipage.kernels.lora_meta import (
     DenseLoraMeta,
     LoraBatch,
@@ -384,8 +386,7 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, pag
 
 def _use_pdl(cfg: dict, device: torch.device) -> bool:
     """Launch the expand as a programmatic dependent of the shrink (Hopper+, config ``"pdl"``, default on)."""
-    return (bool(cfg.get("pdl", True)) and device.type == "cuda" and gdc_wait is not None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return bool(cfg.get("pdl", True)) and gdc_wait is not None and hopper_or_later(device)
 
 
 def _common(pool, page_table, token_slots, meta, batch, contiguous) -> tuple[list, dict]:
@@ -411,7 +412,7 @@ def _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous) -> t
     part = torch.empty(split_k, count, meta.num_slices * meta.rank_block, dtype=torch.float32, device=x.device)
     args, consts = _common(pool, page_table, token_slots, meta, batch, contiguous)
     grid = (batch.num_row_tiles, split_k, row_blocks)
-    _shrink_kernel[grid](
+    launch(_shrink_kernel, grid,
         x, x.stride(0), *args, meta.a_offset, part,
         count, meta.d_in, round_up(meta.d_in), k_per_split,
         ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=cfg["pdl"],
@@ -427,7 +428,7 @@ def _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part
     col_tiles = meta.col_tile_table(block_n)
     args, consts = _common(pool, page_table, token_slots, meta, batch, contiguous)
     grid = (batch.num_row_tiles, col_tiles.shape[0])
-    _expand_kernel[grid](
+    launch(_expand_kernel, grid,
         y, y.stride(0), *args, meta.b_offset, part, col_tiles,
         y.shape[0], split_k, float(scale),
         RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,

@@ -18,6 +18,7 @@ T = tokens of the step, M = row tiles of the grouped path.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from collections.abc import Sequence
@@ -99,7 +100,7 @@ class DenseLoraMeta:
     def out_cols(self) -> int:
         return self.slice_starts[-1] + self.slice_cols[-1]
 
-    @property
+    @functools.cached_property  # (max_rank is a field of a frozen object: computed once per meta)
     def rank_block(self) -> int:
         """Rank padded to a power of two >= 16: the kernels' intermediate width per slice."""
         return max(16, next_pow2(self.max_rank))
@@ -286,14 +287,28 @@ def launch_config(meta: DenseLoraMeta, batch: LoraBatch, dtype: torch.dtype,
                   device: torch.device) -> dict:
     """The default config of the batch's path, overlaid with the tuned entry for
     this device, shape and the largest token bucket <= T (if any)."""
-    data = _load_json()
     path = "grouped" if batch.grouped else "gemv"
+    buckets, configs = _tuned(device_key(device), shape_key(meta, dtype), path)
+    return dict(configs[bisect.bisect_right(buckets, batch.num_tokens)])
+
+
+def reload_configs() -> None:
+    """Read ``configs/lora_dense.json`` again at the next launch (after a tuning run rewrote it)."""
+    _load_json.cache_clear()
+    _tuned.cache_clear()
+
+
+@functools.lru_cache(maxsize=256)
+def _tuned(device: str, shape: str, path: str) -> tuple[list[int], list[dict]]:
+    """``(buckets, configs)``: the tuned token buckets of a device, shape and path in ascending order, and
+    ``configs[i]`` the config for a batch of at least ``buckets[i - 1]`` tokens (``configs[0]``: the
+    default, for fewer tokens than any bucket)."""
+    data = _load_json()
     config = dict(data["default"][path])
-    tuned = data.get("tuned", {}).get(device_key(device), {}).get(shape_key(meta, dtype), {}).get(path, {})
-    buckets = [int(b) for b in tuned if int(b) <= batch.num_tokens]
-    if buckets:
-        config.update(tuned[str(max(buckets))])
-    return config
+    tuned = data.get("tuned", {}).get(device, {}).get(shape, {}).get(path, {})
+    buckets = sorted(int(b) for b in tuned)
+    configs = [config] + [config | tuned[str(b)] for b in buckets]
+    return buckets, configs
 
 
 def split_k_plan(d_in: int, block_k: int, programs: int, config: dict, device) -> tuple[int, int, int]:

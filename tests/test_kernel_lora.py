@@ -306,11 +306,20 @@ def test_launch_config_uses_tuned_bucket(monkeypatch):
     key = lora_meta.shape_key(meta, torch.float32)
     data["tuned"] = {"cpu": {key: {"grouped": {"64": {"block_n": 64}, "512": {"block_n": 512}}}}}
     monkeypatch.setattr(lora_meta, "_load_json", lambda: data)
-    slots = torch.zeros(100, dtype=torch.int32)
-    config = launch_config(meta, plan_lora_batch(slots, 5), torch.float32, torch.device("cpu"))
-    assert config["block_n"] == 64 and config["block_k"] == data["default"]["grouped"]["block_k"]
-    small = launch_config(meta, plan_lora_batch(slots[:40], 5), torch.float32, torch.device("cpu"))
-    assert small["block_n"] == data["default"]["grouped"]["block_n"]
+    lora_meta._tuned.cache_clear()  # (looked up once per device, shape and path: read the patched table)
+    try:
+        slots = torch.zeros(100, dtype=torch.int32)
+        config = launch_config(meta, plan_lora_batch(slots, 5), torch.float32, torch.device("cpu"))
+        assert config["block_n"] == 64 and config["block_k"] == data["default"]["grouped"]["block_k"]
+        large = launch_config(meta, plan_lora_batch(torch.zeros(600, dtype=torch.int32), 5), torch.float32,
+                              torch.device("cpu"))
+        assert large["block_n"] == 512
+        small = launch_config(meta, plan_lora_batch(slots[:40], 5), torch.float32, torch.device("cpu"))
+        assert small["block_n"] == data["default"]["grouped"]["block_n"]
+        config["block_n"] = 1  # a caller's copy: the cached table is not changed through it
+        assert launch_config(meta, plan_lora_batch(slots, 5), torch.float32, torch.device("cpu"))["block_n"] == 64
+    finally:
+        lora_meta._tuned.cache_clear()
 
 
 # ------------------------------------------------------------ launcher checks

@@ -1,0 +1,146 @@
+"""Triton launches with less host work: ``launch(kernel, grid, *args, **kwargs)`` is ``kernel[grid](*args,
+**kwargs)``.
+
+Triton's own launch path binds the arguments, asks the compiler for each one's
+specialisation, builds a cache key string and checks the kernel's globals on
+every call: about 40-50 us of host time per launch on the H100 machine's CPU,
+several times a torch op's.  An eager prefill step launches a couple of hundred
+Triton kernels, so that alone was the larger part of the host time of a
+4096-token step.
+
+Here the first launch of a kernel with given argument *traits* goes through
+Triton (which compiles or finds the kernel, and launches it) and the compiled
+kernel is kept under those traits; later launches with the same traits call
+its launcher directly.  The traits are finer than Triton's specialisation, so
+one entry never stands for two different compiled kernels:
+
+- a tensor: its dtype and ``data_ptr() % 16`` (Triton keys on the dtype and
+  16-byte alignment);
+- an int: its value (Triton keys on ``== 1`` and ``% 16 == 0``), or for a
+  ``do_not_specialize`` parameter, whether it fits in int32 or int64 (its type);
+- a float: the type alone (Triton never specialises on a float's value);
+- anything else (bool, None, a constexpr value): the value itself;
+- keyword launch options (``num_warps``, ``num_stages``, ``launch_pdl``) and
+  the current device.
+
+Triton's path is kept where this one cannot stand in for it: under the
+interpreter (``TRITON_INTERPRET=1``, no compiled kernels), when a launch hook is
+set (a profiler), for a callable grid, when ``UNIPAGE_FAST_LAUNCH=0``, and for
+a kernel whose compiled object lacks the launcher it calls.  A kernel keeps at
+most `MAX_ENTRIES` entries (ints that change every call and are not marked
+``do_not_specialize`` would otherwise grow it); past that it starts over.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.runtime.jit import JITFunction
+
+try:
+    from triton import knobs
+except ImportError:  # pragma: no cover - Triton before 3.4 has no knobs: no fast path
+    knobs = None
+
+MAX_ENTRIES = 256
+_ENABLED = os.environ.get("UNIPAGE_FAST_LAUNCH", "1") != "0" and knobs is not None
+_INT32, _INT64 = (-(1 << 31), (1 << 31) - 1), (-(1 << 63), (1 << 63) - 1)
+
+
+class _Kernel:
+    """What a fast launch needs to know of one ``@triton.jit`` kernel, and its compiled entries."""
+
+    __slots__ = ("defaults", "entries", "loose", "name_set", "names", "usable")
+
+    def __init__(self, kernel: JITFunction) -> None:
+        self.names = [p.name for p in kernel.params]  # every parameter, in order (constexprs too)
+        self.name_set = frozenset(self.names)
+        self.defaults = {p.name: p.default for p in kernel.params if p.has_default}
+        self.loose = frozenset(p.num for p in kernel.params if p.do_not_specialize)
+        self.entries: dict[tuple, object] = {}  # traits -> compiled kernel
+        self.usable = True  # False: a compiled kernel lacked the launcher; always Triton's path
+
+
+_kernels: dict[JITFunction, _Kernel] = {}
+# The current device and its current raw stream, as Triton's own launch path asks torch for them.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+launches = {"fast": 0, "triton": 0}  # counters, for tests and benchmarks
+
+
+def int_trait(value: int, loose: bool):
+    """An int argument's part of the key: its value, or its type for a ``do_not_specialize`` one."""
+    if not loose:
+        return value
+    if _INT32[0] <= value <= _INT32[1]:
+        return "i32"
+    return "i64" if _INT64[0] <= value <= _INT64[1] else "u64"
+
+
+def traits(bound: list, loose: frozenset) -> tuple:
+    """The key of one launch's arguments (``bound``: every parameter's value, in order); see the module
+    docstring."""
+    key = []
+    for i, value in enumerate(bound):
+        cls = value.__class__
+        if cls is int:
+            key.append(int_trait(value, i in loose))
+        elif cls is float:
+            key.append(float)
+        elif isinstance(value, torch.Tensor):
+            key.append((value.dtype, value.data_ptr() & 15))
+        else:
+            key.append(value)
+    return tuple(key)
+
+
+def bind(info: _Kernel, args: tuple, kwargs: dict) -> tuple[list, dict]:
+    """``(every parameter's value in order, the launch options)`` of a call; TypeError if one is missing."""
+    defaults, bound, taken = info.defaults, list(args), 0
+    for name in info.names[len(args):]:
+        if name in kwargs:
+            bound.append(kwargs[name])
+            taken += 1
+        elif name in defaults:
+            bound.append(defaults[name])
+        else:
+            raise TypeError(f"missing argument {name!r}")
+    if taken == len(kwargs):
+        return bound, {}
+    return bound, {k: v for k, v in kwargs.items() if k not in info.name_set}
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` (``grid``: a tuple of one to three ints), with less host work."""
+    if not (_ENABLED and kernel.__class__ is JITFunction and grid.__class__ is tuple
+            and knobs.runtime.launch_enter_hook is None):
+        kernel[grid](*args, **kwargs)
+        return
+    info = _kernels.get(kernel)
+    if info is None:
+        info = _kernels[kernel] = _Kernel(kernel)
+    bound, options = bind(info, args, kwargs)
+    device = _current_device()
+    key = (device, traits(bound, info.loose), *options.items())
+    compiled = info.entries.get(key)
+    if compiled is None or not info.usable:
+        _first(kernel, info, key, grid, args, kwargs)
+        return
+    stream = _current_stream(device)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, None, None, None, *bound)
+    launches["fast"] += 1
+
+
+def _first(kernel: JITFunction, info: _Kernel, key: tuple, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Triton's own launch; its compiled kernel is kept under ``key``."""
+    compiled = kernel[grid](*args, **kwargs)
+    launches["triton"] += 1
+    if not all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+        info.usable = False
+        return
+    if len(info.entries) >= MAX_ENTRIES:
+        info.entries.clear()
+    info.entries[key] = compiled

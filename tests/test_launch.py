@@ -1,0 +1,87 @@
+"""`unipage.kernels.launch`: the traits that key a compiled kernel, argument binding, and (GPU) that a
+fast launch computes what Triton's own launch does."""
+
+import pytest
+import torch
+from triton.runtime.jit import JITFunction
+from unipage.kernels import launch as L
+
+
+def _body(x_ptr, out_ptr, n, stride, scale, FLAG, BLOCK=64):  # a kernel's signature (never run here)
+    pass
+
+
+_body.__annotations__ = {"FLAG": "constexpr", "BLOCK": "constexpr"}
+KERNEL = JITFunction(_body, do_not_specialize=["n"])
+INFO = L._Kernel(KERNEL)
+
+
+def test_kernel_info_reads_the_signature():
+    assert INFO.names == ["x_ptr", "out_ptr", "n", "stride", "scale", "FLAG", "BLOCK"]
+    assert INFO.loose == frozenset({2}) and INFO.defaults == {"BLOCK": 64}
+
+
+def test_bind_orders_every_parameter_and_separates_launch_options():
+    x, out = torch.ones(4), torch.zeros(4)
+    bound, options = L.bind(INFO, (x, out, 7), {"stride": 4, "scale": 0.5, "FLAG": True, "num_warps": 8})
+    assert bound == [x, out, 7, 4, 0.5, True, 64] and options == {"num_warps": 8}
+    bound, options = L.bind(INFO, (x,), {"out_ptr": out, "n": 1, "stride": 1, "scale": 1.0, "FLAG": False,
+                                         "BLOCK": 32})
+    assert bound[1] is out and bound[-1] == 32 and options == {}
+    with pytest.raises(TypeError, match="'scale'"):
+        L.bind(INFO, (x, out, 7, 4), {"FLAG": True})
+
+
+def test_traits_are_finer_than_tritons_specialisation():
+    buf = torch.zeros(64, dtype=torch.float16)
+    base = [buf, buf, 5, 16, 0.5, True, 64]
+    key = L.traits(base, INFO.loose)
+    # the token count (do_not_specialize) only by its width; any float by its type
+    assert L.traits([buf, buf, 99, 16, 2.0, True, 64], INFO.loose) == key
+    assert L.traits([buf, buf, 1 << 40, 16, 0.5, True, 64], INFO.loose) != key
+    # a specialised int by its value, a tensor by dtype and alignment, a constexpr by its value
+    assert L.traits([buf, buf, 5, 17, 0.5, True, 64], INFO.loose) != key
+    assert L.traits([buf[1:], buf, 5, 16, 0.5, True, 64], INFO.loose) != key  # 2 bytes off 16-byte alignment
+    assert L.traits([buf.float(), buf, 5, 16, 0.5, True, 64], INFO.loose) != key
+    assert L.traits([buf, buf, 5, 16, 0.5, False, 64], INFO.loose) != key
+    assert L.int_trait(-(1 << 31), True) == "i32" and L.int_trait(1 << 31, True) == "i64"
+    assert L.int_trait(1 << 63, True) == "u64" and L.int_trait(1 << 31, False) == 1 << 31
+
+
+class _Recorder:
+    """Anything that is not a `JITFunction` (the interpreter's kernels): launched through ``[grid]``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def test_other_kernels_take_tritons_path():
+    kernel = _Recorder()
+    L.launch(kernel, (3, 2), 1, 2, FLAG=True)
+    assert kernel.calls == [((3, 2), (1, 2), {"FLAG": True})]
+
+
+@pytest.mark.gpu
+def test_gpu_fast_launch_matches_tritons_launch():
+    from unipage.kernels.elementwise import rms_norm, rms_norm_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(2048, device="cuda", generator=gen).to(torch.bfloat16)
+    outs = []
+    for tokens in (37, 37, 64, 1):  # the first launch compiles; later ones take the fast path
+        x = torch.randn(tokens, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+        before = dict(L.launches)
+        outs.append((rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)))
+        if tokens != 37 or len(outs) > 1:
+            assert L.launches["fast"] == before["fast"] + 1, "a launch with known traits took Triton's path"
+    for got, ref in outs:
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    flat = torch.randn(8 * 2048 + 1, device="cuda", generator=gen).to(torch.bfloat16)
+    x = flat[1:].view(8, 2048)  # 2 bytes off 16-byte alignment: new traits, Triton's path (its own kernel)
+    before = dict(L.launches)
+    got = rms_norm(x, w, 1e-6)
+    assert L.launches["triton"] == before["triton"] + 1
+    torch.testing.assert_close(got.float(), rms_norm_ref(x, w, 1e-6).float(), rtol=1e-2, atol=1e-2)
