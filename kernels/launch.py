@@ -70,6 +70,16 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 launches = {"fast": 0, "triton": 0}  # counters, for tests and benchmarks
 
 
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler's): Triton's launch path calls them, this one does not.
+    Triton keeps its hooks in chains (`knobs.HookChain`), empty when none is set."""
+    runtime = knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
 def int_trait(value: int, loose: bool):
     """An int argument's part of the key: its value, or its type for a ``do_not_specialize`` one."""
     if not loose:
@@ -114,8 +124,7 @@ def bind(info: _Kernel, args: tuple, kwargs: dict) -> tuple[list, dict]:
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` (``grid``: a tuple of one to three ints), with less host work."""
-    if not (_ENABLED and kernel.__class__ is JITFunction and grid.__class__ is tuple
-            and knobs.runtime.launch_enter_hook is None):
+    if not (_ENABLED and kernel.__class__ is JITFunction and grid.__class__ is tuple and not _hooked()):
         kernel[grid](*args, **kwargs)
         return
     info = _kernels.get(kernel)

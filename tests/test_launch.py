@@ -64,6 +64,22 @@ def test_other_kernels_take_tritons_path():
     assert kernel.calls == [((3, 2), (1, 2), {"FLAG": True})]
 
 
+def test_a_launch_hook_sends_launches_through_triton():
+    chain = L.knobs.runtime.launch_enter_hook
+    assert not L._hooked()  # Triton's chains are empty unless a profiler adds a hook
+
+    def hook(metadata):
+        pass
+
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert L._hooked()
+        finally:
+            chain.remove(hook)
+        assert not L._hooked()
+
+
 @pytest.mark.gpu
 def test_gpu_fast_launch_matches_tritons_launch():
     from unipage.kernels.elementwise import rms_norm, rms_norm_ref
