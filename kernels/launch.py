@@ -26,7 +26,8 @@ one entry never stands for two different compiled kernels:
 Triton's path is kept where this one cannot stand in for it: under the
 interpreter (``TRITON_INTERPRET=1``, no compiled kernels), when a launch hook is
 set (a profiler), for a callable grid, when ``UNIPAGE_FAST_LAUNCH=0``, and for
-a kernel whose compiled object lacks the launcher it calls.  A kernel keeps at
+a kernel whose compiled object lacks the launcher it calls or that takes an
+argument that does not hash (a TMA tensor descriptor).  A kernel keeps at
 most `MAX_ENTRIES` entries (ints that change every call and are not marked
 ``do_not_specialize`` would otherwise grow it); past that it starts over.
 """
@@ -130,11 +131,19 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     info = _kernels.get(kernel)
     if info is None:
         info = _kernels[kernel] = _Kernel(kernel)
+    if not info.usable:
+        _triton(kernel, grid, args, kwargs)
+        return
     bound, options = bind(info, args, kwargs)
     device = _current_device()
     key = (device, traits(bound, info.loose), *options.items())
-    compiled = info.entries.get(key)
-    if compiled is None or not info.usable:
+    try:
+        compiled = info.entries.get(key)
+    except TypeError:  # an argument that does not hash (a TMA descriptor): this kernel keeps Triton's path
+        info.usable = False
+        _triton(kernel, grid, args, kwargs)
+        return
+    if compiled is None:
         _first(kernel, info, key, grid, args, kwargs)
         return
     stream = _current_stream(device)
@@ -143,10 +152,15 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     launches["fast"] += 1
 
 
+def _triton(kernel: JITFunction, grid: tuple, args: tuple, kwargs: dict):
+    """Triton's own launch; returns its compiled kernel."""
+    launches["triton"] += 1
+    return kernel[grid](*args, **kwargs)
+
+
 def _first(kernel: JITFunction, info: _Kernel, key: tuple, grid: tuple, args: tuple, kwargs: dict) -> None:
     """Triton's own launch; its compiled kernel is kept under ``key``."""
-    compiled = kernel[grid](*args, **kwargs)
-    launches["triton"] += 1
+    compiled = _triton(kernel, grid, args, kwargs)
     if not all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
         info.usable = False
         return

@@ -58,6 +58,18 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
 
 
+def test_an_unhashable_argument_keeps_the_kernel_on_tritons_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(L, "_ENABLED", True)
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_triton", lambda kernel, grid, args, kwargs: calls.append((grid, args)))
+    kernel = JITFunction(_body, do_not_specialize=["n"])
+    x = torch.ones(4)
+    for _ in range(2):  # (a TMA descriptor does not hash either)
+        L.launch(kernel, (1,), x, x, 7, [4], 0.5, FLAG=True)
+    assert len(calls) == 2 and L._kernels[kernel].usable is False and not L._kernels[kernel].entries
+
+
 def test_other_kernels_take_tritons_path():
     kernel = _Recorder()
     L.launch(kernel, (3, 2), 1, 2, FLAG=True)
