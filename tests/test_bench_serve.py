@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
     serve.main(["--setup", "b", "--models", "llama3-8b", "--requests", "4", "--adapters", "2", "--rank", "2",
                 "--max-running", "4", *common])
     serve.main(["--setup", "c", "--counts", *map(str, COUNTS), "--requests", "8", "--concurrency", "2",
-                "--max-running", "2", "--pool-pages", "10", *common])
+                "--max-running", "2", "--pool-pages", "10", "--repeats", "2", *common])
     serve.main(["--setup", "d", "--requests", "4", "--adapters", "2", "--rank", "2", "--hf-batch", "2", *common])
     log_files = sorted(str(p) for p in logs.glob("*.json"))
     serve.main(["--setup", "calibrate", "--logs", *log_files, "--profile-dir", str(profiles), "--out", str(out)])
@@ -70,11 +70,22 @@ def test_setup_b_compares_lora_with_the_base_model(runs):
 def test_setup_c_scales_the_adapter_count_past_the_pool(runs):
     records = runs[0]
     counts = records["c-count"]
-    assert [r["adapters"] for r in counts] == list(COUNTS)
+    assert [(r["repeat"], r["adapters"]) for r in counts] == [(k, c) for k in (0, 1) for c in COUNTS]  # interleaved
     assert all(r["pool_holds_adapters"] < max(COUNTS) for r in counts)  # the pool cannot hold them all
     assert all(1 <= r["distinct_adapters_used"] <= r["adapters"] for r in counts)
     (scaling,) = records["c-scaling"]
-    assert scaling["counts"] == list(COUNTS) and scaling["largest_over_smallest"] > 0
+    assert scaling["counts"] == list(COUNTS) and scaling["repeats"] == 2
+    runs_by_count = [[r["output_tokens_per_s"] for r in counts if r["adapters"] == c] for c in COUNTS]
+    assert scaling["runs_output_tokens_per_s"] == runs_by_count
+    assert scaling["output_tokens_per_s"] == [min(r) for r in runs_by_count]  # the lower middle of two runs
+    low, high = scaling["output_tokens_per_s"][0], scaling["output_tokens_per_s"][-1]
+    assert scaling["largest_over_smallest"] == pytest.approx(high / low, rel=1e-3)
+
+
+def test_the_median_run_is_the_lower_middle_one():
+    runs = [{"output_tokens_per_s": v} for v in (5.0, 1.0, 9.0, 3.0)]
+    assert serve.median_run(runs)["output_tokens_per_s"] == 3.0
+    assert serve.median_run(runs[:3])["output_tokens_per_s"] == 5.0
 
 
 def test_setup_d_measures_the_peft_baseline_on_the_same_requests(runs):
@@ -174,6 +185,7 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--setup", "a", "--requests", "0"], "--requests must be >= 1"),
     (["--setup", "c", "--counts", "0", "5"], "--counts must be >= 1"),
+    (["--setup", "c", "--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
