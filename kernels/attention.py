@@ -75,10 +75,6 @@ _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
 MIN_SPLIT_TOKENS = 256  # a decode split shorter than this costs more to merge than it saves
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
 
 @dataclass(frozen=True, slots=True)
 class AttentionConfig:
@@ -93,9 +89,10 @@ class AttentionConfig:
 def _check_config(cfg: AttentionConfig) -> AttentionConfig:
     for name in ("block_n", "block_m"):
         value = getattr(cfg, name)
-        _check(value >= 16 and value & (value - 1) == 0, f"config {name} must be a power of two >= 16, got {value}")
-    _check(cfg.num_warps in (1, 2, 4, 8, 16) and cfg.num_stages >= 1,
-           f"config num_warps must be a power of two <= 16 and num_stages >= 1, got {cfg}")
+        if not (value >= 16 and value & (value - 1) == 0):
+            raise ValueError(f"config {name} must be a power of two >= 16, got {value}")
+    if not (cfg.num_warps in (1, 2, 4, 8, 16) and cfg.num_stages >= 1):
+        raise ValueError(f"config num_warps must be a power of two <= 16 and num_stages >= 1, got {cfg}")
     return cfg
 
 
@@ -250,45 +247,55 @@ def _merge_splits_kernel(
 
 
 def _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads) -> None:
-    _check(q.dim() == 3, f"q must be 3-D [.., H, D], got shape {tuple(q.shape)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D [.., H, D], got shape {tuple(q.shape)}")
     heads, head_dim = q.shape[1], q.shape[2]
-    _check(num_kv_heads >= 1 and heads % num_kv_heads == 0,
-           f"num_kv_heads {num_kv_heads} must divide the {heads} query heads")
-    _check(head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two >= 16")
-    _check(kv_block_tokens(pool, num_kv_heads, head_dim) == block_tokens,
-           f"pool page of {pool.shape[-1]} elements is not block_tokens {block_tokens} x 2 x "
+    if not (num_kv_heads >= 1 and heads % num_kv_heads == 0):
+        raise ValueError(f"num_kv_heads {num_kv_heads} must divide the {heads} query heads")
+    if not (head_dim >= 16 and head_dim & (head_dim - 1) == 0):
+        raise ValueError(f"head_dim {head_dim} must be a power of two >= 16")
+    if kv_block_tokens(pool, num_kv_heads, head_dim) != block_tokens:
+        raise ValueError(f"pool page of {pool.shape[-1]} elements is not block_tokens {block_tokens} x 2 x "
            f"num_kv_heads {num_kv_heads} x head_dim {head_dim}")
-    _check(q.dtype == pool.dtype, f"q dtype {q.dtype} != pool dtype {pool.dtype}")
-    _check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
-    _check(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
-           f"block_tables must be [B, max_blocks] int32, got {tuple(block_tables.shape)} {block_tables.dtype}")
-    _check(scale > 0 and math.isfinite(scale), f"scale must be a positive finite float, got {scale}")
+    if q.dtype != pool.dtype:
+        raise ValueError(f"q dtype {q.dtype} != pool dtype {pool.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q.dtype}")
+    if not (block_tables.dim() == 2 and block_tables.dtype == torch.int32):
+        raise ValueError(f"block_tables must be [B, max_blocks] int32, got {tuple(block_tables.shape)} {block_tables.dtype}")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
 
 
 def _check_lengths(name: str, lengths: torch.Tensor, batch: int) -> None:
-    _check(lengths.shape == (batch,) and lengths.dtype == torch.int32,
-           f"{name} must be [B={batch}] int32, got {tuple(lengths.shape)} {lengths.dtype}")
+    if not (lengths.shape == (batch,) and lengths.dtype == torch.int32):
+        raise ValueError(f"{name} must be [B={batch}] int32, got {tuple(lengths.shape)} {lengths.dtype}")
 
 
 def _check_launch(q, pool, block_tables, *lengths) -> None:
     devices = {t.device for t in (q, pool, block_tables, *lengths)}
-    _check(len(devices) == 1, f"tensors on different devices: {devices}")
-    _check(pool.is_contiguous(), "pool must be contiguous")
-    _check(q.stride(2) == 1, "q needs a contiguous last dim")
-    _check(block_tables.stride(1) == 1, "block_tables needs a contiguous last dim")
-    _check(all(t.is_contiguous() for t in lengths), "length tensors must be contiguous")
+    if len(devices) != 1:
+        raise ValueError(f"tensors on different devices: {devices}")
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    if q.stride(2) != 1:
+        raise ValueError("q needs a contiguous last dim")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables needs a contiguous last dim")
+    if not all(t.is_contiguous() for t in lengths):
+        raise ValueError("length tensors must be contiguous")
 
 
 def _check_sinks_window(sinks: torch.Tensor | None, sliding_window: int | None, q: torch.Tensor) -> int:
     """Validate the optional GPT-OSS arguments; returns the window, 0 for full attention."""
     if sinks is not None:
-        _check(sinks.shape == (q.shape[1],) and sinks.dtype == torch.float32,
-               f"sinks must be [H={q.shape[1]}] float32, got {tuple(sinks.shape)} {sinks.dtype}")
-        _check(sinks.device == q.device and sinks.is_contiguous(),
-               f"sinks must be contiguous on {q.device}, got {sinks.device}")
+        if not (sinks.shape == (q.shape[1],) and sinks.dtype == torch.float32):
+            raise ValueError(f"sinks must be [H={q.shape[1]}] float32, got {tuple(sinks.shape)} {sinks.dtype}")
+        if not (sinks.device == q.device and sinks.is_contiguous()):
+            raise ValueError(f"sinks must be contiguous on {q.device}, got {sinks.device}")
     window = 0 if sliding_window is None else sliding_window
-    _check(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
-           f"sliding_window must be None or an int >= 0 (0 = full attention), got {sliding_window!r}")
+    if not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
+        raise ValueError(f"sliding_window must be None or an int >= 0 (0 = full attention), got {sliding_window!r}")
     return window
 
 
@@ -319,13 +326,15 @@ def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: to
     _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
     batch, heads, head_dim = q.shape
     _check_lengths("context_lens", context_lens, batch)
-    _check(block_tables.shape[0] == batch, f"block_tables has {block_tables.shape[0]} rows for B={batch}")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for B={batch}")
     _check_launch(q, pool, block_tables, context_lens)
     window = _check_sinks_window(sinks, sliding_window, q)
     if num_splits is None:
         max_context = block_tables.shape[1] * block_tokens
         num_splits = default_num_splits(batch, num_kv_heads, min(max_context, window or max_context), q.device)
-    _check(isinstance(num_splits, int) and num_splits >= 1, f"num_splits must be an int >= 1, got {num_splits}")
+    if not (isinstance(num_splits, int) and num_splits >= 1):
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits}")
     cfg = _check_config(config or decode_config(head_dim, q.is_cuda))
     out = _output(out, q, contiguous=True)
     if batch == 0:
@@ -351,10 +360,10 @@ def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: to
 def _output(out: torch.Tensor | None, q: torch.Tensor, contiguous: bool) -> torch.Tensor:
     if out is None:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
-           f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
-    _check(out.is_contiguous() if contiguous else out.stride(2) == 1,
-           "out must be contiguous" if contiguous else "out needs a contiguous last dim")
+    if not (out.shape == q.shape and out.dtype == q.dtype and out.device == q.device):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if not (out.is_contiguous() if contiguous else out.stride(2) == 1):
+        raise ValueError("out must be contiguous" if contiguous else "out needs a contiguous last dim")
     return out
 
 
@@ -464,8 +473,8 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
     batch = block_tables.shape[0]
     _check_lengths("seq_lens", seq_lens, batch)
-    _check(cu_seqlens_q.shape == (batch + 1,) and cu_seqlens_q.dtype == torch.int32,
-           f"cu_seqlens_q must be [B+1={batch + 1}] int32, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
+    if not (cu_seqlens_q.shape == (batch + 1,) and cu_seqlens_q.dtype == torch.int32):
+        raise ValueError(f"cu_seqlens_q must be [B+1={batch + 1}] int32, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
     _check_launch(q, pool, block_tables, seq_lens, cu_seqlens_q)
     window = _check_sinks_window(sinks, sliding_window, q)
     tokens, heads, head_dim = q.shape

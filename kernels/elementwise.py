@@ -31,10 +31,6 @@ from unipage.kernels.launch import launch
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
 
 # -- RMSNorm ---------------------------------------------------------------
 @triton.jit(do_not_specialize=["rows"])
@@ -69,9 +65,12 @@ def _rms_norm_kernel(
 
 def _rows_view(x: torch.Tensor, name: str) -> tuple[int, int, int, int]:
     """``(T, heads, stride_t, stride_h)`` of a ``[T, N]`` or ``[T, heads, N]`` input."""
-    _check(x.dim() in (2, 3), f"{name} must be [T, N] or [T, heads, N], got shape {tuple(x.shape)}")
-    _check(x.dtype in DTYPES, f"{name} dtype must be one of {DTYPES}, got {x.dtype}")
-    _check(x.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {x.stride()}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{name} must be [T, N] or [T, heads, N], got shape {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{name} dtype must be one of {DTYPES}, got {x.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} needs a contiguous last dim, got strides {x.stride()}")
     if x.dim() == 2:
         return x.shape[0], 1, x.stride(0), 0
     return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
@@ -80,15 +79,16 @@ def _rows_view(x: torch.Tensor, name: str) -> tuple[int, int, int, int]:
 def _launch_norm(x, delta, weight, eps, add: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     tokens, heads, stride_xt, stride_xh = _rows_view(x, "x")
     n = x.shape[-1]
-    _check(weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous(),
-           f"weight must be [{n}] {x.dtype} contiguous, got {tuple(weight.shape)} {weight.dtype}")
+    if not (weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()):
+        raise ValueError(f"weight must be [{n}] {x.dtype} contiguous, got {tuple(weight.shape)} {weight.dtype}")
     stride_dt = stride_dh = 0
     if add:
-        _check(delta.shape == x.shape and delta.dtype == x.dtype,
-               f"delta must match x: {tuple(x.shape)} {x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
+        if not (delta.shape == x.shape and delta.dtype == x.dtype):
+            raise ValueError(f"delta must match x: {tuple(x.shape)} {x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
         _, _, stride_dt, stride_dh = _rows_view(delta, "delta")
     devices = {t.device for t in (x, weight, delta) if t is not None}
-    _check(len(devices) == 1, f"tensors on different devices: {devices}")
+    if len(devices) != 1:
+        raise ValueError(f"tensors on different devices: {devices}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out) if add else None
     rows = tokens * heads
@@ -184,17 +184,21 @@ def _rope_kernel(
 
 
 def _check_rope_args(q, k, cos, sin) -> None:
-    _check(q.dim() == 3 and k.dim() == 3, f"q, k must be [T, heads, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    if not (q.dim() == 3 and k.dim() == 3):
+        raise ValueError(f"q, k must be [T, heads, D], got {tuple(q.shape)}, {tuple(k.shape)}")
     tokens, _, head_dim = q.shape
-    _check(k.shape[0] == tokens and k.shape[2] == head_dim,
-           f"k {tuple(k.shape)} must have q's tokens and head_dim ({tokens}, {head_dim})")
-    _check(head_dim % 2 == 0, f"head_dim {head_dim} must be even")
+    if not (k.shape[0] == tokens and k.shape[2] == head_dim):
+        raise ValueError(f"k {tuple(k.shape)} must have q's tokens and head_dim ({tokens}, {head_dim})")
+    if head_dim % 2 != 0:
+        raise ValueError(f"head_dim {head_dim} must be even")
     for name, t in (("cos", cos), ("sin", sin)):
-        _check(t.shape == (tokens, head_dim), f"{name} must be [T={tokens}, D={head_dim}], got {tuple(t.shape)}")
-    _check(q.dtype == k.dtype == cos.dtype == sin.dtype,
-           f"q, k, cos, sin must share one dtype: {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}")
+        if t.shape != (tokens, head_dim):
+            raise ValueError(f"{name} must be [T={tokens}, D={head_dim}], got {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == cos.dtype == sin.dtype):
+        raise ValueError(f"q, k, cos, sin must share one dtype: {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}")
     devices = {t.device for t in (q, k, cos, sin)}
-    _check(len(devices) == 1, f"tensors on different devices: {devices}")
+    if len(devices) != 1:
+        raise ValueError(f"tensors on different devices: {devices}")
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -206,9 +210,11 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     D even; q, k, cos, sin share one dtype (fp16/bf16/fp32).
     """
     _check_rope_args(q, k, cos, sin)
-    _check(q.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {q.dtype}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {q.dtype}")
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        _check(t.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {t.stride()}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
     tokens, heads_q, head_dim = q.shape
     heads_k = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -258,8 +264,8 @@ def _silu_mul_kernel(
 
 
 def _check_silu_args(gate_up: torch.Tensor) -> None:
-    _check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0,
-           f"gate_up must be [T, 2I], got shape {tuple(gate_up.shape)}")
+    if not (gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0):
+        raise ValueError(f"gate_up must be [T, 2I], got shape {tuple(gate_up.shape)}")
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -268,8 +274,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up: [T, 2I] = [gate | up], fp16/bf16/fp32, last dim contiguous (rows may be strided).
     """
     _check_silu_args(gate_up)
-    _check(gate_up.dtype in DTYPES, f"gate_up dtype must be one of {DTYPES}, got {gate_up.dtype}")
-    _check(gate_up.stride(1) == 1, f"gate_up needs a contiguous last dim, got strides {gate_up.stride()}")
+    if gate_up.dtype not in DTYPES:
+        raise ValueError(f"gate_up dtype must be one of {DTYPES}, got {gate_up.dtype}")
+    if gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up needs a contiguous last dim, got strides {gate_up.stride()}")
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if tokens == 0 or inter == 0:

@@ -51,30 +51,32 @@ def _write_kv_kernel(
     tl.store(dst + BT * KVH * D, v, mask=mask)
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
 
 def kv_block_tokens(pool: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
     """``block_tokens`` implied by a page of ``pool [N, P]``: ``P / (2 * KVH * D)``."""
     row = 2 * num_kv_heads * head_dim
-    _check(pool.dim() == 2, f"pool must be one layer [N, P], got shape {tuple(pool.shape)}")
-    _check(pool.shape[1] % row == 0,
-           f"page_elems {pool.shape[1]} is not a multiple of 2 * num_kv_heads * head_dim = {row}")
+    if pool.dim() != 2:
+        raise ValueError(f"pool must be one layer [N, P], got shape {tuple(pool.shape)}")
+    if pool.shape[1] % row != 0:
+        raise ValueError(f"page_elems {pool.shape[1]} is not a multiple of 2 * num_kv_heads * head_dim = {row}")
     block_tokens = pool.shape[1] // row
-    _check(block_tokens & (block_tokens - 1) == 0, f"block_tokens {block_tokens} must be a power of two")
+    if block_tokens & (block_tokens - 1) != 0:
+        raise ValueError(f"block_tokens {block_tokens} must be a power of two")
     return block_tokens
 
 
 def _check_write_args(pool, k, v, slot_mapping) -> int:
-    _check(k.dim() == 3, f"k must be [T, KVH, D], got shape {tuple(k.shape)}")
-    _check(v.shape == k.shape, f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    _check(pool.dtype == k.dtype == v.dtype, f"dtypes differ: pool {pool.dtype}, k {k.dtype}, v {v.dtype}")
-    _check(slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64,
-           f"slot_mapping must be [T={k.shape[0]}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if k.dim() != 3:
+        raise ValueError(f"k must be [T, KVH, D], got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+    if not (pool.dtype == k.dtype == v.dtype):
+        raise ValueError(f"dtypes differ: pool {pool.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64):
+        raise ValueError(f"slot_mapping must be [T={k.shape[0]}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
     devices = {t.device for t in (pool, k, v, slot_mapping)}
-    _check(len(devices) == 1, f"tensors on different devices: {devices}")
+    if len(devices) != 1:
+        raise ValueError(f"tensors on different devices: {devices}")
     return kv_block_tokens(pool, k.shape[1], k.shape[2])
 
 
@@ -87,10 +89,13 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping:
     Slots must be < N * block_tokens (not checked: it would need a device sync).
     """
     block_tokens = _check_write_args(pool, k, v, slot_mapping)
-    _check(pool.is_contiguous(), "pool must be contiguous")
-    _check(k.stride(2) == 1 and v.stride(2) == 1, "k and v need a contiguous last dim")
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    if not (k.stride(2) == 1 and v.stride(2) == 1):
+        raise ValueError("k and v need a contiguous last dim")
     tokens, kv_heads, head_dim = k.shape
-    _check(head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two >= 16")
+    if not (head_dim >= 16 and head_dim & (head_dim - 1) == 0):
+        raise ValueError(f"head_dim {head_dim} must be a power of two >= 16")
     if tokens == 0:
         return
     launch(_write_kv_kernel, (tokens,),
