@@ -58,10 +58,16 @@ def _cuda_key(index: int) -> str:  # (a device's name never changes: asked once,
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(index).lower()).strip("_")
 
 
-@cache
 def hopper_or_later(device: torch.device) -> bool:
     """Whether a device is a CUDA GPU of compute capability 9 or more (Hopper's PDL, TMA)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type != "cuda":
+        return False
+    return _major(torch.cuda.current_device() if device.index is None else device.index) >= 9
+
+
+@cache
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @triton.jit

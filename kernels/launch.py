@@ -18,16 +18,21 @@ one entry never stands for two different compiled kernels:
   16-byte alignment);
 - an int: its value (Triton keys on ``== 1`` and ``% 16 == 0``), or for a
   ``do_not_specialize`` parameter, whether it fits in int32 or int64 (its type);
-- a float: the type alone (Triton never specialises on a float's value);
-- anything else (bool, None, a constexpr value): the value itself;
+- a float: the type alone (Triton never specialises on a float's value), or
+  its value for a ``tl.constexpr`` parameter;
+- a bool: ``(bool, value)`` (so that ``True`` and ``1`` differ, as in Triton);
+- anything else (None, a constexpr value): the value itself;
 - keyword launch options (``num_warps``, ``num_stages``, ``launch_pdl``) and
   the current device.
 
 Triton's path is kept where this one cannot stand in for it: under the
-interpreter (``TRITON_INTERPRET=1``, no compiled kernels), when a launch hook is
-set (a profiler), for a callable grid, when ``UNIPAGE_FAST_LAUNCH=0``, and for
-a kernel whose compiled object lacks the launcher it calls or that takes an
-argument that does not hash (a TMA tensor descriptor).  A kernel keeps at
+interpreter (``TRITON_INTERPRET=1``, no compiled kernels), when a launch hook
+or a kernel's pre-run hook is set (a profiler), for a callable grid, when
+``UNIPAGE_FAST_LAUNCH=0``, for a kernel whose compiled object lacks the
+launcher it calls, and for a launch with an argument that does not hash (a TMA
+tensor descriptor).  An entry is made with the Triton settings of its first
+launch (``knobs.runtime.debug``, instrumentation): changing those later, or a
+kernel's globals, needs ``UNIPAGE_FAST_LAUNCH=0``.  A kernel keeps at
 most `MAX_ENTRIES` entries (ints that change every call and are not marked
 ``do_not_specialize`` would otherwise grow it); past that it starts over.
 """
@@ -52,13 +57,14 @@ _INT32, _INT64 = (-(1 << 31), (1 << 31) - 1), (-(1 << 63), (1 << 63) - 1)
 class _Kernel:
     """What a fast launch needs to know of one ``@triton.jit`` kernel, and its compiled entries."""
 
-    __slots__ = ("defaults", "entries", "loose", "name_set", "names", "usable")
+    __slots__ = ("const", "defaults", "entries", "loose", "name_set", "names", "usable")
 
     def __init__(self, kernel: JITFunction) -> None:
         self.names = [p.name for p in kernel.params]  # every parameter, in order (constexprs too)
         self.name_set = frozenset(self.names)
         self.defaults = {p.name: p.default for p in kernel.params if p.has_default}
         self.loose = frozenset(p.num for p in kernel.params if p.do_not_specialize)
+        self.const = frozenset(p.num for p in kernel.params if p.is_constexpr)
         self.entries: dict[tuple, object] = {}  # traits -> compiled kernel
         self.usable = True  # False: a compiled kernel lacked the launcher; always Triton's path
 
@@ -90,8 +96,9 @@ def int_trait(value: int, loose: bool):
     return "i64" if _INT64[0] <= value <= _INT64[1] else "u64"
 
 
-def traits(bound: list, loose: frozenset) -> tuple:
-    """The key of one launch's arguments (``bound``: every parameter's value, in order); see the module
+def traits(bound: list, loose: frozenset, const: frozenset = frozenset()) -> tuple:
+    """The key of one launch's arguments (``bound``: every parameter's value, in order; ``loose``: the
+    positions of ``do_not_specialize`` parameters, ``const`` those of ``tl.constexpr`` ones); see the module
     docstring."""
     key = []
     for i, value in enumerate(bound):
@@ -99,7 +106,9 @@ def traits(bound: list, loose: frozenset) -> tuple:
         if cls is int:
             key.append(int_trait(value, i in loose))
         elif cls is float:
-            key.append(float)
+            key.append(value if i in const else float)
+        elif cls is bool:
+            key.append((bool, value))
         elif isinstance(value, torch.Tensor):
             key.append((value.dtype, value.data_ptr() & 15))
         else:
@@ -125,7 +134,8 @@ def bind(info: _Kernel, args: tuple, kwargs: dict) -> tuple[list, dict]:
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` (``grid``: a tuple of one to three ints), with less host work."""
-    if not (_ENABLED and kernel.__class__ is JITFunction and grid.__class__ is tuple and not _hooked()):
+    if not (_ENABLED and kernel.__class__ is JITFunction and grid.__class__ is tuple and not _hooked()
+            and not getattr(kernel, "pre_run_hooks", None)):
         kernel[grid](*args, **kwargs)
         return
     info = _kernels.get(kernel)
@@ -136,11 +146,10 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         return
     bound, options = bind(info, args, kwargs)
     device = _current_device()
-    key = (device, traits(bound, info.loose), *options.items())
+    key = (device, traits(bound, info.loose, info.const), *options.items())
     try:
         compiled = info.entries.get(key)
-    except TypeError:  # an argument that does not hash (a TMA descriptor): this kernel keeps Triton's path
-        info.usable = False
+    except TypeError:  # an argument that does not hash (a TMA descriptor): this launch takes Triton's path
         _triton(kernel, grid, args, kwargs)
         return
     if compiled is None:

@@ -7,43 +7,49 @@ from triton.runtime.jit import JITFunction
 from unipage.kernels import launch as L
 
 
-def _body(x_ptr, out_ptr, n, stride, scale, FLAG, BLOCK=64):  # a kernel's signature (never run here)
+def _body(x_ptr, out_ptr, n, stride, scale, FLAG, BLOCK=64, EPS=1e-6):  # a kernel's signature (never run)
     pass
 
 
-_body.__annotations__ = {"FLAG": "constexpr", "BLOCK": "constexpr"}
+_body.__annotations__ = {"FLAG": "constexpr", "BLOCK": "constexpr", "EPS": "constexpr"}
 KERNEL = JITFunction(_body, do_not_specialize=["n"])
 INFO = L._Kernel(KERNEL)
 
 
 def test_kernel_info_reads_the_signature():
-    assert INFO.names == ["x_ptr", "out_ptr", "n", "stride", "scale", "FLAG", "BLOCK"]
-    assert INFO.loose == frozenset({2}) and INFO.defaults == {"BLOCK": 64}
+    assert INFO.names == ["x_ptr", "out_ptr", "n", "stride", "scale", "FLAG", "BLOCK", "EPS"]
+    assert INFO.loose == frozenset({2}) and INFO.const == frozenset({5, 6, 7})
+    assert INFO.defaults == {"BLOCK": 64, "EPS": 1e-6}
 
 
 def test_bind_orders_every_parameter_and_separates_launch_options():
     x, out = torch.ones(4), torch.zeros(4)
     bound, options = L.bind(INFO, (x, out, 7), {"stride": 4, "scale": 0.5, "FLAG": True, "num_warps": 8})
-    assert bound == [x, out, 7, 4, 0.5, True, 64] and options == {"num_warps": 8}
+    assert bound == [x, out, 7, 4, 0.5, True, 64, 1e-6] and options == {"num_warps": 8}
     bound, options = L.bind(INFO, (x,), {"out_ptr": out, "n": 1, "stride": 1, "scale": 1.0, "FLAG": False,
                                          "BLOCK": 32})
-    assert bound[1] is out and bound[-1] == 32 and options == {}
+    assert bound[1] is out and bound[-2] == 32 and options == {}
     with pytest.raises(TypeError, match="'scale'"):
         L.bind(INFO, (x, out, 7, 4), {"FLAG": True})
 
 
 def test_traits_are_finer_than_tritons_specialisation():
     buf = torch.zeros(64, dtype=torch.float16)
-    base = [buf, buf, 5, 16, 0.5, True, 64]
-    key = L.traits(base, INFO.loose)
-    # the token count (do_not_specialize) only by its width; any float by its type
-    assert L.traits([buf, buf, 99, 16, 2.0, True, 64], INFO.loose) == key
-    assert L.traits([buf, buf, 1 << 40, 16, 0.5, True, 64], INFO.loose) != key
-    # a specialised int by its value, a tensor by dtype and alignment, a constexpr by its value
-    assert L.traits([buf, buf, 5, 17, 0.5, True, 64], INFO.loose) != key
-    assert L.traits([buf[1:], buf, 5, 16, 0.5, True, 64], INFO.loose) != key  # 2 bytes off 16-byte alignment
-    assert L.traits([buf.float(), buf, 5, 16, 0.5, True, 64], INFO.loose) != key
-    assert L.traits([buf, buf, 5, 16, 0.5, False, 64], INFO.loose) != key
+    def key(*values):
+        return L.traits([buf, buf, *values], INFO.loose, INFO.const)
+
+    base = key(5, 16, 0.5, True, 64, 1e-6)
+    # the token count (do_not_specialize) only by its width; a float argument by its type
+    assert key(99, 16, 2.0, True, 64, 1e-6) == base
+    assert key(1 << 40, 16, 0.5, True, 64, 1e-6) != base
+    # a specialised int by its value, a constexpr (float, bool or int) by its value, a bool apart from 1
+    assert key(5, 17, 0.5, True, 64, 1e-6) != base
+    assert key(5, 16, 0.5, True, 64, 1e-5) != base
+    assert key(5, 16, 0.5, False, 64, 1e-6) != base
+    assert key(5, 16, 0.5, 1, 64, 1e-6) != base
+    # a tensor by dtype and alignment
+    assert L.traits([buf[1:], buf, 5, 16, 0.5, True, 64, 1e-6], INFO.loose, INFO.const) != base  # 2 bytes off
+    assert L.traits([buf.float(), buf, 5, 16, 0.5, True, 64, 1e-6], INFO.loose, INFO.const) != base
     assert L.int_trait(-(1 << 31), True) == "i32" and L.int_trait(1 << 31, True) == "i64"
     assert L.int_trait(1 << 63, True) == "u64" and L.int_trait(1 << 31, False) == 1 << 31
 
@@ -58,7 +64,7 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
 
 
-def test_an_unhashable_argument_keeps_the_kernel_on_tritons_path(monkeypatch):
+def test_an_unhashable_argument_takes_tritons_path(monkeypatch):
     calls = []
     monkeypatch.setattr(L, "_ENABLED", True)
     monkeypatch.setattr(L, "_current_device", lambda: 0)
@@ -67,7 +73,7 @@ def test_an_unhashable_argument_keeps_the_kernel_on_tritons_path(monkeypatch):
     x = torch.ones(4)
     for _ in range(2):  # (a TMA descriptor does not hash either)
         L.launch(kernel, (1,), x, x, 7, [4], 0.5, FLAG=True)
-    assert len(calls) == 2 and L._kernels[kernel].usable is False and not L._kernels[kernel].entries
+    assert len(calls) == 2 and not L._kernels[kernel].entries
 
 
 def test_other_kernels_take_tritons_path():
