@@ -75,7 +75,6 @@ _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
 MIN_SPLIT_TOKENS = 256  # a decode split shorter than this costs more to merge than it saves
 
 
-
 @dataclass(frozen=True, slots=True)
 class AttentionConfig:
     """Launch parameters; `decode_config` / `prefill_config` pick defaults."""
@@ -262,7 +261,8 @@ def _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads) -> N
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}")
     if not (block_tables.dim() == 2 and block_tables.dtype == torch.int32):
-        raise ValueError(f"block_tables must be [B, max_blocks] int32, got {tuple(block_tables.shape)} {block_tables.dtype}")
+        raise ValueError(f"block_tables must be [B, max_blocks] int32, "
+                         f"got {tuple(block_tables.shape)} {block_tables.dtype}")
     if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale must be a positive finite float, got {scale}")
 
@@ -352,8 +352,8 @@ def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: to
         BT=block_tokens, BLOCK_N=cfg.block_n, SPLIT=split, PRECISION=_precision(q.dtype),
         HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
-        launch(_merge_splits_kernel, (batch * heads,), part_out, part_lse, sinks_arg, out, num_splits, H=heads, D=head_dim,
-                                               HAS_SINKS=sinks is not None, num_warps=1)
+        launch(_merge_splits_kernel, (batch * heads,), part_out, part_lse, sinks_arg, out, num_splits,
+               H=heads, D=head_dim, HAS_SINKS=sinks is not None, num_warps=1)
     return out
 
 
@@ -361,7 +361,8 @@ def _output(out: torch.Tensor | None, q: torch.Tensor, contiguous: bool) -> torc
     if out is None:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not (out.shape == q.shape and out.dtype == q.dtype and out.device == q.device):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     if not (out.is_contiguous() if contiguous else out.stride(2) == 1):
         raise ValueError("out must be contiguous" if contiguous else "out needs a contiguous last dim")
     return out
@@ -474,7 +475,8 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     batch = block_tables.shape[0]
     _check_lengths("seq_lens", seq_lens, batch)
     if not (cu_seqlens_q.shape == (batch + 1,) and cu_seqlens_q.dtype == torch.int32):
-        raise ValueError(f"cu_seqlens_q must be [B+1={batch + 1}] int32, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
+        raise ValueError(f"cu_seqlens_q must be [B+1={batch + 1}] int32, "
+                         f"got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
     _check_launch(q, pool, block_tables, seq_lens, cu_seqlens_q)
     window = _check_sinks_window(sinks, sliding_window, q)
     tokens, heads, head_dim = q.shape

@@ -31,7 +31,6 @@ from unipage.kernels.launch import launch
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-
 # -- RMSNorm ---------------------------------------------------------------
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_kernel(
@@ -284,7 +283,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     launch(_silu_mul_kernel, (tokens, triton.cdiv(inter, block)), gate_up, out, inter, gate_up.stride(0), BLOCK=block,
-                                                          num_warps=4)
+           num_warps=4)
     return out
 
 

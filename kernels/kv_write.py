@@ -51,7 +51,6 @@ def _write_kv_kernel(
     tl.store(dst + BT * KVH * D, v, mask=mask)
 
 
-
 def kv_block_tokens(pool: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
     """``block_tokens`` implied by a page of ``pool [N, P]``: ``P / (2 * KVH * D)``."""
     row = 2 * num_kv_heads * head_dim
@@ -73,7 +72,8 @@ def _check_write_args(pool, k, v, slot_mapping) -> int:
     if not (pool.dtype == k.dtype == v.dtype):
         raise ValueError(f"dtypes differ: pool {pool.dtype}, k {k.dtype}, v {v.dtype}")
     if not (slot_mapping.shape == (k.shape[0],) and slot_mapping.dtype == torch.int64):
-        raise ValueError(f"slot_mapping must be [T={k.shape[0]}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+        raise ValueError(f"slot_mapping must be [T={k.shape[0]}] int64, "
+                         f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
     devices = {t.device for t in (pool, k, v, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"tensors on different devices: {devices}")

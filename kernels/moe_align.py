@@ -249,16 +249,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if num_pairs <= one_program_max:
         scratch = torch.empty(2, g_pad, dtype=torch.int32, device=device)
         launch(_align_kernel, (1,), *routing, scratch[0], scratch[1], out.sorted_pairs, out.block_group,
-                            out.num_blocks, num_pairs, blocks, top_k, num_experts, LORA=lora, **tiles, num_warps=8)
+               out.num_blocks, num_pairs, blocks, top_k, num_experts, LORA=lora, **tiles, num_warps=8)
         return out
     chunks = triton.cdiv(num_pairs, chunk)
     counts, cursor = torch.empty(2, chunks, g_pad, dtype=torch.int32, device=device)
     launch(_align_count_kernel, (chunks,), *routing, counts, num_pairs, top_k, num_experts, LORA=lora, **shapes,
-                                   num_warps=4)
+           num_warps=4)
     launch(_align_plan_kernel, (1,), counts, cursor, out.sorted_pairs, out.block_group, out.num_blocks, num_pairs,
-                             blocks, chunks, **tiles, num_warps=8)
-    launch(_align_scatter_kernel, (chunks,), *routing, cursor, out.sorted_pairs, num_pairs, top_k, num_experts, LORA=lora,
-                                     **shapes, num_warps=4)
+           blocks, chunks, **tiles, num_warps=8)
+    launch(_align_scatter_kernel, (chunks,), *routing, cursor, out.sorted_pairs, num_pairs, top_k, num_experts,
+           LORA=lora, **shapes, num_warps=4)
     return out
 
 
