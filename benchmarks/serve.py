@@ -22,8 +22,9 @@ every request is greedy with an exact output length, no stop tokens):
   registered adapters (rank 4 on q/k/v/o: 1.7 MB each, 8.5 GB for 5,000, written
   once under ``--workdir``), Zipf popularity, a closed loop, a pool of
   ``--pool-pages`` pages that cannot hold them all; a fresh engine per run.
-  Every count runs ``--repeats`` times, interleaved, and ``c-scaling``
-  compares the counts' median runs (one run of about 6 s swings by 10-15 %).
+  Every count runs ``--repeats`` times, interleaved (the order reversed
+  every other repeat), and ``c-scaling`` compares the counts' median runs
+  (one run of about 6 s swings by 10-15 %).
 - ``d``: transformers + PEFT ``generate`` (one PeftModel, ``load_adapter``
   for each adapter, ``set_adapter`` per group of same-adapter requests) against
   the engine, Llama-3.2-1B shape, the same requests: the speed-up.
@@ -235,17 +236,18 @@ def zipf_choice(count: int, n: int, s: float, seed: int) -> list[int]:
 
 
 def setup_c(ctx: Context) -> None:
-    """Every count ``--repeats`` times, interleaved (5, 5000, 5, 5000, ...): one ~6 s run per count swings
-    by 10-15 % on the H100 machine, so the scaling row compares the counts' median runs."""
+    """Every count ``--repeats`` times, interleaved, ascending then descending (5, 5000, 5000, 5, ...: no
+    count always runs first): one ~6 s run per count swings by 10-15 % on the H100 machine, so the scaling
+    row compares the counts' median runs (throughput and p99 TTFT of the run of median throughput)."""
     a, shape = ctx.args, "llama-1b"
     key = sm.model_key(shape, a.tiny, a.layers)
     model_dir = sm.write_model_dir(ctx.root, shape, a.tiny, a.layers)
     model = ModelConfig.from_hf(read_config(model_dir), a.dtype)
     paths = adapters_for(ctx, model, max(a.counts), a.rank, "attention", key)  # once, for the largest count
-    counts = sorted(a.counts)
+    counts = sorted(set(a.counts))
     runs: dict[int, list[dict]] = {count: [] for count in counts}
     for repeat in range(a.repeats):
-        for count in counts:
+        for count in counts if repeat % 2 == 0 else counts[::-1]:
             runs[count].append(run_count(ctx, model_dir, paths, key, count, repeat))
     medians = [median_run(runs[count]) for count in counts]
     ratio = medians[-1]["output_tokens_per_s"] / medians[0]["output_tokens_per_s"]
@@ -263,7 +265,8 @@ def run_count(ctx: Context, model_dir, paths: list, key: str, count: int, repeat
     names = register(engine, paths[:count])
     pages = engine.memory.adapters.get(names[0]).num_pages
     chosen = zipf_choice(count, a.requests, a.zipf, a.seed)
-    work = drv.make_workload(f"c-{key}-{count}", a.requests, a.prompt, a.output, [names[i] for i in chosen],
+    label = f"c-{key}-{count}" + (f"-r{repeat}" if repeat else "")  # (a run log per run: named by its label)
+    work = drv.make_workload(label, a.requests, a.prompt, a.output, [names[i] for i in chosen],
                              a.concurrency, engine.vocab_size, a.seed)
     record = measure(ctx, engine, work, setup="c", key=key, targets="attention", rank=a.rank, names=names)
     emit({"bench": "serve", "row": "c-count", "model": key, "adapters": count, "rank": a.rank, "repeat": repeat,
