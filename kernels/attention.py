@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from unipage.kernels.common import num_sms
+from unipage.kernels.common import cdiv, next_pow2, num_sms
 from unipage.kernels.kv_write import kv_block_tokens
 from unipage.kernels.launch import launch
 
@@ -301,7 +301,7 @@ def _check_sinks_window(sinks: torch.Tensor | None, sliding_window: int | None, 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per (sequence, kv head): about four programs per SM, no split under MIN_SPLIT_TOKENS."""
-    want = triton.cdiv(4 * num_sms(device), max(1, batch * num_kv_heads))
+    want = cdiv(4 * num_sms(device), max(1, batch * num_kv_heads))
     return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 64))
 
 
@@ -348,7 +348,7 @@ def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: to
     launch(_decode_kernel, (batch, num_kv_heads, num_splits),
         q, pool, block_tables, context_lens, sinks_arg, out, part_out, part_lse,
         q.stride(0), q.stride(1), block_tables.stride(0), num_splits, window, scale * LOG2E,
-        H=heads, KVH=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=head_dim,
+        H=heads, KVH=num_kv_heads, GROUP=group, GROUP_P=max(16, next_pow2(group)), D=head_dim,
         BT=block_tokens, BLOCK_N=cfg.block_n, SPLIT=split, PRECISION=_precision(q.dtype),
         HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
@@ -487,9 +487,9 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
         return out
     cfg = _check_config(config or prefill_config(head_dim, q.is_cuda))
     group = heads // num_kv_heads
-    group_p = triton.next_power_of_2(group)
+    group_p = next_pow2(group)
     block_m = max(cfg.block_m, group_p, 16)
-    grid = (triton.cdiv(max_q_len, block_m // group_p), batch, num_kv_heads)
+    grid = (cdiv(max_q_len, block_m // group_p), batch, num_kv_heads)
     launch(_prefill_kernel, grid,
         q, pool, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), window, scale * LOG2E,
@@ -508,7 +508,7 @@ def gather_kv(pool: torch.Tensor, block_table: torch.Tensor, length: int, block_
     ``block_table [max_blocks]`` (entries before ``start // block_tokens`` are not read)."""
     head_dim = pool.shape[1] // (2 * block_tokens * num_kv_heads)
     first = start // block_tokens
-    pages = block_table[first: triton.cdiv(length, block_tokens)].long()
+    pages = block_table[first: cdiv(length, block_tokens)].long()
     kv = pool.view(pool.shape[0], 2, block_tokens, num_kv_heads, head_dim)[pages]  # [n, 2, bt, KVH, D]
     skip = start - first * block_tokens
     k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[skip: length - first * block_tokens]

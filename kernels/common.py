@@ -15,6 +15,16 @@ except ImportError:  # pragma: no cover - older Triton
     gdc_launch_dependents = gdc_wait = None
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints (``triton.cdiv`` is a constexpr function: slow to call from Python)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), for host ints."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 @cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 elsewhere, for the interpreter)."""

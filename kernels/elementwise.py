@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from unipage.kernels.common import cdiv, next_pow2
 from unipage.kernels.launch import launch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -93,9 +94,9 @@ def _launch_norm(x, delta, weight, eps, add: bool) -> tuple[torch.Tensor | None,
     rows = tokens * heads
     if rows == 0:
         return total, out
-    block = triton.next_power_of_2(n)
+    block = next_pow2(n)
     per_program = max(1, min(32, 2048 // block))  # short rows (q/k heads) share a program
-    launch(_rms_norm_kernel, (triton.cdiv(rows, per_program),),
+    launch(_rms_norm_kernel, (cdiv(rows, per_program),),
         x, delta if add else x, weight, out, total if add else out, rows, heads, n,
         stride_xt, stride_xh, stride_dt, stride_dh, eps,
         ADD=add, ROWS=per_program, BLOCK=block, num_warps=8 if per_program * block >= 4096 else 4)
@@ -223,8 +224,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     half = head_dim // 2
     launch(_rope_kernel, (tokens,),
         q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), sin.stride(0), HQ=heads_q, HK=heads_k, HQ_P=triton.next_power_of_2(heads_q),
-        HK_P=triton.next_power_of_2(heads_k), HALF=half, HALF_P=triton.next_power_of_2(half),
+        cos.stride(0), sin.stride(0), HQ=heads_q, HK=heads_k, HQ_P=next_pow2(heads_q),
+        HK_P=next_pow2(heads_k), HALF=half, HALF_P=next_pow2(half),
         num_warps=4 if heads_q * head_dim <= 4096 else 8)
     return q_out, k_out
 
@@ -281,8 +282,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if tokens == 0 or inter == 0:
         return out
-    block = min(1024, triton.next_power_of_2(inter))
-    launch(_silu_mul_kernel, (tokens, triton.cdiv(inter, block)), gate_up, out, inter, gate_up.stride(0), BLOCK=block,
+    block = min(1024, next_pow2(inter))
+    launch(_silu_mul_kernel, (tokens, cdiv(inter, block)), gate_up, out, inter, gate_up.stride(0), BLOCK=block,
            num_warps=4)
     return out
 

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
+from unipage.kernels.common import cdiv, next_pow2
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
 from unipage.kernels.moe_align import (
@@ -104,9 +105,9 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     block_t = 16
-    launch(_route_kernel, (triton.cdiv(num_tokens, block_t),),
+    launch(_route_kernel, (cdiv(num_tokens, block_t),),
         router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, E_PAD=triton.next_power_of_2(num_experts))
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, E_PAD=next_pow2(num_experts))
     return weights, ids
 
 
@@ -234,7 +235,7 @@ def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, 
                  activation: GatedActivation = SILU) -> None:
     k_dim, has_lora = a.shape[1], raw is not None
     w_src, tma = _weight_source(w, cfg)
-    grid = (align.max_blocks * triton.cdiv(n, cfg["block_n"]),)
+    grid = (align.max_blocks * cdiv(n, cfg["block_n"]),)
     launch(_moe_gemm_kernel, grid,
         a, w_src, out, raw if has_lora else out, weights if weights is not None else out,
         bias if bias is not None else out, align.sorted_pairs, align.block_group, align.num_blocks,

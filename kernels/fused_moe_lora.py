@@ -65,11 +65,13 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels.common import (
+    cdiv,
     finish_early,
     gdc_launch_dependents,
     gdc_wait,
     hopper_or_later,
     load_runs,
+    next_pow2,
 )
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
@@ -168,15 +170,15 @@ def lora_config(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = Non
 
 def lora_pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
     """Power-of-two widths (>= 16, the tensor-core minimum) of z, of a slice rank, of the down rank."""
-    return tuple(max(16, triton.next_power_of_2(max(n, 1)))
+    return tuple(max(16, next_pow2(max(n, 1)))
                  for n in (meta.max_gate_up_rows, meta.max_gate_up_rank, meta.max_down_rank))
 
 
 def _split_k(hidden: int, split_k: int) -> tuple[int, int]:
     """``(splits, elements per split)``: K cut into whole 64-runs, no split left empty."""
-    runs = triton.cdiv(hidden, 64)
-    per = triton.cdiv(runs, max(1, split_k))
-    return triton.cdiv(runs, per), per * 64
+    runs = cdiv(hidden, 64)
+    per = cdiv(runs, max(1, split_k))
+    return cdiv(runs, per), per * 64
 
 
 def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) -> MoeLoraPlan:
@@ -556,7 +558,7 @@ def _slots_pad(plan: MoeLoraPlan) -> int:
     """`_slot_row`'s S_PAD: in pair mode the table's rows padded to a power of two; 0 (the row read
     through the slot) in group mode and above `GATHER_SLOTS` rows."""
     slots = plan.lora.meta.table.shape[0]
-    return triton.next_power_of_2(slots) if plan.config["block_m"] == 1 and slots <= GATHER_SLOTS else 0
+    return next_pow2(slots) if plan.config["block_m"] == 1 and slots <= GATHER_SLOTS else 0
 
 
 def _num_tile_bound(plan: MoeLoraPlan) -> int:
@@ -590,13 +592,13 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     launch(_shrink_kernel, (tiles * splits,),
         x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), stride_pt,
         R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split,
-        K_TILE=triton.next_power_of_2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
+        K_TILE=next_pow2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
         PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0, S_PAD=_slots_pad(plan), DOT_PRECISION=precision,
         USE_PDL=pdl, **_launch_opts(cfg["shrink"]))
     chunk = _chunk(meta.inter)
-    block_n = max(chunk, min(cfg["gate_up"]["block_n"], triton.next_power_of_2(meta.inter)))
+    block_n = max(chunk, min(cfg["gate_up"]["block_n"], next_pow2(meta.inter)))
     extra = {"launch_pdl": True} if pdl else {}
-    launch(_expand_gate_up_kernel, (tiles * triton.cdiv(meta.inter, block_n),),
+    launch(_expand_gate_up_kernel, (tiles * cdiv(meta.inter, block_n),),
         raw, act, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.inter, raw.stride(0), act.stride(0),
         stride_pt, float(plan.lora.activation.alpha), float(plan.lora.activation.limit), R_PAD=r_pad,
         RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n, CHUNK=chunk,
@@ -619,8 +621,8 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
         raise ValueError(f"topk_weights must be contiguous {list(plan.topk_ids.shape)} float32, got "
                          f"{list(topk_weights.shape)} {topk_weights.dtype}")
     cfg, pdl = plan.config, _use_pdl(plan)
-    block_n = max(64, min(cfg["down"]["block_n"], triton.next_power_of_2(meta.hidden)))
-    launch(_expand_down_kernel, (_num_tile_bound(plan) * triton.cdiv(meta.hidden, block_n),),
+    block_n = max(64, min(cfg["down"]["block_n"], next_pow2(meta.hidden)))
+    launch(_expand_down_kernel, (_num_tile_bound(plan) * cdiv(meta.hidden, block_n),),
         y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
         plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n, RUN=64,
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from unipage.kernels.common import next_pow2
 from unipage.kernels.launch import launch
 
 
@@ -100,7 +101,7 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping:
         return
     launch(_write_kv_kernel, (tokens,),
         pool, k, v, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        BT=block_tokens, KVH=kv_heads, KVH_P=triton.next_power_of_2(kv_heads), D=head_dim)
+        BT=block_tokens, KVH=kv_heads, KVH_P=next_pow2(kv_heads), D=head_dim)
 
 
 def write_kv_ref(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -27,15 +27,11 @@ from pathlib import Path
 
 import torch
 
-from unipage.kernels.common import device_key, num_sms
+from unipage.kernels.common import device_key, next_pow2, num_sms
 from unipage.lora_layout import ALIGN, AdapterLayout
 
 CONFIG_PATH = Path(__file__).with_name("configs") / "lora_dense.json"
 COL_TILE_WIDTHS = (64, 128, 256, 512)  # block_n values whose column tables are built eagerly
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class HostRows(Sequence):

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from unipage.kernels.launch import launch
 
-from unipage.kernels.common import device_key  # noqa: F401  (re-exported for the tuner)
+from unipage.kernels.common import cdiv, device_key, next_pow2  # noqa: F401  (re-exported for the tuner)
 from unipage.lora_layout import AdapterLayout
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -73,7 +73,7 @@ def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
-    return triton.cdiv(num_pairs + min(num_groups, num_pairs) * (block_m - 1), block_m)
+    return cdiv(num_pairs + min(num_groups, num_pairs) * (block_m - 1), block_m)
 
 
 def _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags) -> None:
@@ -238,7 +238,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     num_pairs, top_k, device = topk_ids.numel(), topk_ids.shape[1], topk_ids.device
     groups = _num_groups(num_experts, slot_flags)
     blocks = max_blocks(num_pairs, groups, block_m)
-    g_pad = triton.next_power_of_2(groups)
+    g_pad = next_pow2(groups)
     out = Alignment(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
                     torch.empty(blocks, dtype=torch.int32, device=device),
                     torch.empty(1, dtype=torch.int32, device=device), block_m, blocks, num_pairs)
@@ -251,7 +251,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         launch(_align_kernel, (1,), *routing, scratch[0], scratch[1], out.sorted_pairs, out.block_group,
                out.num_blocks, num_pairs, blocks, top_k, num_experts, LORA=lora, **tiles, num_warps=8)
         return out
-    chunks = triton.cdiv(num_pairs, chunk)
+    chunks = cdiv(num_pairs, chunk)
     counts, cursor = torch.empty(2, chunks, g_pad, dtype=torch.int32, device=device)
     launch(_align_count_kernel, (chunks,), *routing, counts, num_pairs, top_k, num_experts, LORA=lora, **shapes,
            num_warps=4)
