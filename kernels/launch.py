@@ -136,6 +136,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` (``grid``: a tuple of one to three ints), with less host work."""
     if not (_ENABLED and kernel.__class__ is JITFunction and grid.__class__ is tuple and not _hooked()
             and not getattr(kernel, "pre_run_hooks", None)):
+        if kernel.__class__ is not JITFunction and hasattr(kernel, "fn"):  # the interpreter's (CPU tests)
+            check_binding(kernel, args, kwargs)
         kernel[grid](*args, **kwargs)
         return
     info = _kernels.get(kernel)
@@ -159,6 +161,25 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, None, None, None, *bound)
     launches["fast"] += 1
+
+
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"})
+_interpreted: dict[object, _Kernel] = {}
+
+
+def check_binding(kernel, args: tuple, kwargs: dict) -> None:
+    """Under the interpreter (which launches every kernel through Triton), check that the fast path would
+    bind this launch: every parameter given, nothing but `LAUNCH_OPTIONS` besides.  So the CPU tests of
+    each launcher cover its call's binding; TypeError if it would not bind."""
+    info = _interpreted.get(kernel)
+    if info is None:
+        info = _interpreted[kernel] = _Kernel(JITFunction(kernel.fn))
+    bound, options = bind(info, args, kwargs)
+    unknown = set(options) - LAUNCH_OPTIONS
+    if unknown:
+        raise TypeError(f"{kernel.fn.__name__}: keyword arguments that are neither parameters nor launch "
+                        f"options: {sorted(unknown)}")
+    traits(bound, info.loose, info.const)
 
 
 def _triton(kernel: JITFunction, grid: tuple, args: tuple, kwargs: dict):

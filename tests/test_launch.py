@@ -76,6 +76,23 @@ def test_an_unhashable_argument_takes_tritons_path(monkeypatch):
     assert len(calls) == 2 and not L._kernels[kernel].entries
 
 
+class _Interpreted(_Recorder):
+    """The interpreter's kind of kernel: launched through ``[grid]``, its binding checked first."""
+
+    fn = staticmethod(_body)
+
+
+def test_interpreted_launches_are_checked_for_the_fast_paths_binding():
+    kernel, x = _Interpreted(), torch.ones(4)
+    L.launch(kernel, (2,), x, x, 7, 4, 0.5, FLAG=True, num_warps=4)
+    assert len(kernel.calls) == 1
+    with pytest.raises(TypeError, match="BLOKC"):  # a misspelt constexpr would be taken for a launch option
+        L.launch(kernel, (2,), x, x, 7, 4, 0.5, FLAG=True, BLOKC=32)
+    with pytest.raises(TypeError, match="'FLAG'"):
+        L.launch(kernel, (2,), x, x, 7, 4, 0.5)
+    assert len(kernel.calls) == 1
+
+
 def test_other_kernels_take_tritons_path():
     kernel = _Recorder()
     L.launch(kernel, (3, 2), 1, 2, FLAG=True)
