@@ -60,7 +60,7 @@ def device_key(device: torch.device | str | None = None) -> str:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda":
         return "cpu"
-    return _cuda_key(torch.cuda.current_device() if device.index is None else device.index)
+    return _cuda_key(_index(device))
 
 
 @cache
@@ -72,7 +72,12 @@ def hopper_or_later(device: torch.device) -> bool:
     """Whether a device is a CUDA GPU of compute capability 9 or more (Hopper's PDL, TMA)."""
     if device.type != "cuda":
         return False
-    return _major(torch.cuda.current_device() if device.index is None else device.index) >= 9
+    return _major(_index(device)) >= 9
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (the current device for ``cuda`` without one)."""
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 @cache

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
-from unipage.kernels.common import cdiv, next_pow2
+from unipage.kernels.common import cdiv, hopper_or_later, next_pow2
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
 from unipage.kernels.moe_align import (
@@ -220,7 +220,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _weight_source(w: torch.Tensor, cfg: dict):
     """``w`` itself, or (config ``"tma"`` on Hopper+) a TMA descriptor over its ``[E·rows, K]`` view."""
-    if not cfg.get("tma") or (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9):
+    if not cfg.get("tma") or (w.is_cuda and not hopper_or_later(w.device)):
         return w, False  # (on CPU only the interpreter runs kernels: it emulates TMA)
     if not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16:
         raise ValueError(f"TMA needs contiguous weights with 16-byte rows, got {list(w.shape)} {w.stride()}")
