@@ -29,8 +29,10 @@ def test_a_decode_commit_of_a_lone_chain_registers_nothing_until_free():
     assert [kv._blocks[p] is not None for p in range(3)] == [True, False, False]
     assert [kv.registered(p) for p in range(4)] == [True, True, True, False]  # as eager hashing says
     kv.check()
-    kv.free("a")
-    assert pool.occupancy()["cached_kv"] == 3 and all(kv._blocks[p] is not None for p in range(3))
+    kv.free("a")  # blocks 2, 1, 0 cached as one run (tail first; block 0 registered)
+    assert pool.occupancy()["cached_kv"] == 3 and [kv.registered(p) for p in range(4)] == [True, True, True, False]
+    [run] = kv._runs.values()
+    assert run.run == [2, 1, 0] and kv._blocks[0] is not None and kv._blocks[1] is None
     kv.check()
 
 

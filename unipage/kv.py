@@ -28,7 +28,9 @@ committing under the root hashes the first one and makes the root *eager*
 (every block hashed at commit, as before) until no chain or registered
 block is left under it.  So which blocks are registered, reused and evicted
 is what eager hashing gives, and a workload without shared prefixes hashes
-one block per sequence.
+one block per sequence.  Freed, such a chain goes to the reclaimer's LRU lane
+as one `PageRun` (its blocks tail first, block 0 last), registered block by
+block only if a lookup, a query or an invalidation reaches it.
 
 A manager with a ``window`` keeps the KV of sliding-window layers: once no
 later query can see a block (``slide``), the block leaves the sequence — its
@@ -47,7 +49,7 @@ from hashlib import blake2b
 
 from unipage.eviction import KV_BLOCK, Candidate
 from unipage.pool import PageKind, PagePool
-from unipage.reclaim import Reclaimer
+from unipage.reclaim import PageRun, Reclaimer
 
 _KV = PageKind.KV
 NO_PAGE = -1  # a block-table entry whose block left the window (sliding-window layers)
@@ -115,6 +117,7 @@ class _Sequence:
     registered: int = 0  # blocks[registered:committed] are a lone root's, not registered yet (`_register_pending`)
     tokens: object = None  # the last committed tokens (kept to hash them later)
     root: "_Root | None" = None  # the root of hashes[0], once block 0 is committed
+    run: "PageRun | None" = None  # closed: its blocks cached as one run, not registered yet (`_release_pending`)
 
 
 @dataclass(slots=True, eq=False)
@@ -161,8 +164,11 @@ class KVManager:
         self._block_at: list[_Block | None] = [None] * pool.num_pages  # page -> its last registration, to reuse
         self._by_salt: dict[str, set[int]] = {}  # salt -> registered pages
         self._roots: dict[bytes, _Root] = {}  # h[0] -> its root
+        self._runs: dict[int, PageRun] = {}  # id -> a closed lone chain's blocks cached as one run
         if owner:
-            reclaimer.register_owner(KV_BLOCK, self._evict_cached, self._evict_cached_many)
+            reclaimer.register_owner(KV_BLOCK, self._evict_cached, self._evict_cached_many, self._evict_run,
+                                     self._split_run)
+        self._use_runs = owner and not window and reclaimer.takes_runs
         self.hits = 0  # prefix blocks reused
 
     # -- queries ---------------------------------------------------------
@@ -187,15 +193,17 @@ class KVManager:
         """Whether ``page`` is a block of the prefix cache (in use or cached)."""
         if not (page.__class__ is int and 0 <= page < len(self._blocks)):
             return False
-        return self._blocks[page] is not None or self._pending_owner(page) is not None
+        return self._blocks[page] is not None or self._pending_owner(page) is not None \
+            or self._run_of(page) is not None
 
     def is_cached(self, page: int) -> bool:
         """Whether ``page`` is a cached block of this manager (registered, no user)."""
-        return self._blocks[page] is not None and self.pool.refcounts()[page] == 0
+        return (self._blocks[page] is not None or self._run_of(page) is not None) \
+            and self.pool.refcounts()[page] == 0
 
     def block_hash(self, page: int) -> bytes:
         block = self._blocks[page] if 0 <= page < len(self._blocks) else None
-        if block is None and (seq := self._pending_owner(page)) is not None:
+        if block is None and (seq := self._pending_owner(page) or self._closed_owner(page)) is not None:
             self._hash_lone(seq.root)
             block = self._blocks[page]
         if block is None:
@@ -391,6 +399,18 @@ class KVManager:
                 return seq
         return None
 
+    def _run_of(self, page: int) -> PageRun | None:
+        """The run holding ``page`` (O(runs))."""
+        for run in self._runs.values():
+            if page in run.run:
+                return run
+        return None
+
+    def _closed_owner(self, page: int) -> _Sequence | None:
+        """The closed sequence whose run holds ``page``."""
+        run = self._run_of(page)
+        return run.owner_data if run is not None else None
+
     def _join_root(self, seq: _Sequence, first: bytes) -> _Root:
         """``seq``, whose block 0 hashes to ``first``, joins that root: lone if it is the first there,
         else the root turns eager (its lone chain hashed first, as eager commits would have)."""
@@ -422,6 +442,8 @@ class KVManager:
         seq = root.lone
         if seq.registered < seq.committed:
             self._register_pending(seq)
+        if seq.run is not None:  # closed, its blocks cached as a run: registered one by one first
+            self._split_run(seq.run)
         hashes, tokens, block, pack = seq.hashes, seq.tokens, self.block_tokens, self._pack
         prev, table, blocks, by_hash = hashes[-1], seq.table, self._blocks, self._by_hash
         for index in range(len(hashes), seq.committed):
@@ -482,11 +504,20 @@ class KVManager:
         seq.registered = end
         cached, cached_blocks, unshared = [], [], []
         self._sort_out(table[end:], cached, cached_blocks, unshared)  # tail first: blocks never committed
-        self._new_blocks(pending, self.reclaimer.now, None, salt, root)
-        self._salt_pages(salt).update(pending)
         root.refs += len(pending)
-        self._sort_out(pending, cached, cached_blocks, unshared)
-        self._sort_out(table[:start], cached, cached_blocks, unshared)
+        if self._use_runs and start == 1 and self.pool.refcounts()[table[0]] == 1 \
+                and self._blocks[table[0]] is not None:
+            # one candidate for them all, block 0 (registered) last; the others registered only if need be
+            run = seq.run = PageRun(KV_BLOCK, pending[-1], len(pending) + 1, 0, 0, 1, self.block_cost_s,
+                                    pending[::-1] + table[:1], seq)
+            self._runs[id(run)] = run
+            cached += run.run
+            cached_blocks.append(run)
+        else:
+            self._new_blocks(pending, self.reclaimer.now, None, salt, root)
+            self._salt_pages(salt).update(pending)
+            self._sort_out(pending, cached, cached_blocks, unshared)
+            self._sort_out(table[:start], cached, cached_blocks, unshared)
         self._let_go(cached, cached_blocks, unshared)
 
     def _sort_out(self, pages: list[int], cached: list[int], cached_blocks: list[_Block], unshared: list[int]) -> None:
@@ -511,6 +542,8 @@ class KVManager:
     def invalidate(self, salt: str) -> int:
         """Forget every cached block computed under ``salt`` (its adapter was evicted); returns pages freed."""
         freed = 0
+        for run in [run for run in self._runs.values() if run.owner_data.salt == salt]:
+            self._split_run(run)  # (dropped below with the others, in page order)
         for seq in self._seqs.values():  # its committed blocks not registered yet never will be
             if seq.salt == salt:
                 seq.registered = max(seq.registered, seq.committed)
@@ -604,6 +637,28 @@ class KVManager:
         self._unregister_many(pages)
         self.pool.drop_many(pages)
 
+    def _evict_run(self, run: PageRun, pages: list[int]) -> None:
+        """Reclaimer callback: ``pages`` left the front of a run (gone with its last page, block 0, the one
+        registered)."""
+        if run.run:
+            run.owner_data.root.refs -= len(pages)  # (block 0 still counts)
+        else:
+            run.owner_data.root.refs -= len(pages) - 1
+            self._unregister_many(pages[-1:])
+            del self._runs[id(run)]
+            run.owner_data.run = None
+        self.pool.drop_many(pages)
+
+    def _split_run(self, run: PageRun) -> None:
+        """Register a run's blocks one by one (unhashed, as `_release_pending` would have) and put them in
+        its place in the reclaimer's lane."""
+        seq, pending = run.owner_data, run.run[:-1]  # (block 0, last, is registered)
+        self._new_blocks(pending, 0, None, seq.salt, seq.root)  # (stamped by `replace_run`)
+        self._salt_pages(seq.salt).update(pending)
+        del self._runs[id(run)]
+        seq.run = None
+        self.reclaimer.replace_run(run, [self._blocks[page] for page in run.run])
+
     def check(self) -> None:
         """Refcounts equal the block tables that hold each page; registrations are consistent."""
         assert self.check_tables() == self.pool.count(PageKind.KV), "a KV page is held by no block table"
@@ -631,6 +686,16 @@ class KVManager:
                 assert seq.root.lone is seq or len(seq.hashes) == seq.committed, "an eager chain is unhashed"
                 under[seq.root.key] = under.get(seq.root.key, 0) + 1
         registered = {page: block for page, block in enumerate(self._blocks) if block is not None}
+        in_runs: set[int] = set()
+        for run in self._runs.values():
+            seq = run.owner_data
+            assert seq.run is run and seq.root.lone is seq and self._roots[seq.root.key] is seq.root
+            assert run.run and (KV_BLOCK, run.key) in self.reclaimer and run.run[-1] == seq.table[0]
+            for page in run.run:
+                assert self.pool.kind(page) == PageKind.CACHED_KV
+                assert (self._blocks[page] is None) == (page != seq.table[0]), "only block 0 is registered"
+            under[seq.root.key] = under.get(seq.root.key, 0) + len(run.run) - 1
+            in_runs.update(run.run)
         for page, block in registered.items():
             assert self._roots[block.root.key] is block.root
             under[block.root.key] = under.get(block.root.key, 0) + 1
@@ -640,7 +705,7 @@ class KVManager:
                 assert self._by_hash[block.hash] == page
             kind = self.pool.kind(page)
             assert kind in (PageKind.KV, PageKind.CACHED_KV), f"registered page {page} is {kind.name}"
-            assert (kind == PageKind.CACHED_KV) == ((KV_BLOCK, page) in self.reclaimer)
+            assert (kind == PageKind.CACHED_KV) == ((KV_BLOCK, page) in self.reclaimer or page in in_runs)
             assert (kind == PageKind.CACHED_KV) == (page not in refs)
         assert len(self._by_hash) == sum(block.hash is not None for block in registered.values())
         assert len(registered) == sum(len(s) for s in self._by_salt.values())

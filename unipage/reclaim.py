@@ -28,12 +28,21 @@ unlink, so a block costs no entry tuples, no dict entry and no stale
 entries.  Victims come from the lane head or the heap and run (adapters),
 whichever is smaller in ``(priority, seq)``: exactly the order without the
 lane (``kv_lane=False``, kept as the reference the tests compare with).
+
+A lane node may also be a `PageRun`: the blocks of a whole freed chain,
+stamped one tick apart, as one node.  It is evicted from its front page by
+page, exactly as its blocks would be, and its owner turns it back into
+blocks before anything else touches one of its pages; so the order and the
+observable candidates (`candidates` lists a run's blocks) are unchanged,
+while caching and evicting a chain costs O(1) Python work per chain rather
+than per block.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 from unipage.eviction import KV_BLOCK, LRU, Candidate, EvictionPolicy
@@ -43,6 +52,22 @@ _SEQ, _KIND, _KEY = 2, 3, 4  # fields of an entry
 _NONE: dict = {}  # no candidates of a kind (never written)
 _NO_PAGES: frozenset = frozenset()
 _LATEST = 1 << 62  # a clock tick never reached: the stamp of no heap entry
+
+
+@dataclass(slots=True, eq=False)
+class PageRun(Candidate):
+    """Several one-page KV blocks cached at once, as one node of the lane: ``run[i]`` stands for the block
+    stamped ``last_used + i`` (and ``inserted + i``), arrived ``i`` after the first, exactly as separate
+    blocks given to `add_used_now` in that order would be.  ``key`` is ``run[0]``, ``pages`` its length.
+
+    It is evicted from the front, page by page in that order, through the owner's ``evict_run``; before
+    anything else touches one of its pages, the owner turns it into separate blocks (``split_run`` and
+    `replace_run`).  Its pages are never protected: no one can name them while they are a run.
+    ``owner_data``: the owner's own record.
+    """
+
+    run: list[int] = field(default_factory=list)
+    owner_data: object = None
 
 
 class Reclaimer:
@@ -60,6 +85,8 @@ class Reclaimer:
         self._evictable_pages = 0
         self._owners: dict[str, Callable[[object], None]] = {}
         self._evict_many: dict[str, Callable[[list], None]] = {}  # kind -> evicts several keys in order
+        self._evict_run: Callable[[PageRun, list[int]], None] | None = None  # KV: a run's front pages left
+        self._split_run: Callable[[PageRun], None] | None = None  # KV: turn a run into blocks (`replace_run`)
         self.evictions: dict[str, int] = {}  # kind -> units evicted so far
         # The KV lane (LRU only): page -> next / previous page in the lane, its arrival (seq) and candidate.
         # Index ``num_pages`` is the list's head and tail (a sentinel); a page not in the lane has no candidate.
@@ -88,16 +115,27 @@ class Reclaimer:
         return range(start, start + n)
 
     def register_owner(self, kind: str, evict: Callable[[object], None],
-                       evict_many: Callable[[list], None] | None = None) -> None:
+                       evict_many: Callable[[list], None] | None = None,
+                       evict_run: Callable[[PageRun, list[int]], None] | None = None,
+                       split_run: Callable[[PageRun], None] | None = None) -> None:
         """``evict(key)`` must release the candidate's pages back to the pool.  ``evict_many(keys)``, if
-        given, does the same for several KV blocks at once, in order (it must not change the candidates)."""
+        given, does the same for several KV blocks at once, in order (it must not change the candidates).
+        ``evict_run(run, pages)`` and ``split_run(run)``: a KV owner that offers `PageRun` candidates (see there);
+        ``pages`` have just left the front of ``run``, and must be released in order."""
         def evict_each(keys: list) -> None:
             for key in keys:
                 evict(key)
 
         self._owners[kind] = evict
         self._evict_many[kind] = evict_many or evict_each
+        if evict_run is not None:
+            self._evict_run, self._split_run = evict_run, split_run
         self.evictions.setdefault(kind, 0)
+
+    @property
+    def takes_runs(self) -> bool:
+        """Whether `add_used_now` takes `PageRun` candidates (the lane is on and the KV owner handles them)."""
+        return self._lane_on and self._evict_run is not None
 
     # -- the candidate set ----------------------------------------------
     def add(self, cand: Candidate) -> None:
@@ -145,35 +183,46 @@ class Reclaimer:
     def add_used_now(self, cands: list) -> None:
         """`add_many` of candidates last used just now: each is first stamped with the next clock tick, in
         order (``inserted`` and ``last_used``), as `ticks` then `add_many` would.  Under the lane they must be
-        KV blocks keyed by page: so stamped, each is the newest and is linked at the tail, uncompared."""
+        KV blocks keyed by page: so stamped, each is the newest and is linked at the tail, uncompared.
+        A `PageRun` (if `takes_runs`) stands for its blocks, in order: a tick each, one node."""
         if not self._lane_on:
             for cand, now in zip(cands, self.ticks(len(cands))):
                 cand.last_used = cand.inserted = now
             self.add_many(cands)
             return
         nxt, prev, lane_seq, lane_cand, end = self._next, self._prev, self._lane_seq, self._lane_cand, self._end
-        now, seq, tail, pages = self._clock, self._seq, prev[end], 0
+        now, seq, tail, pages, nodes = self._clock, self._seq, prev[end], 0, 0
         try:
             for cand in cands:
                 key = cand.key
                 if cand.kind != KV_BLOCK or key.__class__ is not int or not 0 <= key < end \
                         or lane_cand[key] is not None:
                     raise ValueError(f"{cand.kind} {key!r} is already evictable, or not a KV block of the pool")
-                now += 1
-                seq += 1
-                cand.last_used = cand.inserted = now
-                nxt[tail], prev[key], lane_seq[key], lane_cand[key] = key, tail, seq, cand
+                first, first_seq = now + 1, seq + 1
+                if cand.__class__ is PageRun:  # its blocks take a tick and an arrival each
+                    if not self.takes_runs or not cand.run or cand.run[0] != key or cand.pages != len(cand.run):
+                        raise ValueError(f"a run of pages {cand.run} is not offered as a run here")
+                    now += cand.pages
+                    seq += cand.pages
+                else:
+                    now, seq = first, first_seq
+                cand.last_used = cand.inserted = first
+                nxt[tail], prev[key], lane_seq[key], lane_cand[key] = key, tail, first_seq, cand
                 tail = key
                 pages += cand.pages
+                nodes += 1
         finally:  # those linked stay, as `add_many` keeps those added before a refusal
             nxt[tail], prev[end] = end, tail
-            self._lane_len += seq - self._seq
+            self._lane_len += nodes
             self._clock, self._seq = now, seq
             self._evictable_pages += pages
 
     def remove(self, kind: str, key: object) -> Candidate | None:
         if self._in_lane(kind, key):
             cand = self._lane_cand[key]
+            if cand.__class__ is PageRun:  # its first block: the run becomes blocks first
+                self._split_run(cand)
+                cand = self._lane_cand[key]
             if cand is not None:
                 self._unlink(key)
             return cand
@@ -195,8 +244,18 @@ class Reclaimer:
         return self._evictable_pages
 
     def candidates(self) -> list[Candidate]:
-        return [cand for live in self._live.values() for _, cand in live.values()] + \
-            [self._lane_cand[page] for page in self._lane_pages()]
+        """Every candidate; a `PageRun` as the blocks it stands for (new `Candidate` objects)."""
+        lane = []
+        for page in self._lane_pages():
+            cand = self._lane_cand[page]
+            lane += self._run_blocks(cand) if cand.__class__ is PageRun else (cand,)
+        return [cand for live in self._live.values() for _, cand in live.values()] + lane
+
+    @staticmethod
+    def _run_blocks(run: PageRun) -> list[Candidate]:
+        """The blocks ``run`` stands for, as plain candidates."""
+        return [Candidate(KV_BLOCK, page, 1, run.inserted + i, run.last_used + i, run.uses, run.cost_s)
+                for i, page in enumerate(run.run)]
 
     # -- decisions -------------------------------------------------------
     def choose_victim(self, protect: frozenset = frozenset()) -> Candidate | None:
@@ -214,7 +273,8 @@ class Reclaimer:
             self._push(entry)
         page = self._lane_head(protect)
         if page != self._end and (victim is None or self._lane_first(page, entry)):
-            return self._lane_cand[page]
+            cand = self._lane_cand[page]
+            return self._run_blocks(cand)[0] if cand.__class__ is PageRun else cand
         return victim
 
     def alloc(self, n: int, kind: PageKind = PageKind.KV, protect: frozenset = frozenset()) -> list[int] | None:
@@ -288,8 +348,9 @@ class Reclaimer:
         while len(free) < target:
             if page != end and self._evict_lane_run(page, target - len(free), entry, kv_protected):
                 pass  # a run of one-page blocks left the lane
-            elif page != end and (entry is None or (stamp := cands[page].last_used) < entry[0]
-                                  or (stamp == entry[0] and seqs[page] < entry[_SEQ])):
+            elif page != end and cands[page].__class__ is not PageRun and (
+                    entry is None or (stamp := cands[page].last_used) < entry[0]
+                    or (stamp == entry[0] and seqs[page] < entry[_SEQ])):
                 before, after = prev[page], nxt[page]  # `_unlink`, inlined (a block of several pages)
                 nxt[before], prev[after] = after, before
                 self._evictable_pages -= cands[page].pages
@@ -311,13 +372,27 @@ class Reclaimer:
 
     def _evict_lane_run(self, first: int, limit: int, entry: tuple | None, protected: frozenset = frozenset()) -> int:
         """Evict up to ``limit`` one-page KV blocks of the lane from ``first`` on, while each is not among the
-        ``protected`` pages and comes before the heap's ``entry``, exactly as one at a time; returns how many."""
+        ``protected`` pages and comes before the heap's ``entry``, exactly as one at a time; returns how many.
+        (The blocks of a `PageRun` count as one-page blocks.)"""
         nxt, cands, seqs, end = self._next, self._lane_cand, self._lane_seq, self._end
         stamp = entry[0] if entry is not None else _LATEST  # blocks last used before the entry's go first
-        victims, page = [], first
+        victims, page, evicted = [], first, 0
         while limit > 0 and page != end:
             cand = cands[page]
-            if cand.pages != 1 or (protected and page in protected) or (cand.last_used >= stamp and (
+            if cand.pages != 1 or cand.__class__ is PageRun:
+                if cand.__class__ is not PageRun:
+                    break
+                count = min(limit, self._run_first(cand, seqs[page], entry))
+                if not count:
+                    break
+                if victims:  # the blocks before it leave first
+                    self._drop_victims(first, page, victims)
+                    evicted, victims = evicted + len(victims), []
+                page = first = self._evict_from_run(page, cand, count)
+                evicted += count
+                limit -= count
+                continue
+            if (protected and page in protected) or (cand.last_used >= stamp and (
                     cand.last_used > stamp or seqs[page] > entry[_SEQ])):
                 break
             victims.append(page)
@@ -325,14 +400,68 @@ class Reclaimer:
             page = nxt[page]
             limit -= 1
         if victims:
-            before = self._prev[first]  # unlink the run at once
-            nxt[before], self._prev[page] = page, before
-            count = len(victims)
-            self._lane_len -= count
-            self._evictable_pages -= count
-            self.evictions[KV_BLOCK] += count
-            self._evict_many[KV_BLOCK](victims)
-        return len(victims)
+            self._drop_victims(first, page, victims)
+        return evicted + len(victims)
+
+    def _drop_victims(self, first: int, after: int, victims: list[int]) -> None:
+        """`_evict_lane_run`'s end: unlink the one-page blocks ``victims`` (``first`` up to ``after``) at once."""
+        before = self._prev[first]
+        self._next[before], self._prev[after] = after, before
+        count = len(victims)
+        self._lane_len -= count
+        self._evictable_pages -= count
+        self.evictions[KV_BLOCK] += count
+        self._evict_many[KV_BLOCK](victims)
+
+    @staticmethod
+    def _run_first(run: PageRun, seq: int, entry: tuple | None) -> int:
+        """How many of ``run``'s blocks (the first arrived ``seq``) come before the heap's ``entry``."""
+        if entry is None:
+            return run.pages
+        count = min(max(entry[0] - run.last_used, 0), run.pages)  # stamped before the entry's
+        if count < run.pages and run.last_used + count == entry[0] and seq + count < entry[_SEQ]:
+            count += 1  # (a tie on the stamp: the arrival decides)
+        return count
+
+    def _evict_from_run(self, page: int, run: PageRun, count: int) -> int:
+        """Evict the first ``count`` blocks of the lane's ``run`` (at ``page``); returns the lane node that
+        follows them: the run, keyed by its new first page, or the node after it."""
+        nxt, prev, cands, seqs = self._next, self._prev, self._lane_cand, self._lane_seq
+        gone, rest = run.run[:count], run.run[count:]
+        before, after = prev[page], nxt[page]
+        cands[page] = None
+        if rest:  # the run stays where it was, keyed by its new first page
+            key = rest[0]
+            nxt[before], prev[key], nxt[key], prev[after] = key, before, after, key
+            cands[key], seqs[key] = run, seqs[page] + count
+            run.key, run.run, run.pages = key, rest, len(rest)
+            run.last_used += count
+            run.inserted += count
+            after = key
+        else:
+            nxt[before], prev[after] = after, before
+            run.run, run.pages = rest, 0
+            self._lane_len -= 1
+        self._evictable_pages -= count
+        self.evictions[KV_BLOCK] += count
+        self._evict_run(run, gone)
+        return after
+
+    def replace_run(self, run: PageRun, blocks: list[Candidate]) -> None:
+        """Put ``blocks`` -- one-page candidates for ``run``'s pages, in order -- in its place in the lane,
+        with the stamps and arrivals they stand for (the owner's ``split_run`` calls this)."""
+        nxt, prev, cands, seqs = self._next, self._prev, self._lane_cand, self._lane_seq
+        page = run.key
+        if cands[page] is not run or [block.key for block in blocks] != run.run:
+            raise ValueError(f"blocks {[b.key for b in blocks]} do not stand for the run of pages {run.run}")
+        before, after, seq = prev[page], nxt[page], seqs[page]
+        for i, block in enumerate(blocks):
+            key = block.key
+            block.inserted, block.last_used = run.inserted + i, run.last_used + i
+            nxt[before], prev[key], cands[key], seqs[key] = key, before, block, seq + i
+            before = key
+        nxt[before], prev[after] = after, before
+        self._lane_len += len(blocks) - 1
 
     def _peek(self, protect: frozenset, skipped: list) -> tuple | None:
         """The smallest live entry of the heap and run not in ``protect``, left in place; None if none.
@@ -362,6 +491,10 @@ class Reclaimer:
         after = prev[end]
         while after != end and cands[after].last_used > key:  # (seq is the newest: equal keys stay before it)
             after = prev[after]
+        if after != end and cands[after].__class__ is PageRun and cands[after].last_used + cands[after].pages > key + 1:
+            self._split_run(cands[after])  # it would go between the run's blocks
+            self._link(page, cand, seq)
+            return
         before = nxt[after]
         nxt[after], prev[page], nxt[page], prev[before] = page, after, before, page
         self._lane_seq[page], cands[page] = seq, cand
@@ -393,7 +526,7 @@ class Reclaimer:
         """Pages of the candidate ``(kind, key)``; 0 if it is none."""
         if self._in_lane(kind, key):
             cand = self._lane_cand[key]
-            return cand.pages if cand is not None else 0
+            return 0 if cand is None else 1 if cand.__class__ is PageRun else cand.pages
         held = self._live.get(kind, _NONE).get(key)
         return held[1].pages if held is not None else 0
 
@@ -438,6 +571,10 @@ class Reclaimer:
         lane = self._lane_pages()
         assert len(lane) == self._lane_len == sum(c is not None for c in self._lane_cand), "lane length"
         assert all(self._prev[b] == a for a, b in zip([self._end] + lane, lane + [self._end])), "lane links"
-        order = [(self._lane_cand[p].last_used, self._lane_seq[p]) for p in lane]
-        assert all(a < b for a, b in zip(order, order[1:])), "lane out of order"
+        spans = [(c.last_used, self._lane_seq[p], c.pages - 1 if c.__class__ is PageRun else 0)
+                 for p, c in zip(lane, map(self._lane_cand.__getitem__, lane))]
+        assert all((a[0] + a[2], a[1] + a[2]) < b[:2] for a, b in zip(spans, spans[1:])), "lane out of order"
+        for page in lane:
+            run = self._lane_cand[page]
+            assert run.__class__ is not PageRun or run.run[0] == run.key == page and run.pages == len(run.run)
         assert self._lane_on or not lane
