@@ -117,7 +117,7 @@ class _Sequence:
     registered: int = 0  # blocks[registered:committed] are a lone root's, not registered yet (`_register_pending`)
     tokens: object = None  # the last committed tokens (kept to hash them later)
     root: "_Root | None" = None  # the root of hashes[0], once block 0 is committed
-    run: "PageRun | None" = None  # closed: its blocks cached as one run, not registered yet (`_release_pending`)
+    run: PageRun | None = None  # closed: its blocks cached as one run, not registered yet (`_release_pending`)
 
 
 @dataclass(slots=True, eq=False)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Callable
 
 from unipage.eviction import KV_BLOCK, LRU, Candidate, EvictionPolicy
@@ -573,7 +574,7 @@ class Reclaimer:
         assert all(self._prev[b] == a for a, b in zip([self._end] + lane, lane + [self._end])), "lane links"
         spans = [(c.last_used, self._lane_seq[p], c.pages - 1 if c.__class__ is PageRun else 0)
                  for p, c in zip(lane, map(self._lane_cand.__getitem__, lane))]
-        assert all((a[0] + a[2], a[1] + a[2]) < b[:2] for a, b in zip(spans, spans[1:])), "lane out of order"
+        assert all((a[0] + a[2], a[1] + a[2]) < b[:2] for a, b in pairwise(spans)), "lane out of order"
         for page in lane:
             run = self._lane_cand[page]
             assert run.__class__ is not PageRun or run.run[0] == run.key == page and run.pages == len(run.run)
