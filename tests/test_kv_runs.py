@@ -86,10 +86,19 @@ def walk(seed: int, steps: int = 150) -> int:
                 side.kv.free(seq)
             made += sum(isinstance(c, PageRun) for c in sides[0].reclaimer._lane_cand)
             del seqs[seq]
-        elif op < 0.85:
+        elif op < 0.8:
             name, pages = f"a{rng.randrange(4)}", rng.randrange(1, 4)
             if name not in sides[0].adapters:
                 assert len({side.idle_adapter(name, pages) for side in sides}) == 1
+        elif op < 0.9:  # a victim query and a reclaim, some cached blocks (maybe inside runs) protected
+            blocks = sorted(c.key for c in sides[0].reclaimer.candidates() if c.kind == KV_BLOCK)
+            protect = frozenset((KV_BLOCK, page) for page in rng.sample(blocks, min(len(blocks), 2)))
+            victims = [side.reclaimer.choose_victim(protect) for side in sides]
+            assert len({(v.kind, v.key, v.last_used) if v else None for v in victims}) == 1
+            want = rng.randrange(1, 5)
+            assert len({side.reclaimer.reclaim(want, protect) for side in sides}) == 1
+            for side in sides:
+                assert all(side.pool.kind(page) == PageKind.CACHED_KV for _, page in protect)
         elif op < 0.95:
             probe = rng.choice(PREFIXES) + [rng.randrange(50, 60) for _ in range(rng.randrange(0, 6))]
             salt = rng.choice(("", "s"))

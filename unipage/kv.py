@@ -165,6 +165,7 @@ class KVManager:
         self._by_salt: dict[str, set[int]] = {}  # salt -> registered pages
         self._roots: dict[bytes, _Root] = {}  # h[0] -> its root
         self._runs: dict[int, PageRun] = {}  # id -> a closed lone chain's blocks cached as one run
+        self._salt_runs: dict[str, dict[int, PageRun]] = {}  # salt -> its runs, by id
         if owner:
             reclaimer.register_owner(KV_BLOCK, self._evict_cached, self._evict_cached_many, self._evict_run,
                                      self._split_run)
@@ -510,7 +511,7 @@ class KVManager:
             # one candidate for them all, block 0 (registered) last; the others registered only if need be
             run = seq.run = PageRun(KV_BLOCK, pending[-1], len(pending) + 1, 0, 0, 1, self.block_cost_s,
                                     pending[::-1] + table[:1], seq)
-            self._runs[id(run)] = run
+            self._runs[id(run)] = self._salt_runs.setdefault(salt, {})[id(run)] = run
             cached += run.run
             cached_blocks.append(run)
         else:
@@ -542,7 +543,7 @@ class KVManager:
     def invalidate(self, salt: str) -> int:
         """Forget every cached block computed under ``salt`` (its adapter was evicted); returns pages freed."""
         freed = 0
-        for run in [run for run in self._runs.values() if run.owner_data.salt == salt]:
+        for run in list(self._salt_runs.get(salt, {}).values()):
             self._split_run(run)  # (dropped below with the others, in page order)
         for seq in self._seqs.values():  # its committed blocks not registered yet never will be
             if seq.salt == salt:
@@ -645,9 +646,17 @@ class KVManager:
         else:
             run.owner_data.root.refs -= len(pages) - 1
             self._unregister_many(pages[-1:])
-            del self._runs[id(run)]
-            run.owner_data.run = None
+            self._forget_run(run)
         self.pool.drop_many(pages)
+
+    def _forget_run(self, run: PageRun) -> None:
+        seq = run.owner_data
+        del self._runs[id(run)]
+        runs = self._salt_runs[seq.salt]
+        del runs[id(run)]
+        if not runs:
+            del self._salt_runs[seq.salt]
+        seq.run = None
 
     def _split_run(self, run: PageRun) -> None:
         """Register a run's blocks one by one (unhashed, as `_release_pending` would have) and put them in
@@ -655,8 +664,7 @@ class KVManager:
         seq, pending = run.owner_data, run.run[:-1]  # (block 0, last, is registered)
         self._new_blocks(pending, 0, None, seq.salt, seq.root)  # (stamped by `replace_run`)
         self._salt_pages(seq.salt).update(pending)
-        del self._runs[id(run)]
-        seq.run = None
+        self._forget_run(run)
         self.reclaimer.replace_run(run, [self._blocks[page] for page in run.run])
 
     def check(self) -> None:
@@ -687,9 +695,12 @@ class KVManager:
                 under[seq.root.key] = under.get(seq.root.key, 0) + 1
         registered = {page: block for page, block in enumerate(self._blocks) if block is not None}
         in_runs: set[int] = set()
+        assert {id(run) for run in self.reclaimer.runs()} == set(self._runs), "runs the reclaimer does not hold"
+        assert sorted(self._runs) == sorted(i for runs in self._salt_runs.values() for i in runs)
         for run in self._runs.values():
             seq = run.owner_data
             assert seq.run is run and seq.root.lone is seq and self._roots[seq.root.key] is seq.root
+            assert self._salt_runs[seq.salt][id(run)] is run
             assert run.run and (KV_BLOCK, run.key) in self.reclaimer and run.run[-1] == seq.table[0]
             for page in run.run:
                 assert self.pool.kind(page) == PageKind.CACHED_KV

@@ -62,9 +62,9 @@ class PageRun(Candidate):
     blocks given to `add_used_now` in that order would be.  ``key`` is ``run[0]``, ``pages`` its length.
 
     It is evicted from the front, page by page in that order, through the owner's ``evict_run``; before
-    anything else touches one of its pages, the owner turns it into separate blocks (``split_run`` and
-    `replace_run`).  Its pages are never protected: no one can name them while they are a run.
-    ``owner_data``: the owner's own record.
+    anything else touches one of its pages (the owner's lookups, `remove`, ``in``, a ``protect`` set), the
+    owner turns it into separate blocks (``split_run`` and `replace_run`).  ``owner_data``: the owner's
+    own record.
     """
 
     run: list[int] = field(default_factory=list)
@@ -96,6 +96,7 @@ class Reclaimer:
         self._lane_seq = [0] * n  # (a block's key, ``last_used``, is read from its candidate)
         self._lane_cand: list[Candidate | None] = [None] * n
         self._lane_len = 0
+        self._lane_runs: dict[int, PageRun] = {}  # id -> a `PageRun` in the lane
         self._removed = 0  # heap candidates removed so far (a peeked entry is live while this and _seq hold)
         self._lane_on = kv_lane and type(policy).priority is LRU.priority
 
@@ -145,17 +146,19 @@ class Reclaimer:
     def add_many(self, cands) -> None:
         """`add` each candidate in order (distinct, and none evictable yet)."""
         lives, priority, run, heap, seq = self._live, self.policy.priority, self._run, self._heap, self._seq
-        lane, end, lane_len, lane_cand = self._lane_on, self._end, self._lane_len, self._lane_cand
+        lane, end, lane_cand, heaped = self._lane_on, self._end, self._lane_cand, 0
         nxt, prev, lane_seq = self._next, self._prev, self._lane_seq
         try:
             for cand in cands:  # a cached sequence offers a block per page
                 kind, key = cand.kind, cand.key
+                if cand.__class__ is PageRun:
+                    raise ValueError(f"a run of pages {cand.run} is offered through add_used_now, not add_many")
                 if lane and kind == KV_BLOCK and key.__class__ is int and 0 <= key < end:
                     if lane_cand[key] is not None:
                         raise ValueError(f"{kind} {key!r} is already evictable")
                     seq += 1
                     tail = prev[end]
-                    if tail != end and lane_cand[tail].last_used > cand.last_used:  # older: walk back to its place
+                    if tail != end and self._last_stamp(lane_cand[tail]) > cand.last_used:  # older: walk back
                         self._link(key, cand, seq)
                         continue
                     nxt[tail], prev[key], nxt[key], prev[end] = key, tail, end, key  # `_link` at the tail, inlined
@@ -175,8 +178,9 @@ class Reclaimer:
                     run.append(entry)
                 else:
                     heapq.heappush(heap, entry)
+                heaped += 1
         finally:  # the counters of those added, even if one was refused
-            self._num_live += seq - self._seq - (self._lane_len - lane_len)
+            self._num_live += heaped
             self._seq = seq
         if len(self._heap) + len(self._run) > 2 * self._num_live + 64:
             self._compact()
@@ -205,6 +209,7 @@ class Reclaimer:
                         raise ValueError(f"a run of pages {cand.run} is not offered as a run here")
                     now += cand.pages
                     seq += cand.pages
+                    self._lane_runs[id(cand)] = cand
                 else:
                     now, seq = first, first_seq
                 cand.last_used = cand.inserted = first
@@ -221,8 +226,8 @@ class Reclaimer:
     def remove(self, kind: str, key: object) -> Candidate | None:
         if self._in_lane(kind, key):
             cand = self._lane_cand[key]
-            if cand.__class__ is PageRun:  # its first block: the run becomes blocks first
-                self._split_run(cand)
+            if self._lane_runs and (cand is None or cand.__class__ is PageRun):  # in a run? blocks first
+                self._split_holding(key)
                 cand = self._lane_cand[key]
             if cand is not None:
                 self._unlink(key)
@@ -237,7 +242,7 @@ class Reclaimer:
 
     def __contains__(self, ident: tuple[str, object]) -> bool:
         if self._in_lane(*ident):
-            return self._lane_cand[ident[1]] is not None
+            return self._lane_cand[ident[1]] is not None or self._run_holding(ident[1]) is not None
         return ident[1] in self._live.get(ident[0], _NONE)
 
     @property
@@ -261,6 +266,7 @@ class Reclaimer:
     # -- decisions -------------------------------------------------------
     def choose_victim(self, protect: frozenset = frozenset()) -> Candidate | None:
         """The candidate the policy would evict next, skipping ``(kind, key)`` in ``protect``."""
+        self._split_protected(protect)
         skipped, victim = [], None
         while (entry := self._pop()) is not None:
             held = self._held(entry)
@@ -275,7 +281,9 @@ class Reclaimer:
         page = self._lane_head(protect)
         if page != self._end and (victim is None or self._lane_first(page, entry)):
             cand = self._lane_cand[page]
-            return self._run_blocks(cand)[0] if cand.__class__ is PageRun else cand
+            if cand.__class__ is PageRun:  # its first block
+                return Candidate(KV_BLOCK, page, 1, cand.inserted, cand.last_used, cand.uses, cand.cost_s)
+            return cand
         return victim
 
     def alloc(self, n: int, kind: PageKind = PageKind.KV, protect: frozenset = frozenset()) -> list[int] | None:
@@ -307,6 +315,8 @@ class Reclaimer:
     def reclaim(self, pages: int, protect: frozenset = frozenset()) -> bool:
         """Evict until ``pages`` more pages are free; evict nothing and return False if impossible."""
         lives = self._live
+        if protect:
+            self._split_protected(protect)
         protected = sum(self._pages_of(kind, key) for kind, key in protect) if protect else 0
         if self._evictable_pages - protected < pages:
             return False
@@ -443,6 +453,7 @@ class Reclaimer:
             nxt[before], prev[after] = after, before
             run.run, run.pages = rest, 0
             self._lane_len -= 1
+            del self._lane_runs[id(run)]
         self._evictable_pages -= count
         self.evictions[KV_BLOCK] += count
         self._evict_run(run, gone)
@@ -463,6 +474,36 @@ class Reclaimer:
             before = key
         nxt[before], prev[after] = after, before
         self._lane_len += len(blocks) - 1
+        del self._lane_runs[id(run)]
+
+    def runs(self) -> list[PageRun]:
+        """The runs in the lane."""
+        return list(self._lane_runs.values())
+
+    def _run_holding(self, page: int) -> PageRun | None:
+        """The run in the lane that holds ``page`` (O(pages in runs), in C)."""
+        for run in self._lane_runs.values():
+            if page in run.run:
+                return run
+        return None
+
+    def _split_holding(self, page: int) -> None:
+        """If a run holds ``page``, its owner turns it into blocks."""
+        run = self._run_holding(page)
+        if run is not None:
+            self._split_run(run)
+
+    def _split_protected(self, protect: frozenset) -> None:
+        """Runs that hold a protected KV block become blocks (a run's pages are evicted in order only)."""
+        if protect and self._lane_runs:
+            for kind, key in protect:
+                if kind == KV_BLOCK and key.__class__ is int and 0 <= key < self._end:
+                    self._split_holding(key)
+
+    @staticmethod
+    def _last_stamp(cand: Candidate) -> int:
+        """The stamp of the last block a lane node stands for."""
+        return cand.last_used + cand.pages - 1 if cand.__class__ is PageRun else cand.last_used
 
     def _peek(self, protect: frozenset, skipped: list) -> tuple | None:
         """The smallest live entry of the heap and run not in ``protect``, left in place; None if none.
@@ -492,7 +533,7 @@ class Reclaimer:
         after = prev[end]
         while after != end and cands[after].last_used > key:  # (seq is the newest: equal keys stay before it)
             after = prev[after]
-        if after != end and cands[after].__class__ is PageRun and cands[after].last_used + cands[after].pages > key + 1:
+        if after != end and cands[after].__class__ is PageRun and self._last_stamp(cands[after]) > key:
             self._split_run(cands[after])  # it would go between the run's blocks
             self._link(page, cand, seq)
             return
@@ -527,7 +568,9 @@ class Reclaimer:
         """Pages of the candidate ``(kind, key)``; 0 if it is none."""
         if self._in_lane(kind, key):
             cand = self._lane_cand[key]
-            return 0 if cand is None else 1 if cand.__class__ is PageRun else cand.pages
+            if cand is None:
+                return 1 if self._run_holding(key) is not None else 0
+            return 1 if cand.__class__ is PageRun else cand.pages
         held = self._live.get(kind, _NONE).get(key)
         return held[1].pages if held is not None else 0
 
@@ -575,7 +618,9 @@ class Reclaimer:
         spans = [(c.last_used, self._lane_seq[p], c.pages - 1 if c.__class__ is PageRun else 0)
                  for p, c in zip(lane, map(self._lane_cand.__getitem__, lane))]
         assert all((a[0] + a[2], a[1] + a[2]) < b[:2] for a, b in pairwise(spans)), "lane out of order"
-        for page in lane:
-            run = self._lane_cand[page]
-            assert run.__class__ is not PageRun or run.run[0] == run.key == page and run.pages == len(run.run)
+        runs = [self._lane_cand[page] for page in lane if self._lane_cand[page].__class__ is PageRun]
+        assert {id(run) for run in runs} == set(self._lane_runs), "the runs' registry"
+        assert all(run.run[0] == run.key and run.pages == len(run.run) for run in runs)
+        held = lane + [page for run in runs for page in run.run[1:]]
+        assert len(held) == len(set(held)), "a page twice in the lane"
         assert self._lane_on or not lane
