@@ -127,13 +127,14 @@ class Request:
     # -- scheduler state: set by Scheduler.add and the phases, read-only to callers --
     # (The fields every step reads come first, side by side: in a slotted object they share cache lines.)
     num_computed_tokens: int = field(default=0, init=False)  # KV in the pool, incl. the step in flight
-    next_check: int = field(default=0, init=False)  # computed tokens from which update() looks closer: a block
-    #   fills, the length limit is one token away, or no token was sampled yet (0); 0 while not running
+    next_check: int = field(default=0, init=False)  # computed tokens from which update() looks closer: the
+    #   length limit is one token away, or no token was sampled yet (0); 0 while not running
     stop_set: frozenset = field(default=frozenset(), init=False)
     all_token_ids: list[int] = field(default_factory=list, init=False)  # prompt + output
     capacity: int = field(default=0, init=False)  # tokens its block table holds
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
-    next_commit: int = field(default=NEVER, init=False)  # computed tokens at which a block fills
+    next_commit: int = field(default=NEVER, init=False)  # computed tokens at which a block fills (<= capacity
+    #   after each schedule(): a request whose table is full has a block to commit)
     policy_data: object = field(default=None, init=False)  # owned by the scheduling policy
     num_prompt_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at the last admission
@@ -176,4 +177,4 @@ class Request:
 
 def next_check(req: Request) -> int:
     """``req.next_check`` for its current state: update() treats it as a plain decode until then."""
-    return min(req.next_commit, req.max_len - 1) if req.first_token_time is not None else 0
+    return req.max_len - 1 if req.first_token_time is not None else 0

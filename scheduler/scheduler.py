@@ -99,8 +99,6 @@ class Scheduler:
         self._awaiting: dict[str, dict[str, Request]] = {}  # adapter -> its WAITING_FOR_ADAPTER requests
         self._in_flight: Step | None = None  # the step being run
         self._all_decoding = False  # every running request has exactly one token to compute
-        self._full: list[Request] = []  # with prefix caching: the running requests whose KV the last update()
-        #   left full, in running order (each was an event then: a block filled, so it committed)
         self._seq = 0
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
@@ -137,6 +135,8 @@ class Scheduler:
         if req is None:
             return False
         if req.status is _RUNNING:
+            if self._in_flight is None and req.num_computed_tokens >= req.next_commit:
+                self._commit(req)  # blocks computed since the last schedule() (none are while a step runs)
             self._remove_running(req)
         self._drop(req, _ABORTED, _ABORT)
         return True
@@ -193,7 +193,6 @@ class Scheduler:
         self._in_flight = None
         self._apply_loads(result)
         outputs, self._pending = self._pending, []
-        self._full = []
         single, one_each = self._apply_tokens(step, result.sampled_token_ids, outputs)
         # Next step, may every running request simply decode one token?  Yes if each sampled one just now.
         self._all_decoding = single and step.all_running and not step.partial
@@ -210,14 +209,19 @@ class Scheduler:
 
     # -- phase 1: running requests -------------------------------------------
     def _schedule_running(self, step: Step) -> None:
-        """Every running request gets its next tokens while the budget lasts: grow KV, else reclaim, else preempt."""
+        """Every running request gets its next tokens while the budget lasts: grow KV, else reclaim, else preempt.
+
+        First, with prefix caching, each commits the blocks it filled since the last step (`_commit`).
+        """
         start = 0
-        if self._slides:
-            slide = self.kv.slide
+        if self._slides:  # (commit first: the blocks that leave the window keep their registrations)
+            slide, commit = self.kv.slide, self.kv.prefix_caching
             for req in self.running:
+                if commit and req.num_computed_tokens >= req.next_commit:
+                    self._commit(req)
                 slide(req.request_id, req.num_computed_tokens)
         if self._all_decoding and len(self.running) <= step.budget:
-            start = self._schedule_decodes(step)
+            start = self._schedule_decodes(step)  # (it commits, for every running request)
         if start < len(self.running):
             self._schedule_from(start, step)
         step.num_running = len(step.reqs)
@@ -234,13 +238,18 @@ class Scheduler:
         without a preemption, it goes one by one and stops at the first request that would need one, and
         returns how many requests it scheduled; `_schedule_from` takes over from there.
         """
-        running = self.running
-        if self.kv.prefix_caching:  # the last update() listed those whose KV is full
-            full = [req for req in self._full if req.status is _RUNNING]  # (some may be aborted since)
+        running, full = self.running, []
+        if self.kv.prefix_caching and not self._slides:  # (with slides, the slide loop committed)
+            commit, block = self.kv.commit, self.block_tokens
             for req in running:  # the hottest loop of a step
-                req.num_computed_tokens += 1
+                done = req.num_computed_tokens
+                if done >= req.next_commit:  # a block filled: commit it (`_commit`, inlined) ...
+                    commit(req.request_id, req.all_token_ids, done)
+                    req.next_commit = (done // block + 1) * block
+                    if done >= req.capacity:  # ... and if it was the last, one more (next_commit <= capacity)
+                        full.append(req)
+                req.num_computed_tokens = done + 1
         else:
-            full = []
             for req in running:
                 done = req.num_computed_tokens
                 if done >= req.capacity:
@@ -288,7 +297,12 @@ class Scheduler:
         return True
 
     def _schedule_from(self, start: int, step: Step) -> None:
-        """The general loop over ``running[start:]``: prefill chunks, decodes, several tokens, preemption."""
+        """The general loop over ``running[start:]``: prefill chunks, decodes, several tokens, preemption.
+        From the start (``start`` 0), it commits for every running request first."""
+        if not start and self.kv.prefix_caching:
+            for req in self.running:
+                if req.num_computed_tokens >= req.next_commit:
+                    self._commit(req)
         chunk, budget = self._chunk, step.budget
         reqs, counts, slots = step.reqs, step.out.num_scheduled_tokens, step.out.token_slots
         for req in self.running[start:] if start else self.running:
@@ -423,9 +437,7 @@ class Scheduler:
         """
         if req.status is not _RUNNING:
             return None
-        if not tokens:  # a prefill chunk
-            if req.num_computed_tokens >= req.next_commit:
-                self._commit(req)
+        if not tokens:  # a prefill chunk (its blocks commit at the next schedule())
             return None
         if len(tokens) == 1:
             token = tokens[0]
@@ -435,23 +447,23 @@ class Scheduler:
             tokens, reason = _append_tokens(req, tokens)
         if req.first_token_time is None:
             req.first_token_time = now
-        done = req.num_computed_tokens
-        if done >= req.next_commit:  # `_commit`, inlined
-            self.kv.commit(req.request_id, req.all_token_ids, done)
-            req.next_commit = (done // self.block_tokens + 1) * self.block_tokens
         req.next_check = next_check(req)
         if reason is not None:
+            if req.num_computed_tokens >= req.next_commit:  # its last blocks, before they are cached
+                self._commit(req)
             self._drop(req, _FINISHED, reason)
             self._remove_running(req)
         else:
-            if req.num_computed_tokens >= req.capacity:  # a block more next step (listed for prefix caching)
-                self._full.append(req)
             if tokens is plain[1]:  # its new_token_ids (a subscript: cheaper than the property)
                 return plain
         return RequestOutput(req.request_id, tokens, reason)
 
     def _commit(self, req: Request) -> None:
-        """Register the request's newly full blocks of computed tokens in the prefix cache."""
+        """Register the request's newly full blocks of computed tokens in the prefix cache.
+
+        A running request commits at the start of the next `schedule` (before anything there looks a prefix
+        up), when it finishes, or when it is aborted between steps: never in `update`'s hot loop.
+        """
         done = req.num_computed_tokens
         self.kv.commit(req.request_id, req.all_token_ids, done)
         req.next_commit = (done // self.block_tokens + 1) * self.block_tokens

@@ -132,9 +132,9 @@ def check_scheduler(sched: "Scheduler") -> None:
             record = sched.adapters.get(req.adapter)
             assert record.loaded and record.pins >= counts[req.adapter] and record.slot == req.slot
     assert counts == sched.running_adapters and len(counts) <= sched.max_adapters
-    if sched._all_decoding and sched._in_flight is None and sched.kv.prefix_caching:  # the next step's growth
-        assert [r for r in sched._full if r.status is RequestStatus.RUNNING] == \
-            [r for r in sched.running if r.num_computed_tokens >= r.capacity], "a full KV left off the list"
+    if sched._all_decoding and sched.kv.prefix_caching:  # the next step's growth: `_schedule_decodes` reads
+        #   a full table from a block to commit
+        assert all(r.next_commit <= r.capacity for r in sched.running), "a full KV with no block to commit"
     awaiting = {rid for reqs in sched._awaiting.values() for rid in reqs}
     for req in waiting:
         assert sched.requests[req.request_id] is req and req.status.is_waiting
