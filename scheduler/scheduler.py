@@ -136,7 +136,7 @@ class Scheduler:
             return False
         if req.status is _RUNNING:
             if self._in_flight is None and req.num_computed_tokens >= req.next_commit:
-                self._commit(req)  # blocks computed since the last schedule() (none are while a step runs)
+                self._commit_running_upto(req)
             self._remove_running(req)
         self._drop(req, _ABORTED, _ABORT)
         return True
@@ -450,13 +450,23 @@ class Scheduler:
         req.next_check = next_check(req)
         if reason is not None:
             if req.num_computed_tokens >= req.next_commit:  # its last blocks, before they are cached
-                self._commit(req)
+                self._commit_running_upto(req)
             self._drop(req, _FINISHED, reason)
             self._remove_running(req)
         else:
             if tokens is plain[1]:  # its new_token_ids (a subscript: cheaper than the property)
                 return plain
         return RequestOutput(req.request_id, tokens, reason)
+
+    def _commit_running_upto(self, req: Request) -> None:
+        """`_commit` ``req`` (it leaves now), after the running requests ahead of it commit what they computed:
+        of equal blocks, the first in batch order registers, as if every request committed in `update`."""
+        for r in self.running:  # the earlier ones first, as update() used to: the same copy of a block registers
+            if r is req:
+                self._commit(r)
+                break
+            if r.num_computed_tokens >= r.next_commit:  # (next_commit left as is: the next schedule() sees it)
+                self.kv.commit(r.request_id, r.all_token_ids, r.num_computed_tokens)
 
     def _commit(self, req: Request) -> None:
         """Register the request's newly full blocks of computed tokens in the prefix cache.
