@@ -401,7 +401,7 @@ class KVManager:
         return None
 
     def _run_of(self, page: int) -> PageRun | None:
-        """The run holding ``page`` (O(runs))."""
+        """The run holding ``page`` (O(pages in runs); queries only, never a step's path)."""
         for run in self._runs.values():
             if page in run.run:
                 return run
