@@ -45,10 +45,10 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from unipage.kernels.launch import launch
 
 from unipage.kernels.common import cdiv, next_pow2
 from unipage.kernels.common import device_key  # noqa: F401  (re-exported for the tuner)
+from unipage.kernels.launch import launch
 from unipage.lora_layout import AdapterLayout
 
 CONFIG_DIR = Path(__file__).parent / "configs"

@@ -13,7 +13,6 @@ import math
 import torch
 
 from unipage.errors import CheckpointError
-from unipage.kernels.elementwise import rotate_ref
 
 
 def rope_parameters(hf: dict) -> dict:
@@ -93,9 +92,3 @@ def cos_sin(freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
     angles = positions.float()[:, None] * freq.to(positions.device)[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     return (emb.cos() * attention).to(dtype), (emb.sin() * attention).to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, D]`` by ``cos/sin [T, D]`` (the torch reference; the model rotates q and k
-    together through its kernel set's ``rope``)."""
-    return rotate_ref(x, cos, sin)
