@@ -133,3 +133,23 @@ def test_cache_many_validates_every_page_before_changing_any(pages, match):
         pool.cache_many(pages)
     assert pool.occupancy() == {"free": 3, "kv": 5, "cached_kv": 0, "adapter": 0}
     pool.check()
+
+
+def _state(pool: PagePool) -> tuple:
+    return pool.occupancy(), [pool.kind(p) for p in range(pool.num_pages)], pool.refcounts()[:], pool.free_stack()[:]
+
+
+def test_unchecked_fast_paths_equal_the_checked_ones_on_valid_pages():
+    checked, unchecked = PagePool(8), PagePool(8)
+    for pool in (checked, unchecked):
+        pool.alloc(6)
+        pool.share(5)
+    checked.cache_many([4, 1, 2, 0])
+    unchecked.cache_many_unchecked([4, 1, 2, 0])
+    assert _state(checked) == _state(unchecked)
+    checked.drop_many([2, 4])
+    unchecked.drop_many_unchecked([2, 4])
+    for pool in (checked, unchecked):
+        pool.check()
+    assert _state(checked) == _state(unchecked)
+    assert unchecked.free_stack()[-2:] == [2, 4]  # dropped pages are handed out next, the last first

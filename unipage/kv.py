@@ -536,7 +536,7 @@ class KVManager:
     def _let_go(self, cached: list[int], cached_blocks: list[_Block], unshared: list[int]) -> None:
         """`_release`'s end: what `_sort_out` sorted is cached or freed."""
         if cached:  # registered pages whose last user left: cached blocks, stamped in order, and offered
-            self.pool.cache_many(cached)
+            self.pool.cache_many_unchecked(cached)  # (its tables held their last reference)
             self.reclaimer.add_used_now(cached_blocks)
         self.pool.free(unshared)
 
@@ -636,7 +636,7 @@ class KVManager:
     def _evict_cached_many(self, pages: list[int]) -> None:
         """Reclaimer callback: drop several cached blocks, in order."""
         self._unregister_many(pages)
-        self.pool.drop_many(pages)
+        self.pool.drop_many_unchecked(pages)  # (registered and in the reclaimer's lane: cached)
 
     def _evict_run(self, run: PageRun, pages: list[int]) -> None:
         """Reclaimer callback: ``pages`` left the front of a run (gone with its last page, block 0, the one
@@ -647,7 +647,7 @@ class KVManager:
             run.owner_data.root.refs -= len(pages) - 1
             self._unregister_many(pages[-1:])
             self._forget_run(run)
-        self.pool.drop_many(pages)
+        self.pool.drop_many_unchecked(pages)  # (a run's pages are cached)
 
     def _forget_run(self, run: PageRun) -> None:
         seq = run.owner_data

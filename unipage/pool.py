@@ -16,8 +16,10 @@ a reference count::
 
 Invariant (``check``): ``free + kv + cached_kv + adapter == total``.
 Every method validates its whole argument before changing anything, so a bad
-call raises `PageError` and leaves the pool as it was.  Running out of pages
-is not an error: ``alloc`` returns ``None``.
+call raises `PageError` and leaves the pool as it was; but for the two
+``*_unchecked`` fast paths, which the KV manager calls with pages its own
+bookkeeping vouches for.  Running out of pages is not an error: ``alloc``
+returns ``None``.
 """
 
 from __future__ import annotations
@@ -192,6 +194,30 @@ class PagePool:
                 self._expect(page, PageKind.CACHED_KV, "drop")
         if len(pages) > 1 and len(set(pages)) != len(pages):
             raise PageError(f"cannot drop a page twice: {list(pages)}")
+        for page in pages:
+            kinds[page] = 0  # refcounts are 0 already
+        self._free += pages
+        self._counts[_CACHED_KV] -= len(pages)
+        self._counts[0] += len(pages)
+
+    # -- unchecked: the co-owners' hot paths -----------------------------
+    # The KV manager calls these with pages its own bookkeeping vouches for: pages whose last reference its
+    # block tables hold, and cached blocks the reclaimer's lane holds (evicted in order).  They skip the
+    # per-page validation of `cache_many` and `drop_many` -- under memory pressure, a scheduler step caches
+    # and drops dozens of pages -- and `check` still catches a misuse.
+
+    def cache_many_unchecked(self, pages: list[int]) -> None:
+        """`cache_many` of distinct KV pages of refcount 1, not validated."""
+        kinds, refs = self._kind, self._ref
+        for page in pages:
+            kinds[page] = _CACHED_KV
+            refs[page] = 0
+        self._counts[_KV] -= len(pages)
+        self._counts[_CACHED_KV] += len(pages)
+
+    def drop_many_unchecked(self, pages: list[int]) -> None:
+        """`drop_many` of distinct CACHED_KV pages, not validated."""
+        kinds = self._kind
         for page in pages:
             kinds[page] = 0  # refcounts are 0 already
         self._free += pages
