@@ -104,16 +104,19 @@ class StepResult:
 class RequestOutput(tuple):
     """New tokens of one request in one step; ``finish_reason`` is set on its last output.
 
-    An immutable record over a tuple ``(request_id, new_token_ids, finish_reason, detail)``: `update` makes
-    one per running request every step, and a tuple's can be made in C (`make_outputs`).  Equal only to
-    another `RequestOutput` with equal fields.
+    An immutable record over the tuple ``(request_id, new_token_ids, finish_reason, detail)``, built from
+    that tuple as `time.struct_time` is from its fields: ``RequestOutput((request_id, new_token_ids,
+    finish_reason, detail))``; `RequestOutput.of` takes the fields as arguments.  It has no ``__new__`` of
+    its own, so that `update`, which makes one per running request every step, makes them with the tuple
+    type's constructor in C (`make_outputs`).  Equal only to another `RequestOutput` with equal fields.
     """
 
     __slots__ = ()
 
-    def __new__(cls, request_id: str, new_token_ids: list[int], finish_reason: FinishReason | None = None,
-                detail: str = "") -> "RequestOutput":
-        return tuple.__new__(cls, (request_id, new_token_ids, finish_reason, detail))
+    @classmethod
+    def of(cls, request_id: str, new_token_ids: list[int], finish_reason: FinishReason | None = None,
+           detail: str = "") -> RequestOutput:
+        return cls((request_id, new_token_ids, finish_reason, detail))
 
     request_id = property(itemgetter(0), doc="the request's id")
     new_token_ids = property(itemgetter(1), doc="tokens generated this step (may be empty on a final output)")
@@ -123,9 +126,6 @@ class RequestOutput(tuple):
     @property
     def finished(self) -> bool:
         return self[2] is not None
-
-    def __getnewargs__(self) -> tuple:
-        return tuple(self)
 
     def __repr__(self) -> str:
         reason = self.finish_reason.name if self.finish_reason else None
@@ -141,9 +141,6 @@ class RequestOutput(tuple):
 
 
 def make_outputs(request_ids: list[str], sampled: list[list[int]]) -> list[RequestOutput]:
-    """``[RequestOutput(r, t) for r, t in zip(request_ids, sampled)]``, made in C."""
+    """``[RequestOutput.of(r, t) for r, t in zip(request_ids, sampled)]``, made in C."""
     n = len(request_ids)
-    return list(map(_new_tuple, repeat(RequestOutput, n), zip(request_ids, sampled, repeat(None, n), repeat("", n))))
-
-
-_new_tuple = tuple.__new__
+    return list(map(RequestOutput, zip(request_ids, sampled, repeat(None, n), repeat("", n))))

@@ -456,7 +456,7 @@ class Scheduler:
         else:
             if tokens is plain[1]:  # its new_token_ids (a subscript: cheaper than the property)
                 return plain
-        return RequestOutput(req.request_id, tokens, reason)
+        return RequestOutput.of(req.request_id, tokens, reason)
 
     def _commit_running_upto(self, req: Request) -> None:
         """`_commit` ``req`` (it leaves now), after the running requests ahead of it commit what they computed:
@@ -539,7 +539,7 @@ class Scheduler:
             self._aborted_ids.append(req.request_id)
             self.stats.aborted += 1
             if reason is not _ABORT:  # the scheduler's own decision: tell the caller why
-                self._pending.append(RequestOutput(req.request_id, [], reason, detail))
+                self._pending.append(RequestOutput.of(req.request_id, [], reason, detail))
 
     def check(self) -> None:
         """Assert the scheduler's invariants and the memory's (O(requests + pages); for tests)."""

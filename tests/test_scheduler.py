@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from test_scheduler_support import TOKEN, Executor, batch, make, req, step
+from unipage.scheduler.output import make_outputs
 from unipage.adapters import LoadAdapter
 from unipage.errors import UnknownAdapterError
 from unipage.scheduler import (TRANSITIONS, DuplicateRequestError, FinishReason, InvalidTransitionError,
@@ -29,7 +30,7 @@ def test_chunked_prefill_and_decode_share_the_token_budget():
     assert batch(out) == [("r0", 2), ("r1", 3)]  # r0 finishes its prompt, r1's prompt fits beside it
     assert out.running_ids == ["r0"] and out.new_block_ids == {"r0": [2]}
     assert out.new_requests[0].block_table == [3] and out.total_num_scheduled_tokens == 5
-    assert outputs == [RequestOutput("r0", [TOKEN]), RequestOutput("r1", [TOKEN])]
+    assert outputs == [RequestOutput.of("r0", [TOKEN]), RequestOutput.of("r1", [TOKEN])]
     out, _ = step(sched)
     assert batch(out) == [("r0", 1), ("r1", 1)] and out.new_block_ids == {}
     out, outputs = step(sched)
@@ -68,8 +69,8 @@ def test_stop_token_finishes_and_keeps_the_token():
     sched.add(req("r0", max_tokens=10, stop_token_ids=(5,)))
     tokens = iter([3, 5])
     executor = Executor(sched, token=lambda rid: next(tokens))
-    assert step(sched, executor)[1] == [RequestOutput("r0", [3])]
-    assert step(sched, executor)[1] == [RequestOutput("r0", [5], FinishReason.STOP)]
+    assert step(sched, executor)[1] == [RequestOutput.of("r0", [3])]
+    assert step(sched, executor)[1] == [RequestOutput.of("r0", [5], FinishReason.STOP)]
     assert sched.get("r0") is None and step(sched)[0].finished_ids == ["r0"]
 
 
@@ -162,7 +163,7 @@ def test_a_failed_load_answers_the_requests_waiting_for_it():
     sched.add(req("r0", adapter="a"))
     out, outputs = step(sched, executor)
     assert out.req_ids == [] and sched.get("r0") is None
-    assert outputs == [RequestOutput("r0", [], FinishReason.LOAD_FAILED, "adapter 'a' failed to load")]
+    assert outputs == [RequestOutput.of("r0", [], FinishReason.LOAD_FAILED, "adapter 'a' failed to load")]
     assert step(sched)[0].aborted_ids == ["r0"] and sched.memory.occupancy()["adapter"] == 0
 
 
@@ -172,7 +173,7 @@ def test_an_adapter_unregistered_while_its_request_waits_answers_the_request():
     sched.adapters.unregister("a")
     out, outputs = step(sched)
     assert out.aborted_ids == ["r0"] and out.req_ids == []
-    assert outputs == [RequestOutput("r0", [], FinishReason.LOAD_FAILED, "adapter 'a' was unregistered")]
+    assert outputs == [RequestOutput.of("r0", [], FinishReason.LOAD_FAILED, "adapter 'a' was unregistered")]
 
 
 def test_prefetch_loads_the_next_adapters_only_into_spare_pages():
@@ -215,7 +216,7 @@ def test_abort_while_a_step_runs_drops_its_results():
     sched.schedule()
     assert sched.abort("r0")
     outputs = sched.update(StepResult([[1], [2]]))
-    assert outputs == [RequestOutput("r1", [2])] and sched.memory.occupancy()["kv"] == 2
+    assert outputs == [RequestOutput.of("r1", [2])] and sched.memory.occupancy()["kv"] == 2
     sched.check()
 
 
@@ -350,12 +351,14 @@ def test_the_documented_example_runs(policy, admission, capsys):
 def test_request_outputs_are_immutable_records_equal_only_to_request_outputs():
     import pickle
 
-    out = RequestOutput("r0", [5], FinishReason.STOP)
+    out = RequestOutput.of("r0", [5], FinishReason.STOP)
     assert (out.request_id, out.new_token_ids, out.finish_reason, out.detail, out.finished) == \
         ("r0", [5], FinishReason.STOP, "", True)
-    assert out == RequestOutput("r0", [5], FinishReason.STOP) and not out != RequestOutput("r0", [5], FinishReason.STOP)
-    assert out != ("r0", [5], FinishReason.STOP, "") and out != RequestOutput("r0", [5])
+    assert out == RequestOutput.of("r0", [5], FinishReason.STOP) and not out != RequestOutput.of("r0", [5], FinishReason.STOP)
+    assert out != ("r0", [5], FinishReason.STOP, "") and out != RequestOutput.of("r0", [5])
     assert pickle.loads(pickle.dumps(out)) == out and repr(out) == "RequestOutput('r0', [5], STOP, '')"
+    assert RequestOutput(("r0", [5], FinishReason.STOP, "")) == out  # from its fields, as make_outputs does
+    assert make_outputs(["r0", "r1"], [[5], []]) == [RequestOutput.of("r0", [5]), RequestOutput.of("r1", [])]
     with pytest.raises(AttributeError):
         out.detail = "changed"
 

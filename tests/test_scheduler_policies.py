@@ -103,9 +103,9 @@ def test_slo_policy_drops_requests_predicted_to_miss_their_first_token_deadline(
         sched.add(req(f"r{i}", n=8, start=10 * i, arrival_time=0.0))
     out, outputs = step(sched)  # r0 after 1 step, r1 after 2, r2 after 3 > 2.5 s
     assert batch(out) == [("r0", 8)] and out.aborted_ids == ["r2"]
-    assert outputs == [RequestOutput("r2", [], FinishReason.SLO,
+    assert outputs == [RequestOutput.of("r2", [], FinishReason.SLO,
                                      "predicted time to first token 3.000 s exceeds slo_ttft_s=2.5 s"),
-                       RequestOutput("r0", [9])]
+                       RequestOutput.of("r0", [9])]
     sched.clock.now = 1.0
     out, outputs = step(sched)  # r1: 1 s waited + 8 tokens at 7 per step
     assert batch(out) == [("r0", 1), ("r1", 7)] and out.aborted_ids == []
