@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
+from unipage.kernels import moe_lora_fused as lora_fused
 from unipage.kernels.common import cdiv, hopper_or_later, next_pow2
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
@@ -148,13 +149,20 @@ def _moe_gemm_kernel(
     topk_weights_ptr,  # [TK] float32 (MUL_WEIGHT)
     bias_ptr,  # [E, W_rows] the experts' output bias (HAS_BIAS), added before the activation / weight
     sorted_ptr, block_expert_ptr, num_blocks_ptr,  # the `Alignment` (groups = experts)
-    slots_ptr, flags_ptr,  # [T] int32 token slots, [S] int32 slot has expert LoRA (HAS_LORA)
-    num_pairs, N, K_dim, a_div, w_rows,
+    slots_ptr, flags_ptr,  # [T] int32 token slots, [S] int32 slot has expert LoRA (HAS_LORA or FUSED)
+    # FUSED (`moe_lora_fused`): z [SPLIT_K, TK, R_PAD] float32 (gate/up: x @ A_gu.T partials; down:
+    # down_z), down_z [TK, RD] float32 (gate/up: += act @ A_d.T), the pool layer [N, P], page table
+    # [S, max_pages] int32, LoRA metadata [S, NUM_FIELDS] int32
+    z_ptr, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
+    num_pairs, N, K_dim, a_div, w_rows, top_k, stride_pt,
     stride_am, stride_we, stride_wn, stride_om, stride_rm, alpha, limit,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FUSED: tl.constexpr = False, R_PAD: tl.constexpr = 16,
+    RK: tl.constexpr = 16, RD: tl.constexpr = 16, SPLIT_K: tl.constexpr = 1, CHUNK_SLOTS: tl.constexpr = 1,
+    RUN: tl.constexpr = 16, PAGE_SHIFT: tl.constexpr = 6, DOWN_SHRINK: tl.constexpr = True,
+    CHUNK_DISTINCT: tl.constexpr = True,
 ):
     num_m = tl.load(num_blocks_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -192,7 +200,19 @@ def _moe_gemm_kernel(
         if not USE_TMA:
             w_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    if FUSED:  # the LoRA deltas as extra K steps into the same accumulators
+        slot = lora_fused.pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k)
+        if GATED:
+            acc, acc_up = lora_fused.gate_up_delta(acc, acc_up, slot, pairs, expert, n0, N, num_pairs, z_ptr,
+                                                   pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K,
+                                                   CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION,
+                                                   CHUNK_DISTINCT)
+        else:
+            acc = lora_fused.down_delta(acc, slot, pairs, expert, n0, N, z_ptr, pool_ptr, pt_ptr, meta_ptr,
+                                        stride_pt, RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION,
+                                        CHUNK_DISTINCT)
+    cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & (cols[None, :] < N)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
     if HAS_BIAS:
@@ -211,7 +231,11 @@ def _moe_gemm_kernel(
         acc = gated_act(acc, acc_up, ACT, alpha, limit)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, out, mask=mask)
+    if FUSED and GATED and DOWN_SHRINK:  # the down shrink, from act as stored
+        lora_fused.down_shrink(out, slot, pairs, expert, n0, N, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
+                               RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION, CHUNK_DISTINCT)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -232,21 +256,28 @@ def _weight_source(w: torch.Tensor, cfg: dict):
 
 def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, gated: bool,
                  weights=None, raw=None, token_slots=None, slot_flags=None, bias=None,
-                 activation: GatedActivation = SILU) -> None:
+                 activation: GatedActivation = SILU, fused=None) -> None:
+    """``fused``: a `fused_moe_lora.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`)."""
     k_dim, has_lora = a.shape[1], raw is not None
     w_src, tma = _weight_source(w, cfg)
     grid = (align.max_blocks * cdiv(n, cfg["block_n"]),)
+    if fused is not None:
+        token_slots, slot_flags = fused.lora.token_slots, fused.lora.meta.slot_flags
+        lora_args, lora_consts = lora_fused.gemm_args(fused, gated, cfg["block_n"])
+    else:
+        lora_args, lora_consts = (out, out, out, out, out, 1, 0), {}
     launch(_moe_gemm_kernel, grid,
         a, w_src, out, raw if has_lora else out, weights if weights is not None else out,
         bias if bias is not None else out, align.sorted_pairs, align.block_group, align.num_blocks,
-        token_slots if has_lora else align.sorted_pairs, slot_flags if has_lora else align.sorted_pairs,
-        align.num_pairs, n, k_dim, a_div, w.shape[1], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        raw.stride(0) if has_lora else 0, float(activation.alpha), float(activation.limit),
+        token_slots if token_slots is not None else align.sorted_pairs,
+        slot_flags if slot_flags is not None else align.sorted_pairs, *lora_args[:5],
+        align.num_pairs, n, k_dim, a_div, w.shape[1], *lora_args[5:], a.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), raw.stride(0) if has_lora else 0, float(activation.alpha), float(activation.limit),
         GATED=gated, MUL_WEIGHT=weights is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
         ACT=activation.code,
         EVEN_K=k_dim % cfg["block_k"] == 0, USE_TMA=tma, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **lora_consts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +342,7 @@ def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
 
 def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                 slot_flags=None, config: dict | None = None, *, bias=None,
-                activation: GatedActivation = SILU) -> None:
+                activation: GatedActivation = SILU, lora_plan=None) -> None:
     """``act[p] = activation(x[t] @ Wg[e].T, x[t] @ Wu[e].T)`` for every pair ``p = (t, e)``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``topk_ids`` [T, K] int32; ``align`` from
@@ -320,22 +351,28 @@ def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_s
     expert LoRA get ``raw[p] = x[t] @ W[e].T`` (gate | up, un-activated) instead and
     their ``act`` row is left for the LoRA pass.  ``config``: base launch config entry.
     ``bias`` [E, 2I] (optional): added to gate | up before the activation (and into ``raw``).
-    ``activation``: `GatedActivation` (default silu).
+    ``activation``: `GatedActivation` (default silu).  ``lora_plan`` (instead of ``raw``): a
+    `fused_moe_lora.MoeLoraPlan` after `moe_lora_shrink`: the LoRA pairs' gate/up deltas are added
+    before the activation and their down shrink left in ``lora_plan.down_z`` (`moe_lora_fused`).
     """
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
     _check_bias(bias, w_gate_up)
     if raw is not None:
+        if lora_plan is not None:
+            raise ValueError("raw (the separate LoRA pass) and lora_plan (the fused one) exclude each other")
         _check_tensor("raw", raw, (num_pairs, 2 * inter), x.dtype, x.device)
     cfg = base_config(w_gate_up.shape[0], x.shape[1], inter, topk_ids, config)
     _launch_gemm(x, w_gate_up, act, align, cfg["gate_up"], n=inter, a_div=topk_ids.shape[-1], gated=True,
-                 raw=raw, token_slots=token_slots, slot_flags=slot_flags, bias=bias, activation=activation)
+                 raw=raw, token_slots=token_slots, slot_flags=slot_flags, bias=bias, activation=activation,
+                 fused=lora_plan)
 
 
 def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                     slot_flags=None, config: dict | None = None, *, bias=None,
-                    activation: GatedActivation = SILU) -> None:
-    """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused)."""
+                    activation: GatedActivation = SILU, lora_plan=None) -> None:
+    """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused; the fused
+    LoRA's delta added in float32 to the unrounded product, its ``down_z`` not filled)."""
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
     _check_bias(bias, w_gate_up)
@@ -343,6 +380,10 @@ def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, tok
     if bias is not None:
         h += bias.float()[topk_ids.reshape(-1).long()]
     a = activation.ref(h[:, :inter], h[:, inter:]).to(act.dtype)
+    if lora_plan is not None:
+        act.copy_(a)  # then the LoRA pairs' rows again, from h + delta
+        lora_ops.moe_lora_gate_up_ref(lora_plan, x, h, act)
+        return
     if raw is None:
         act.copy_(a)
         return
@@ -352,31 +393,36 @@ def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, tok
 
 
 def moe_down(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None, *,
-             bias=None) -> None:
+             bias=None, lora_plan=None) -> None:
     """``y[p] = w[p] · (act[p] @ w_down[e].T + bias[e])`` for every pair ``p`` routed to expert ``e``.
 
     ``act`` [TK, I]; ``w_down`` [E, H, I]; ``topk_ids`` [T, K] int32; ``topk_weights``
     [T, K] float32; ``align`` as for `moe_gate_up`; ``y`` [TK, H] (written);
-    ``bias`` [E, H] (optional, zero if absent).
+    ``bias`` [E, H] (optional, zero if absent).  ``lora_plan``: the plan of `moe_gate_up`'s fused
+    LoRA: the LoRA pairs get ``+ down_z[p] @ B_d`` inside the routing weight.
     """
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
     _check_bias(bias, w_down)
     cfg = base_config(w_down.shape[0], hidden, act.shape[1], topk_ids, config)
     _launch_gemm(act, w_down, y, align, cfg["down"], n=hidden, a_div=1, gated=False,
-                 weights=topk_weights, bias=bias)
+                 weights=topk_weights, bias=bias, fused=lora_plan)
 
 
 def moe_down_ref(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None, *,
-                 bias=None) -> None:
-    """Torch version of `moe_down` (``align`` and ``config`` unused)."""
+                 bias=None, lora_plan=None) -> None:
+    """Torch version of `moe_down` (``align`` and ``config`` unused; the fused LoRA's delta from
+    ``act``, added in float32 before rounding)."""
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
     _check_bias(bias, w_down)
     out = _per_expert(act.float(), w_down, topk_ids, 1)
     if bias is not None:
         out += bias.float()[topk_ids.reshape(-1).long()]
-    y.copy_(out * topk_weights.reshape(-1, 1))
+    out *= topk_weights.reshape(-1, 1)
+    if lora_plan is not None:
+        lora_ops.moe_lora_down_ref(lora_plan, act, out, topk_weights)
+    y.copy_(out)
 
 
 def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div: int) -> torch.Tensor:
@@ -394,9 +440,9 @@ def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div:
 # The whole MoE
 
 
-_TRITON = SimpleNamespace(align=moe_align, gate_up=moe_gate_up, down=moe_down, plan=lora_ops.plan_moe_lora,
+_TRITON = SimpleNamespace(fused=True, align=moe_align, gate_up=moe_gate_up, down=moe_down, plan=lora_ops.plan_moe_lora,
                           lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down)
-_TORCH = SimpleNamespace(align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_down_ref,
+_TORCH = SimpleNamespace(fused=False, align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_down_ref,
                          plan=lora_ops.plan_moe_lora_ref, lora_gate_up=lora_ops.moe_lora_gate_up_ref,
                          lora_down=lora_ops.moe_lora_down_ref)
 
@@ -415,16 +461,22 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
     if lora is not None and lora.activation != activation:
         lora = dataclasses.replace(lora, activation=activation)
     plan = ops.plan(lora, topk_ids, lora_config) if lora is not None and lora.meta.any_lora else None
-    if plan is None:
-        ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation)
+    fused = ops.fused and lora_fused.uses_fused(plan)
+    if plan is None or fused:
+        if fused:
+            lora_ops.moe_lora_shrink(plan, x)
+        ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation,
+                    lora_plan=plan if fused else None)
+        if fused and not lora_fused.down_shrink_in_epilogue(plan):
+            lora_ops.moe_lora_down_shrink(plan, act)
     else:
         raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
         ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
                     bias=gate_up_bias, activation=activation)
         ops.lora_gate_up(plan, x, raw, act)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias)
-    if plan is not None:
+    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias, lora_plan=plan if fused else None)
+    if plan is not None and not fused:
         ops.lora_down(plan, act, y, topk_weights)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 

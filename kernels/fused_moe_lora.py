@@ -104,9 +104,23 @@ from unipage.kernels.moe_align import (
 from unipage.adapter_pack import gather_block
 from unipage.lora_layout import Block
 
-__all__ = ["MoeLora", "MoeLoraMeta", "MoeLoraPlan", "expected_load", "lora_config", "lora_pairs", "moe_lora_down",
-           "moe_lora_down_ref", "moe_lora_gate_up", "moe_lora_gate_up_ref", "moe_lora_meta", "plan_moe_lora",
-           "plan_moe_lora_ref"]
+__all__ = [
+    "MoeLora",
+    "MoeLoraMeta",
+    "MoeLoraPlan",
+    "expected_load",
+    "lora_config",
+    "lora_pairs",
+    "moe_lora_down",
+    "moe_lora_down_ref",
+    "moe_lora_down_shrink",
+    "moe_lora_gate_up",
+    "moe_lora_gate_up_ref",
+    "moe_lora_meta",
+    "moe_lora_shrink",
+    "plan_moe_lora",
+    "plan_moe_lora_ref",
+]
 
 
 
@@ -340,7 +354,10 @@ def _shrink_kernel(
     R_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     K_TILE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PAGE_SHIFT: tl.constexpr,
     EVEN_K: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOWN: tl.constexpr = False,
 ):
+    # DOWN (the fused path's down shrink, `moe_lora_down_shrink`): x is act [TK, I] (row = pair),
+    # hidden is I, z is down_z [TK, RD_PAD] (SPLIT_K 1), A is down A; down_z is not zeroed.
     if USE_PDL:
         gdc_launch_dependents()
     num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
@@ -354,14 +371,14 @@ def _shrink_kernel(
     if BLOCK_M == 1:  # the pair's x run, loaded with the metadata
         offs_kt = tl.arange(0, K_TILE)
         k_left = tl.minimum(K_PER_SPLIT, hidden - split * K_PER_SPLIT)
-        x_run = tl.load(x_ptr + (pid_m // top_k).to(tl.int64) * stride_x + split * K_PER_SPLIT + offs_kt[None, :],
+        x_run = tl.load(x_ptr + (pid_m if DOWN else pid_m // top_k).to(tl.int64) * stride_x + split * K_PER_SPLIT + offs_kt[None, :],
                         mask=offs_kt[None, :] < k_left, other=0.0)
-    rows_a = _field(row, meta + F_GU_ROWS, S_PAD)
+    rows_a = _field(row, meta + (F_DOWN_RANK if DOWN else F_GU_ROWS), S_PAD)
     group_off = _field(row, meta + F_BASE, S_PAD) + expert * _field(row, meta + F_STRIDE, S_PAD)
-    gu_a = _field(row, meta + F_GU_A, S_PAD)
+    gu_a = _field(row, meta + (F_DOWN_A if DOWN else F_GU_A), S_PAD)
     if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD):
         return
-    if split == 0:
+    if split == 0 and not DOWN:
         zero = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
         tl.store(down_z_ptr + pairs[:, None] * RD_PAD + tl.arange(0, RD_PAD)[None, :], zero,
                  mask=pair_ok[:, None])
@@ -375,7 +392,7 @@ def _shrink_kernel(
         a = load_runs(pool_ptr, pt, a_virt + split * K_PER_SPLIT, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
         acc = _mm(x_run, tl.trans(a), True, DOT_PRECISION)
     else:
-        x_rows = tl.where(pair_ok, pairs // top_k, 0).to(tl.int64)
+        x_rows = tl.where(pair_ok, pairs if DOWN else pairs // top_k, 0).to(tl.int64)
         acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
         k_lo = split * K_PER_SPLIT
         for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, hidden), 64):
@@ -573,6 +590,40 @@ def _use_pdl(plan: MoeLoraPlan) -> bool:
     return bool(plan.config.get("pdl")) and gdc_wait is not None and hopper_or_later(plan.topk_ids.device)
 
 
+def moe_lora_shrink(plan: MoeLoraPlan, x: torch.Tensor) -> None:
+    """``plan.gate_up_z`` = split-K partials of ``x[t] @ A_gu[s, e].T`` and ``plan.down_z`` = 0 for every
+    LoRA pair (``x`` [T, H] model dtype).  The first launch of `moe_lora_gate_up`, and of the fused path
+    (`moe_lora_fused`) before the base gate/up GEMM."""
+    meta = plan.lora.meta
+    _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden))
+    cfg, page_shift = plan.config, plan.lora.pool.shape[1].bit_length() - 1
+    r_pad, _, rd_pad = lora_pads(meta)
+    splits, per_split = _split_k(meta.hidden, cfg["split_k"])
+    launch(_shrink_kernel, (_num_tile_bound(plan) * splits,),
+        x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), plan.lora.page_table.stride(0),
+        R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split,
+        K_TILE=next_pow2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
+        PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0, S_PAD=_slots_pad(plan),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=_use_pdl(plan),
+        **_launch_opts(cfg["shrink"]))
+
+
+def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
+    """``plan.down_z[p] = act[p] @ A_d[s, e].T`` for every LoRA pair with down LoRA (``act`` [TK, I] model
+    dtype): the fused path's down shrink as its own pass (config ``"down_shrink": "pass"``), between the
+    base GEMMs; `moe_lora_shrink` zeroed ``down_z`` before."""
+    meta = plan.lora.meta
+    _check_phase(plan, act=(act, plan.topk_ids.numel(), meta.inter))
+    cfg, rd_pad = plan.config, lora_pads(meta)[2]
+    launch(_shrink_kernel, (_num_tile_bound(plan),),
+        act, plan.down_z, plan.down_z, *_tile_args(plan), meta.inter, act.stride(0), plan.lora.page_table.stride(0),
+        R_PAD=rd_pad, RD_PAD=rd_pad, SPLIT_K=1, K_PER_SPLIT=cdiv(meta.inter, 64) * 64,
+        K_TILE=next_pow2(cdiv(meta.inter, 64) * 64), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
+        PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1, EVEN_K=meta.inter % 64 == 0, S_PAD=_slots_pad(plan),
+        DOT_PRECISION="ieee" if act.dtype == torch.float32 else "tf32", USE_PDL=False, DOWN=True,
+        **_launch_opts(cfg["shrink"]))
+
+
 def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
     """For every LoRA pair ``p = (t, e)``: ``act[p] = act_fn(h[:I], h[I:])``, ``h = raw[p] + delta_gu``
     (``act_fn``: ``plan.lora.activation``, silu-gated by default).
@@ -584,17 +635,12 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
     _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden), raw=(raw, num_pairs, 2 * meta.inter),
                  act=(act, num_pairs, meta.inter))
+    moe_lora_shrink(plan, x)
     cfg, tiles, page_shift = plan.config, _num_tile_bound(plan), plan.lora.pool.shape[1].bit_length() - 1
     r_pad, rk_pad, rd_pad = lora_pads(meta)
-    splits, per_split = _split_k(meta.hidden, cfg["split_k"])
+    splits, _ = _split_k(meta.hidden, cfg["split_k"])
     pdl, precision = _use_pdl(plan), "ieee" if x.dtype == torch.float32 else "tf32"
     stride_pt = plan.lora.page_table.stride(0)
-    launch(_shrink_kernel, (tiles * splits,),
-        x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), stride_pt,
-        R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split,
-        K_TILE=next_pow2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
-        PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0, S_PAD=_slots_pad(plan), DOT_PRECISION=precision,
-        USE_PDL=pdl, **_launch_opts(cfg["shrink"]))
     chunk = _chunk(meta.inter)
     block_n = max(chunk, min(cfg["gate_up"]["block_n"], next_pow2(meta.inter)))
     extra = {"launch_pdl": True} if pdl else {}

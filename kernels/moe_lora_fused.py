@@ -1,0 +1,267 @@
+"""Expert LoRA fused into the base MoE's grouped GEMMs ("K-extension").
+
+Shape legend: TK pairs, BM x BN a GEMM tile, S slots, C = ``CHUNK_SLOTS`` adapters per
+extra K step, RK = ``RK_PAD`` (a slice's padded rank), LK = C·RK.
+
+The separate LoRA pass (`fused_moe_lora`) reads the base GEMM's un-activated gate/up
+output back, adds the delta, re-applies the activation and read-modify-writes ``y``:
+activation traffic that costs more than the LoRA math.  Here the deltas are extra K
+steps of the base GEMMs, into the same accumulator, so nothing is written twice::
+
+    acc[m, :] += Σ_j S[m, j] · B[j, :]          S [BM, LK], B [LK, BN]
+
+A tile (BM pairs of one expert) holds pairs of several adapters.  Its LoRA slots are
+taken in runs of C consecutive slot ids, each run starting at the smallest slot id left
+(so a step holds at least one of the tile's slots; ids it lacks read nothing); column
+``j`` of a step belongs to the step's slot ``c0 + j // RK`` and rank row ``r = j % RK``.  ``S[m, j]`` is pair m's
+shrink output ``z[m, a_row + r]`` when pair m's slot is slot c (and ``r`` < its rank),
+else 0 — block-sparse, built by one masked load; ``B[j]`` is row ``r`` of slot c's B
+for this expert, read from the slot's pool pages (one page lookup per 64-run).  A tile
+without LoRA pairs does no extra step.  Scaling is folded into B (pack time).
+
+- gate/up GEMM: ``acc_gate += S_gate @ B_gate``, ``acc_up += S_up @ B_up`` before
+  the activation; then the down shrink ``down_z[m] += act[m] @ A_down[slot, e].T``
+  (this column tile's share, atomics) from the rounded ``act`` the GEMM stores.
+- down GEMM: ``acc += S_down @ B_down`` before the bias and the routing weight.
+
+``z`` (split-K partials of ``x @ A_gu.T``) and zeroed ``down_z`` come from
+`fused_moe_lora.moe_lora_shrink`, run before the gate/up GEMM.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from unipage.kernels.common import load_runs
+from unipage.kernels.moe_align import (
+    F_BASE,
+    F_DOWN_A,
+    F_DOWN_B,
+    F_DOWN_RANK,
+    F_GU_SLICES,
+    F_SLICE0,
+    F_STRIDE,
+    NUM_FIELDS,
+    SLICE_FIELDS,
+)
+
+NONE = tl.constexpr(1 << 30)  # "no slot": larger than any slot id
+
+
+@triton.jit
+def pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k):
+    """``[BM]`` the slot of each pair's token where it has expert LoRA in this layer, else NONE."""
+    slot = tl.load(slots_ptr + tl.where(pair_ok, pairs // top_k, 0), mask=pair_ok, other=-1)
+    flag = tl.load(flags_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
+    return tl.where(flag != 0, slot, NONE)
+
+
+@triton.jit
+def _next_chunk(slot, left, C: tl.constexpr, DISTINCT: tl.constexpr):
+    """The next chunk of C slots, each pair's position in it and whether it is in it, and ``left``
+    without them.  DISTINCT: the C smallest distinct slots left (C reductions); else the slot ids
+    ``[c0, c0 + C)`` from the smallest left ``c0`` (two reductions), NONE for those the tile lacks."""
+    ids = tl.arange(0, C)
+    if DISTINCT:
+        chunk = tl.full([C], NONE, tl.int32)
+        for i in tl.static_range(C):
+            smallest = tl.min(left, 0)
+            chunk = tl.where(ids == i, smallest, chunk)
+            left = tl.where(left == smallest, NONE, left)
+        match = (slot[:, None] == chunk[None, :]) & (chunk[None, :] < NONE)  # [BM, C]
+        pos = tl.sum(tl.where(match, ids[None, :], 0), 1)
+        inside = tl.max(match.to(tl.int32), 1) > 0
+    else:
+        c0 = tl.min(left, 0)
+        match = slot[:, None] == (c0 + ids)[None, :]  # [BM, C]
+        chunk = tl.where(tl.max(match.to(tl.int32), 0) > 0, c0 + ids, NONE)
+        inside = (left >= c0) & (left < c0 + C)
+        pos = slot - c0
+        left = tl.where(inside, NONE, left)
+    return chunk, pos, inside, left
+
+
+@triton.jit
+def _rows(chunk, RK: tl.constexpr, C: tl.constexpr):
+    """For each of the LK = C·RK extra K rows: its slot (NONE = unused), chunk position, rank row."""
+    j = tl.arange(0, C * RK)
+    c, r = j // RK, j % RK
+    slot = tl.sum(tl.where(c[:, None] == tl.arange(0, C)[None, :], chunk[None, :], 0), 1)
+    return slot, c, r
+
+
+@triton.jit
+def _field(meta_ptr, slot, field, ok):
+    """``meta[slot, field]`` per element (``field`` scalar or per element); 0 where not ``ok``."""
+    return tl.load(meta_ptr + tl.where(ok, slot, 0) * NUM_FIELDS + field, mask=ok, other=0)
+
+
+@triton.jit
+def _group_off(meta_ptr, slot, ok, expert):
+    return _field(meta_ptr, slot, F_BASE, ok) + expert * _field(meta_ptr, slot, F_STRIDE, ok)
+
+
+@triton.jit
+def _slice_field(meta_ptr, slot, ok, UP: tl.constexpr):
+    """Index of the first field of the gate (slice 0) or up (the last slice) B slice of each slot."""
+    if UP:
+        slices = _field(meta_ptr, slot, F_GU_SLICES, ok)
+        field = F_SLICE0 + (tl.maximum(slices, 1) - 1) * SLICE_FIELDS
+    else:
+        field = F_SLICE0 + slot * 0
+    return field
+
+
+@triton.jit
+def _paged_rows(pool_ptr, pt_ptr, stride_pt, slot, virt, ok, cols_left, BLOCK_N: tl.constexpr,
+                RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+    """``[rows, BLOCK_N]``: row i = slot[i]'s virtual elements ``virt[i] + [0, BLOCK_N)`` (0 where not ok)."""
+    pt = pt_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * stride_pt
+    return load_runs(pool_ptr, pt, virt, ok, cols_left, BLOCK_N, RUN, PAGE_SHIFT, True)
+
+
+@triton.jit
+def _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, UP: tl.constexpr, R_PAD: tl.constexpr,
+             RK: tl.constexpr, SPLIT_K: tl.constexpr, C: tl.constexpr):
+    """``S [BM, C·RK]`` float32: pair m's z entries of its slot's gate (or up) slice in the column block of
+    its chunk position, zeros elsewhere (one masked load per split)."""
+    field = _slice_field(meta_ptr, slot, inside, UP)
+    a_row = _field(meta_ptr, slot, field, inside)
+    rank = _field(meta_ptr, slot, field + 1, inside)
+    j = tl.arange(0, C * RK)
+    c, r = j // RK, j % RK
+    mask = inside[:, None] & (pos[:, None] == c[None, :]) & (r[None, :] < rank[:, None])
+    s = tl.zeros((pairs.shape[0], C * RK), tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        rows = (split * num_pairs + tl.where(inside, pairs, 0)).to(tl.int64) * R_PAD + a_row
+        s += tl.load(z_ptr + rows[:, None] + r[None, :], mask=mask, other=0.0)
+    return s
+
+
+@triton.jit
+def _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, UP: tl.constexpr,
+               RK: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr):
+    """``[C·RK, BLOCK_N]``: rows of the chunk's slots' gate (or up) B for this expert and column tile."""
+    row_slot, _, r = _rows(chunk, RK, C)
+    row_ok = row_slot < NONE
+    field = _slice_field(meta_ptr, row_slot, row_ok, UP)
+    rank = _field(meta_ptr, row_slot, field + 1, row_ok)
+    stride = (_field(meta_ptr, row_slot, field + 4, row_ok) + 63) // 64 * 64
+    virt = _group_off(meta_ptr, row_slot, row_ok, expert) + _field(meta_ptr, row_slot, field + 2, row_ok) + r * stride
+    if UP:  # up column n is the slice's local column n + I - col (the fused format's up half starts at I)
+        virt += inter - _field(meta_ptr, row_slot, field + 3, row_ok)
+    return _paged_rows(pool_ptr, pt_ptr, stride_pt, row_slot, virt + n0, row_ok & (r < rank), inter - n0,
+                       BLOCK_N, RUN, PAGE_SHIFT)
+
+
+@triton.jit
+def gate_up_delta(acc, acc_up, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr, pt_ptr, meta_ptr,
+                  stride_pt, R_PAD: tl.constexpr, RK: tl.constexpr, SPLIT_K: tl.constexpr, C: tl.constexpr,
+                  BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, DISTINCT: tl.constexpr):
+    """Add the gate/up LoRA deltas of the tile's pairs (``slot`` from `pair_slots`) to ``acc`` / ``acc_up``."""
+    dtype = pool_ptr.dtype.element_ty
+    left = slot
+    while tl.min(left, 0) < NONE:
+        chunk, pos, inside, left = _next_chunk(slot, left, C, DISTINCT)
+        b_gate = _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, False, RK, C,
+                            BLOCK_N, RUN, PAGE_SHIFT)
+        s_gate = _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, False, R_PAD, RK, SPLIT_K, C)
+        acc = tl.dot(s_gate.to(dtype), b_gate, acc, input_precision=DOT_PRECISION)
+        b_up = _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, True, RK, C,
+                          BLOCK_N, RUN, PAGE_SHIFT)
+        s_up = _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, True, R_PAD, RK, SPLIT_K, C)
+        acc_up = tl.dot(s_up.to(dtype), b_up, acc_up, input_precision=DOT_PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
+def _down_rows(chunk, expert, n0, width, pool_ptr, pt_ptr, meta_ptr, stride_pt, FIELD: tl.constexpr,
+               RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr):
+    """``[C·RD, BLOCK_N]``: rows of the chunk's slots' down A (``FIELD`` F_DOWN_A, rows of I) or down B
+    (F_DOWN_B, rows of H = ``width``) for this expert and column tile."""
+    row_slot, _, r = _rows(chunk, RD, C)
+    row_ok = row_slot < NONE
+    rank = _field(meta_ptr, row_slot, F_DOWN_RANK, row_ok)
+    virt = _group_off(meta_ptr, row_slot, row_ok, expert) + _field(meta_ptr, row_slot, FIELD, row_ok) \
+        + r * ((width + 63) // 64 * 64)
+    return _paged_rows(pool_ptr, pt_ptr, stride_pt, row_slot, virt + n0, row_ok & (r < rank), width - n0,
+                       BLOCK_N, RUN, PAGE_SHIFT)
+
+
+@triton.jit
+def down_shrink(act, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
+                RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr, DISTINCT: tl.constexpr):
+    """``down_z[m] += act[m, cols] @ A_down[slot_m, e][:, cols].T`` for this column tile (``act`` [BM, BN]
+    in the model dtype, as stored)."""
+    left = slot
+    while tl.min(left, 0) < NONE:
+        chunk, pos, inside, left = _next_chunk(slot, left, C, DISTINCT)
+        a = _down_rows(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, C, BLOCK_N,
+                       RUN, PAGE_SHIFT)
+        part = tl.dot(act, tl.trans(a), input_precision=DOT_PRECISION)  # [BM, C·RD]: every slot of the chunk
+        j = tl.arange(0, C * RD)
+        mine = inside[:, None] & (pos[:, None] == (j // RD)[None, :])  # the pair's own slot's block
+        ptrs = down_z_ptr + tl.where(inside, pairs, 0).to(tl.int64)[:, None] * RD + (j % RD)[None, :]
+        tl.atomic_add(ptrs, part, mask=mine, sem="relaxed")
+
+
+@triton.jit
+def down_delta(acc, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
+               RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr, DISTINCT: tl.constexpr):
+    """``acc[m] += down_z[m] @ B_down[slot_m, e][:, cols]`` (before the bias and the routing weight)."""
+    left = slot
+    while tl.min(left, 0) < NONE:
+        chunk, pos, inside, left = _next_chunk(slot, left, C, DISTINCT)
+        b = _down_rows(chunk, expert, n0, hidden, pool_ptr, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C,
+                       BLOCK_N, RUN, PAGE_SHIFT)
+        j = tl.arange(0, C * RD)
+        mask = inside[:, None] & (pos[:, None] == (j // RD)[None, :])
+        ptrs = down_z_ptr + tl.where(inside, pairs, 0).to(tl.int64)[:, None] * RD + (j % RD)[None, :]
+        s = tl.load(ptrs, mask=mask, other=0.0)
+        acc = tl.dot(s.to(pool_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch arguments
+
+
+def uses_fused(plan) -> bool:
+    """Whether the plan's launch config takes the fused path (config key ``"fused"``)."""
+    return plan is not None and bool(plan.config.get("fused"))
+
+
+def down_shrink_in_epilogue(plan) -> bool:
+    """Config ``"down_shrink"``: "epilogue" (default: the gate/up GEMM's epilogue, atomics) or "pass"
+    (`fused_moe_lora.moe_lora_down_shrink`, a grouped pass over ``act`` between the GEMMs)."""
+    mode = plan.config.get("down_shrink", "epilogue")
+    if mode not in ("epilogue", "pass"):
+        raise ValueError(f'lora config "down_shrink" must be "epilogue" or "pass", got {mode!r}')
+    return mode == "epilogue"
+
+
+def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
+    """``(args, constexprs)`` of `fused_moe._moe_gemm_kernel`'s fused LoRA for ``plan``
+    (`fused_moe_lora.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
+    table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64): the
+    extra K of one step, so ``lora_k // rank pad`` adapters go into one step; ``"chunks"``:
+    "distinct" (default) or "range" (`_next_chunk`)."""
+    from unipage.kernels.fused_moe_lora import _chunk, _split_k, lora_pads
+
+    lora, meta = plan.lora, plan.lora.meta
+    r_pad, rk_pad, rd_pad = lora_pads(meta)
+    splits, _ = _split_k(meta.hidden, plan.config["split_k"])
+    width = plan.config.get("lora_k", 64)
+    args = (plan.gate_up_z if gated else plan.down_z, plan.down_z, lora.pool, lora.page_table, meta.table,
+            plan.topk_ids.shape[1], lora.page_table.stride(0))
+    constexprs = {"FUSED": True, "R_PAD": r_pad if gated else rd_pad, "RK": rk_pad, "RD": rd_pad,
+                  "SPLIT_K": splits, "CHUNK_SLOTS": max(1, width // (rk_pad if gated else rd_pad)),
+                  "RUN": min(block_n, _chunk(meta.inter) if gated else 64),
+                  "PAGE_SHIFT": lora.pool.shape[1].bit_length() - 1, "DOWN_SHRINK": down_shrink_in_epilogue(plan),
+                  "CHUNK_DISTINCT": plan.config.get("chunks", "distinct") == "distinct"}
+    return args, constexprs

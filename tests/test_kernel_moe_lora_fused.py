@@ -1,0 +1,199 @@
+"""Expert LoRA fused into the base MoE GEMMs (`unipage.kernels.moe_lora_fused`, launch config
+``"fused": true``): against the separate-pass reference (`fused_experts_ref`) and the per-token
+loop, under the Triton interpreter at tiny shapes; `-m gpu` in bf16 at real layers."""
+
+import importlib
+
+import pytest
+import test_kernel_fused_moe_lora as lt
+import torch
+from test_kernel_moe_gptoss import OAI, _biases
+from unipage.kernels import moe_lora_fused
+from unipage.kernels.fused_moe import (
+    fused_experts,
+    fused_experts_ref,
+    moe_down,
+    moe_gate_up,
+)
+from unipage.kernels.fused_moe_lora import (
+    lora_pairs,
+    moe_lora_gate_up,
+    moe_lora_shrink,
+    plan_moe_lora,
+)
+from unipage.kernels.moe_align import moe_align_ref
+
+
+def _fused(config: dict, lora_k: int = 64, down_shrink: str = "epilogue", chunks: str = "distinct") -> dict:
+    return {**config, "fused": True, "lora_k": lora_k, "down_shrink": down_shrink, "chunks": chunks}
+
+
+FUSED_GROUP, FUSED_PAIR = _fused(lt.GROUP), _fused(lt.PAIR)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mode, num_tokens", [("pair", 1), ("pair", 7), ("group", 7), ("group", 40)])
+def test_fused_matches_reference(mode, num_tokens, dtype):
+    c = lt._case(num_tokens, dtype, "uniform", seed=num_tokens)
+    config = FUSED_PAIR if mode == "pair" else FUSED_GROUP
+    lt._close(lt._run(fused_experts, c, config), lt._run(fused_experts_ref, c, lt.GROUP), dtype)
+
+
+@pytest.mark.parametrize("mix", ["identical", "distinct", "zipf", "skewed", "none"])
+@pytest.mark.parametrize("lora_k", [16, 32, 128])  # one slot per extra K step, two, eight
+@pytest.mark.parametrize("chunks", ["distinct", "range"])
+def test_mixes_and_slots_per_step(mix, lora_k, chunks):
+    c = lt._case(40, torch.float16, mix, seed=11)
+    lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, chunks=chunks)),
+              lt._run(fused_experts_ref, c, lt.GROUP), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mode, mix", [("pair", "uniform"), ("group", "zipf"), ("group", "distinct")])
+def test_down_shrink_as_a_pass(mode, mix, dtype):
+    """Config ``"down_shrink": "pass"``: the down shrink is a grouped pass over act between the GEMMs."""
+    c = lt._case(40, dtype, mix, seed=14)
+    config = _fused(lt.PAIR if mode == "pair" else lt.GROUP, down_shrink="pass")
+    lt._close(lt._run(fused_experts, c, config), lt._run(fused_experts_ref, c, lt.GROUP), dtype)
+    with pytest.raises(ValueError, match="down_shrink"):
+        lt._run(fused_experts, c, {**config, "down_shrink": "later"})
+
+
+def test_fused_is_the_path_taken(monkeypatch):
+    """With ``"fused"`` the separate LoRA kernels never run (and without it they do)."""
+    fused_moe = importlib.import_module("unipage.kernels.fused_moe")  # the module (the package exports a function)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("separate LoRA pass called")
+
+    monkeypatch.setattr(fused_moe._TRITON, "lora_gate_up", fail)
+    monkeypatch.setattr(fused_moe._TRITON, "lora_down", fail)
+    c = lt._case(7, torch.float32, "uniform", seed=4)
+    lt._run(fused_experts, c, FUSED_GROUP)
+    with pytest.raises(AssertionError, match="separate"):
+        lt._run(fused_experts, c, lt.GROUP)
+
+
+@pytest.mark.parametrize("inter, block_n", [(48, 64), (96, 64), (96, 128)])
+def test_runs_and_ragged_column_tiles(inter, block_n):
+    """I = 48 / 96: B rows read as runs of 16 / 32 (the up half starts I in); base tiles past I."""
+    c = lt._case(23, torch.float32, "uniform", seed=6, inter=inter)
+    base = {**lt.BASE_CONFIG, "gate_up": {**lt.BASE_CONFIG["gate_up"], "block_n": block_n}}
+    for config in (FUSED_PAIR, FUSED_GROUP):
+        got = fused_experts(c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"], c["lora"],
+                            base, config)
+        lt._close(got, lt._loop_moe(c, torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("page_elems", [64, 1024])
+def test_page_sizes_split_k_and_ragged_hidden(page_elems):
+    """H = 96: split-K partials of z summed in the GEMM; down B rows end mid-tile."""
+    c = lt._case(7, torch.float32, "uniform", page_elems=page_elems, seed=5, hidden=96)
+    for config in (_fused(lt._lora_config(1, split_k=2)), _fused(lt._lora_config(16, split_k=2), 32),
+                   _fused(lt._lora_config(16, split_k=2), 32, "pass")):
+        lt._close(lt._run(fused_experts, c, config), lt._loop_moe(c, torch.float32), torch.float32)
+
+
+def test_ranks_above_sixteen_and_up_only():
+    c = lt._case(7, torch.float32, "uniform", seed=9, slots=[("split", 24), ("fused", 16), ("up_only", 8)])
+    for config in (_fused(lt.GROUP, 16), _fused(lt.GROUP, 64), _fused(lt.PAIR, 32, "pass")):
+        lt._close(lt._run(fused_experts, c, config), lt._loop_moe(c, torch.float32), torch.float32)
+
+
+def test_without_lora_tokens_equals_base():
+    c = lt._case(7, torch.float32, "none")
+    base = fused_experts(c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"], None,
+                         lt.BASE_CONFIG)
+    assert torch.equal(lt._run(fused_experts, c, FUSED_GROUP), base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_biases_and_clamped_swiglu(dtype):
+    c = lt._case(40, dtype, "zipf", seed=12)
+    b_gu, b_d = _biases(dtype, lt.E, lt.I, lt.H)
+    args = (c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"], c["lora"], lt.BASE_CONFIG)
+    options = {"gate_up_bias": b_gu, "down_bias": b_d, "activation": OAI}
+    lt._close(fused_experts(*args, FUSED_GROUP, **options), fused_experts_ref(*args, lt.GROUP, **options), dtype)
+
+
+@pytest.mark.parametrize("mode", ["pair", "group"])
+def test_stages_write_every_row_and_the_down_shrink(mode):
+    """Poisoned ``act``/``y``/scratch: the fused gate/up GEMM writes every pair's ``act`` and, for LoRA
+    pairs, the same ``down_z`` as the separate pass; the fused down GEMM writes every ``y`` row."""
+    dtype, config = torch.float32, (FUSED_PAIR if mode == "pair" else FUSED_GROUP)
+    c = lt._case(40, dtype, "zipf", seed=2)
+    lora, ids, num_pairs = c["lora"], c["topk_ids"], c["topk_ids"].numel()
+    has = lora_pairs(lora.token_slots, lora.meta.slot_flags, lt.K)
+    align = moe_align_ref(ids, lt.E, lt.BASE_CONFIG["block_m"])
+    plan = plan_moe_lora(lora, ids, config)
+    plan.gate_up_z.fill_(float("nan"))
+    plan.down_z.fill_(float("nan"))
+    act = torch.full((num_pairs, lt.I), float("nan"))
+    moe_lora_shrink(plan, c["x"])
+    moe_gate_up(c["x"], c["w_gate_up"], ids, align, act, config=lt.BASE_CONFIG, lora_plan=plan)
+    y = torch.full((num_pairs, lt.H), float("nan"))
+    moe_down(act, c["w_down"], ids, c["topk_weights"], align, y, lt.BASE_CONFIG, lora_plan=plan)
+    assert not act.isnan().any() and not y.isnan().any()
+    separate = plan_moe_lora(lora, ids, lt.GROUP)
+    raw = torch.empty(num_pairs, 2 * lt.I)
+    act_sep = torch.full((num_pairs, lt.I), float("nan"))
+    moe_gate_up(c["x"], c["w_gate_up"], ids, align, act_sep, raw, lora.token_slots, lora.meta.slot_flags,
+                lt.BASE_CONFIG)
+    moe_lora_gate_up(separate, c["x"], raw, act_sep)
+    lt._close(act, act_sep, dtype)
+    rank = lora.meta.max_down_rank
+    lt._close(plan.down_z[has, :rank], separate.down_z[has, :rank], dtype)
+
+
+def test_raw_and_lora_plan_exclude_each_other():
+    c = lt._case(3, torch.float32, "uniform")
+    ids, num_pairs = c["topk_ids"], c["topk_ids"].numel()
+    plan = plan_moe_lora(c["lora"], ids, FUSED_GROUP)
+    with pytest.raises(ValueError, match="exclude"):
+        moe_gate_up(c["x"], c["w_gate_up"], ids, moe_align_ref(ids, lt.E, 16), torch.empty(num_pairs, lt.I),
+                    torch.empty(num_pairs, 2 * lt.I), c["lora"].token_slots, c["lora"].meta.slot_flags,
+                    lt.BASE_CONFIG, lora_plan=plan)
+
+
+def test_uses_fused_follows_the_config():
+    c = lt._case(3, torch.float32, "uniform")
+    assert moe_lora_fused.uses_fused(plan_moe_lora(c["lora"], c["topk_ids"], FUSED_GROUP))
+    assert not moe_lora_fused.uses_fused(plan_moe_lora(c["lora"], c["topk_ids"], lt.GROUP))
+    assert not moe_lora_fused.uses_fused(None)
+
+
+# --- GPU: real layers in bf16 ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
+@pytest.mark.parametrize("shape", sorted(lt.GPU_SHAPES))
+def test_gpu_fused_bf16(shape, num_tokens):
+    from unipage.kernels.fused_moe_lora import MoeLora, lora_config
+
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = lt._gpu_case(shape, num_tokens)
+    config = {**lora_config(lora, topk_ids), "fused": True}
+    got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
+    lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
+    want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
+    base = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids)
+    assert ((want - base).norm() / base.norm()).item() > 0.1
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fused_compiles_once_across_token_counts():
+    from unipage.kernels.fused_moe_lora import MoeLora
+    from unipage.kernels.moe_align import launch_config
+
+    fused_moe = importlib.import_module("unipage.kernels.fused_moe")
+
+    config = {**launch_config("lora", "none", 1e9, "cpu"), "fused": True}
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = lt._gpu_case("qwen3-30b-a3b", 64)
+    counts = []
+    for num_tokens in (1, 2, 3, 5, 17, 64):
+        part = MoeLora(lora.pool, lora.page_table, lora.token_slots[:num_tokens].contiguous(), lora.meta)
+        fused_experts(x[:num_tokens], w_gate_up, w_down, topk_weights[:num_tokens].contiguous(),
+                      topk_ids[:num_tokens].contiguous(), part, lt.BASE_CONFIG, config)
+        counts.append(lt._compiled(fused_moe._moe_gemm_kernel))
+    assert counts[-1] == counts[0]
