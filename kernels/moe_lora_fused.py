@@ -26,6 +26,14 @@ without LoRA pairs does no extra step.  Scaling is folded into B (pack time).
 
 ``z`` (split-K partials of ``x @ A_gu.T``) and zeroed ``down_z`` come from
 `fused_moe_lora.moe_lora_shrink`, run before the gate/up GEMM.
+
+Status (H100, bf16, 8 adapters; benchmarks/results/kernels-moe-*-h100.jsonl): exact, but
+slower than the separate pass at every size (Qwen3-30B-A3B at 4096 tokens: about 490-620 us
+over the base MoE against 356-410 us), so launch configs leave it off.  The plan and shrink
+alone take ~100 us there; the rest is the GEMMs' epilogue, likely because with one
+192 KB-smem CTA per SM nothing hides a tile's chain of dependent loads (metadata -> page
+table -> pool) per chunk, and because of register pressure (some compiled GEMM variants of a
+sweep reached 255 registers with spills; not mapped to their configs).
 """
 
 from __future__ import annotations
@@ -250,7 +258,7 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     (`fused_moe_lora.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
     table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64): the
     extra K of one step, so ``lora_k // rank pad`` adapters go into one step; ``"chunks"``:
-    "distinct" (default) or "range" (`_next_chunk`)."""
+    "range" (default) or "distinct" (`_next_chunk`)."""
     from unipage.kernels.fused_moe_lora import _chunk, _split_k, lora_pads
 
     lora, meta = plan.lora, plan.lora.meta
@@ -263,5 +271,5 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
                   "SPLIT_K": splits, "CHUNK_SLOTS": max(1, width // (rk_pad if gated else rd_pad)),
                   "RUN": min(block_n, _chunk(meta.inter) if gated else 64),
                   "PAGE_SHIFT": lora.pool.shape[1].bit_length() - 1, "DOWN_SHRINK": down_shrink_in_epilogue(plan),
-                  "CHUNK_DISTINCT": plan.config.get("chunks", "distinct") == "distinct"}
+                  "CHUNK_DISTINCT": plan.config.get("chunks", "range") == "distinct"}
     return args, constexprs

@@ -24,7 +24,7 @@ from unipage.kernels.fused_moe_lora import (
 from unipage.kernels.moe_align import moe_align_ref
 
 
-def _fused(config: dict, lora_k: int = 64, down_shrink: str = "epilogue", chunks: str = "distinct") -> dict:
+def _fused(config: dict, lora_k: int = 64, down_shrink: str = "epilogue", chunks: str = "range") -> dict:
     return {**config, "fused": True, "lora_k": lora_k, "down_shrink": down_shrink, "chunks": chunks}
 
 
