@@ -100,3 +100,64 @@ def test_one_hold_covers_every_slice_staged_since_the_last():
     assert ring.stage(_src(2 * ALIGN, 3)) is None  # only the first unit is free: [0, 1)
     second.done = True
     assert ring.stage(_src(3 * ALIGN, 3)) is not None and ring.in_use == 1
+
+
+def test_a_reserved_slice_is_held_until_released_or_its_copy_completes():
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    first = ring.reserve(2 * ALIGN)
+    second = ring.reserve(ALIGN + 1)  # two units
+    assert (first.start, second.start) == (0, 2 * ALIGN) and ring.reserve(1) is None
+    ring.release(second)  # done, but behind the first slice: nothing free yet
+    assert ring.reserve(1) is None
+    event = Event()
+    ring.hold_slice(first, event)
+    assert ring.reserve(1) is None
+    event.done = True
+    assert ring.reserve(4 * ALIGN) is not None and ring.in_use == 1
+
+
+def test_staged_and_reserved_slices_keep_their_own_events():
+    """A `hold` covers what was staged, never a reserved slice still being filled."""
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    reserved = ring.reserve(ALIGN)
+    ring.stage(_src(ALIGN, 0))
+    staged_event = Event()
+    ring.hold(staged_event)
+    assert reserved.event is None
+    staged_event.done = True
+    assert ring.reserve(3 * ALIGN) is None  # the reserved slice at the front still holds the ring
+    ring.release(reserved)
+    assert ring.reserve(3 * ALIGN) is not None
+
+
+def test_a_shared_ring_is_a_file_another_mapping_sees_and_removed_with_the_ring():
+    import gc
+    import mmap
+    import os
+
+    ring = PinnedRing(4 * ALIGN, pin=False, shared=True)
+    path = ring.path
+    piece = ring.reserve(ALIGN)
+    with open(path, "r+b") as f:
+        other = mmap.mmap(f.fileno(), 0)
+    other[piece.start:piece.start + 3] = b"abc"
+    assert bytes(ring.view(piece)[:3].numpy()) == b"abc"
+    other.close()
+    del ring, piece
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_no_room_for_a_shared_ring_is_an_os_error(monkeypatch, tmp_path):
+    import os
+
+    from unipage import pinned
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pinned, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space"):
+        PinnedRing(4 * ALIGN, pin=False, shared=True)
+    assert list(tmp_path.iterdir()) == []  # the file was removed

@@ -6,6 +6,8 @@ import time
 import pytest
 import torch
 
+from unipage.adapter_reader import read_and_pack
+from unipage.adapters import DropHostCopy
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
 from unipage.memory import UnifiedMemory
 from unipage.peft_io import load_adapter_weights
@@ -190,3 +192,169 @@ def test_reads_started_before_apply_are_not_submitted_twice(tmp_path):
     assert submitted == [a0.info.path, a1.info.path]
     storage.start_reads([a0, a1])  # both in flight: nothing new
     assert len(submitted) == 2
+
+
+def _with_shared_reads(storage, ring_bytes=1 << 20):
+    """A CPU storage that reads like the CUDA one: reader processes packing into a shared ring."""
+    from unipage.adapter_reader import ReaderPool
+
+    storage._reader = ReaderPool(2)
+    storage._ring = PinnedRing(ring_bytes, pin=False, shared=True)
+    return storage
+
+
+def _poll_reads(storage, seconds=120):
+    deadline, failed = time.monotonic() + seconds, []
+    while storage._reads and time.monotonic() < deadline:
+        failed += storage.poll().failed
+        time.sleep(0.01)
+    return failed
+
+
+def test_reads_pack_into_the_shared_ring_and_host_copies_are_their_own(tmp_path):
+    memory, storage = setup(tmp_path)
+    _with_shared_reads(storage)
+    try:
+        for name in ("a0", "a1"):
+            memory.adapters.request(name)
+        effects = memory.adapters.take_effects()
+        storage.start_reads(effects)
+        assert all(piece is not None for _, _, piece in storage._reads.values())  # both went to the ring
+        storage.apply(effects)
+        assert _poll_reads(storage) == []
+        for name in ("a0", "a1"):
+            memory.adapters.load_done(name)
+            assert_resident_equals_files(memory, storage, name)
+            host = storage._host[name]  # the reader kept the host copy in a file of its own
+            assert os.path.dirname(host) == storage._host_dir
+            record = memory.adapters.get(name)
+            packed = read_and_pack(record.info, record.layout, memory.config.model, memory.config.page_elems,
+                                   storage.dtype)
+            with open(host, "rb") as f:
+                assert f.read() == packed.view(-1).view(torch.uint8).numpy().tobytes()
+        assert storage._ring.reserve(storage._ring.capacity) is not None  # every slice came back
+    finally:
+        storage.close()
+    assert not os.path.exists(storage._host_dir)
+
+
+@pytest.mark.parametrize("ring_bytes", [1 << 20, ALIGN])
+def test_a_reload_reads_the_kept_host_file_and_a_drop_removes_it(tmp_path, ring_bytes):
+    """From the file into a ring slice (or a buffer of its own when the ring has no room), the disk copy gone."""
+    memory, storage = setup(tmp_path)
+    _with_shared_reads(storage)
+    try:
+        memory.adapters.request("a1")
+        storage.apply(memory.adapters.take_effects())
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a1")
+        host = storage._host["a1"]
+        before = storage.gather(memory.adapters.get("a1"))
+        memory.adapters.evict("a1")
+        storage.apply(memory.adapters.take_effects())
+        storage.pool.normal_()
+        os.remove(tmp_path / "a1" / "adapter_model.safetensors")
+        storage._ring = PinnedRing(ring_bytes, pin=False, shared=True)
+        assert sync_load(memory, storage, "a1").done == ["a1"] and storage._reads == {}  # nothing read
+        assert storage._host["a1"] == host
+        assert storage._ring.reserve(storage._ring.capacity) is not None  # its slice came back
+        assert memory.adapters.stats.loads_from_host == 1
+        after = storage.gather(memory.adapters.get("a1"))
+        assert all(torch.equal(after[k].a, before[k].a) for k in before)
+        storage.apply([DropHostCopy("a1")])
+        assert not storage.has_host_copy("a1") and not os.path.exists(host)
+    finally:
+        storage.close()
+
+
+def test_a_lost_host_file_falls_back_to_reading_the_files(tmp_path):
+    memory, storage = setup(tmp_path)
+    _with_shared_reads(storage)
+    try:
+        memory.adapters.request("a0")
+        storage.apply(memory.adapters.take_effects())
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        os.remove(storage._host["a0"])
+        memory.adapters.evict("a0")
+        storage.apply(memory.adapters.take_effects())
+        storage.pool.normal_()
+        sync_load(memory, storage, "a0")
+        assert "a0" in storage._reads  # read again from its files
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+        assert os.path.exists(storage._host["a0"])  # kept anew
+    finally:
+        storage.close()
+
+
+def test_a_read_dropped_by_an_eviction_gives_its_slice_back_once_over(tmp_path):
+    from unipage.adapters import EvictAdapter
+
+    memory, storage = setup(tmp_path)
+    _with_shared_reads(storage)
+    try:
+        memory.adapters.request("a0")
+        (load,) = memory.adapters.take_effects()
+        storage.apply([load])
+        read, _, piece = storage._reads["a0"]
+        storage.apply([EvictAdapter("a0", load.slot, load.pages)])
+        assert storage._reads == {} and storage._orphans == [(read, piece)]
+        deadline = time.monotonic() + 120
+        while storage._orphans and time.monotonic() < deadline:
+            assert storage.poll().done == []
+            time.sleep(0.01)
+        assert storage._orphans == [] and piece.released and not storage.has_host_copy("a0")
+    finally:
+        storage.close()
+
+
+def test_a_failed_read_into_the_ring_is_reported_and_gives_its_slice_back(tmp_path):
+    memory, storage = setup(tmp_path)
+    _with_shared_reads(storage)
+    try:
+        weights = tmp_path / "a0" / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # same size, other content
+        memory.adapters.request("a0")
+        memory.adapters.request("a1")
+        effects = memory.adapters.take_effects()
+        storage.apply(effects)
+        pieces = {name: piece for name, (_, _, piece) in storage._reads.items()}
+        failed = _poll_reads(storage)
+        assert [name for name, _ in failed] == ["a0"] and "changed since" in failed[0][1]
+        assert pieces["a0"].released and pieces["a1"].released  # a1's was copied (CPU: at once)
+        memory.adapters.load_done("a1")
+        assert_resident_equals_files(memory, storage, "a1")
+    finally:
+        storage.close()
+
+
+def test_reads_go_through_files_when_the_ring_has_no_room(tmp_path):
+    memory, storage = setup(tmp_path)
+    _with_shared_reads(storage, ring_bytes=ALIGN)
+    try:
+        memory.adapters.request("a0")
+        storage.apply(memory.adapters.take_effects())
+        assert storage._reads["a0"][2] is None
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+    finally:
+        storage.close()
+
+
+@pytest.mark.gpu
+def test_cuda_reads_pack_into_the_shared_pinned_ring(tmp_path):
+    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
+    assert storage._ring.path is not None and storage._ring.buf.is_pinned()
+    for name in ("a0", "a1"):
+        sync_load(memory, storage, name)
+    assert all(piece is not None for _, _, piece in storage._reads.values())
+    assert _wait_loads(storage, ["a0", "a1"]) == {"a0", "a1"}
+    for name in ("a0", "a1"):
+        memory.adapters.load_done(name)
+        assert_resident_equals_files(memory, storage, name)
+    torch.cuda.synchronize()
+    assert storage._ring.reserve(storage._ring.capacity) is not None  # every slice came back
+    storage.close()

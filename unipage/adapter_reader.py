@@ -6,46 +6,51 @@ a thread of the serving process each of them competes for the GIL with the
 step loop, which holds it almost always: a load that takes milliseconds alone
 took hundreds of them while decoding.  `ReaderPool` runs the same work in
 ``python -m unipage.adapter_reader`` processes instead — plain subprocesses,
-so the parent's ``__main__`` is never re-imported — and hands back the packed
-host buffer ``[L, n, P]`` (unpinned: the caller stages it through its pinned ring).
+so the parent's ``__main__`` is never re-imported.
 
-The parent's threads that talk to the workers must hold the GIL as little as
-possible: whenever one takes it, the step loop's next torch call waits for it.
-So the request is pickled by the caller, and the buffer comes back through a
-file in the pool's temporary directory, read with one ``readinto`` (the GIL
-released), not through the pipe: megabytes through a pipe arrive in 64 KiB
-pieces, and the thread took the GIL back for every piece.  (A design without
-threads, polling the pipes from the step loop, measured worse: replies waited
-for the next poll, so loads took longer.)
+The parent runs no thread for them: whatever a thread of the serving process
+does, it does holding the GIL now and then, and each time the step loop's
+next call waits for it (a prefill step's launches slowed by milliseconds while
+reads were in flight).  `ReaderPool.submit` writes the request to a worker's
+pipe at once (the least busy worker's: a worker serves its pipe in order), and
+`ReaderPool.poll`, called by the step loop, picks up the replies that are
+there (``select``, no waiting).  The packed buffer does not come back through
+the pipe: the worker writes it straight into a `SharedTarget` — a slice of the
+caller's pinned ring, a file in shared memory that the worker maps — so the
+step loop copies nothing; or, given no target, into a file of the pool's
+temporary directory that ``poll`` reads back.
 
 Protocol, over each worker's stdin/stdout: frames of an 8-byte little-endian
 length and a pickle.  A request is ``(info, layout, model, page_elems,
-dtype_name, path)``, the layout and the model each a pickle of its own (the
-parent pickles one once for every adapter that shares it); a reply is ``("ok",
-shape, dtype_name, seconds)`` with the raw bytes written to ``path`` (seconds:
-the read and pack alone) or ``("error", exception type name, message)``.  The worker sends stray prints of imported code
-to stderr, so they never corrupt a frame.
+dtype_name, dest)``, the layout and the model each a pickle of its own (the
+parent pickles one once for every adapter that shares it), ``dest`` either
+``("file", path)`` or ``("shared", path, offset, nbytes, keep)``; a reply is
+``("ok", shape, dtype_name, seconds, kept)`` once the bytes are in place
+(seconds: the read and pack alone; kept: whether the ``keep`` file, if any,
+was written) or ``("error", exception type name, message)``.  The worker
+sends stray prints of imported code to stderr, so they never corrupt a frame.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
+import mmap
 import os
 import pickle
-import queue
+import select
 import shutil
 import signal
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from unipage.errors import AdapterError
@@ -60,6 +65,52 @@ def read_and_pack(info, layout, model, page_elems: int, dtype: torch.dtype) -> t
     from unipage.peft_io import load_adapter_weights
 
     return pack_adapter(layout, load_adapter_weights(info, model), page_elems, dtype)
+
+
+@dataclass(frozen=True)
+class SharedTarget:
+    """Where a worker puts a packed buffer: ``nbytes`` at ``offset`` of the shared-memory file ``path``,
+    seen in this process as ``view`` (uint8, ``nbytes`` long); and, given ``keep``, into that new file
+    too (a host copy that costs this process nothing; kept unless the worker could not write it)."""
+
+    path: str
+    offset: int
+    view: torch.Tensor
+    keep: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.numel()
+
+
+class Read:
+    """A read submitted to a `ReaderPool`: done once a `poll` has seen its reply."""
+
+    __slots__ = ("buf", "error", "kept", "path", "seconds", "target")
+
+    def __init__(self, target: SharedTarget | None, path: str | None) -> None:
+        self.target = target
+        self.path = path  # the file the buffer comes back through (no target)
+        self.buf: torch.Tensor | None = None
+        self.seconds = 0.0
+        self.error: AdapterError | None = None
+        self.kept: str | None = None  # the target's ``keep`` file, once written
+
+    def done(self) -> bool:
+        return self.buf is not None or self.error is not None
+
+    def result(self) -> tuple[torch.Tensor, float]:
+        """``(packed buffer [L, n, P], seconds the worker spent)`` (a view of the target, if any); raises
+        the read's `AdapterError`."""
+        if self.error is not None:
+            raise self.error
+        if self.buf is None:
+            raise RuntimeError("the read is still in flight: poll the pool until it is done")
+        return self.buf, self.seconds
+
+    def fail(self, message: str) -> None:
+        self.error = AdapterError(message)
+        _remove(self.path)
 
 
 def _frame(obj) -> bytes:
@@ -84,36 +135,43 @@ def _receive(stream):
     return pickle.loads(data)
 
 
+def _read_exact(fd: int, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        part = os.read(fd, left)
+        if not part:
+            raise EOFError("the adapter reader process closed its pipe")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 class _Worker:
-    """One ``python -m unipage.adapter_reader`` process (with PYTHONSAFEPATH set)."""
+    """One ``python -m unipage.adapter_reader`` process (with PYTHONSAFEPATH set), its pipes unbuffered
+    (``select`` sees every byte), and the reads sent to it, oldest first."""
 
     def __init__(self) -> None:
         # Modules as found here; PYTHONSAFEPATH (Python 3.11+, as -P): not the working directory first
         # (``-m`` would put it there), so a ``unipage`` folder in it cannot stand in for this package.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONSAFEPATH="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "unipage.adapter_reader"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+                                     stdout=subprocess.PIPE, env=env, bufsize=0)
+        self.out = self.proc.stdout.fileno()
+        self.reads: deque[Read] = deque()
 
-    def call(self, request: bytes, path: str) -> tuple[torch.Tensor, float]:
-        try:
-            _send(self.proc.stdin, request)
-            reply = _receive(self.proc.stdout)
-            if reply[0] == "error":
-                raise AdapterError(f"{reply[1]}: {reply[2]}")
-            _, shape, dtype_name, seconds = reply
-            dtype = getattr(torch, dtype_name)
-            buf = torch.empty(shape, dtype=dtype)
-            try:  # an error here is the file's, not the worker's: it lives on
-                with open(path, "rb") as f:
-                    got = f.readinto(buf.view(-1).view(torch.uint8).numpy())
-            except OSError as err:
-                raise AdapterError(f"reading the packed buffer back from {path} failed: {err}") from err
-            if got != buf.numel() * buf.element_size():
-                raise AdapterError(f"the adapter reader process wrote a short buffer to {path}")
-            return buf, seconds
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    def send(self, request: bytes) -> None:
+        _write_all(self.proc.stdin.fileno(), _LENGTH.pack(len(request)) + request)
+
+    def receive(self):
+        """The next reply (blocks until it is whole: call once the pipe is readable)."""
+        (length,) = _LENGTH.unpack(_read_exact(self.out, _LENGTH.size))
+        return pickle.loads(_read_exact(self.out, length))
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -122,37 +180,112 @@ class _Worker:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        else:
+            self.proc.stdin.close()
+        self.proc.stdout.close()
 
 
 class ReaderPool:
     """Up to ``workers`` reader processes: one started at once (it imports torch while the engine
-    starts), the others when reads overlap.  They exit when the pool is shut down or collected;
-    after that no process is started again and a read fails with `AdapterError`."""
+    starts), the others when reads overlap.  Replies are taken by `poll` (or `wait`), on the caller's
+    thread.  They exit when the pool is shut down or collected; after that a read fails with
+    `AdapterError`."""
 
     def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"a reader pool needs at least 1 worker, got {workers}")
         self.max_workers = workers
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._all: list[_Worker] = [_Worker()]
-        self._idle.put(self._all[0])
-        self._lock = threading.Lock()  # guards _all and _closed
-        self._closed = threading.Event()
-        self._threads = ThreadPoolExecutor(workers, "unipage-adapter-read")
-        self._dir = tempfile.mkdtemp(prefix="unipage-reads-")  # the packed buffers on their way back
+        self.workers: list[_Worker] = [_Worker()]
+        self._closed = False
+        self._dir = tempfile.mkdtemp(prefix="unipage-reads-")  # buffers on their way back without a target
         self._names = itertools.count()
         self._pickles: dict[int, tuple[object, bytes]] = {}  # id -> (object, its pickle): `_pickled`
-        self._finalizer = weakref.finalize(self, _close, self._lock, self._closed, self._all, self._threads,
-                                           self._dir)
+        self._finalizer = weakref.finalize(self, _close, self.workers, self._dir)
 
-    def submit(self, info, layout, model, page_elems: int, dtype: torch.dtype) -> Future:
-        """A future of ``(packed buffer, seconds the worker spent)``; it raises `AdapterError` for a failed read."""
-        os.makedirs(self._dir, exist_ok=True)  # a temp-dir cleaner may have removed it
-        path = os.path.join(self._dir, f"{next(self._names)}.bin")
-        # Pickled here, on the caller's thread: a reader thread pickling it would hold the GIL
-        # for a millisecond or more, and the step loop would wait for it.  The layout and the model
-        # are shared by many adapters: each is pickled once.
+    def submit(self, info, layout, model, page_elems: int, dtype: torch.dtype,
+               target: SharedTarget | None = None) -> Read:
+        """Start a read: the packed buffer goes to ``target`` (its size must match), else through a file."""
+        if target is None:
+            os.makedirs(self._dir, exist_ok=True)  # a temp-dir cleaner may have removed it
+            path = os.path.join(self._dir, f"{next(self._names)}.bin")
+            read, dest = Read(None, path), ("file", path)
+        else:
+            read, dest = Read(target, None), ("shared", target.path, target.offset, target.nbytes, target.keep)
+        if self._closed:
+            read.fail("the adapter reader pool is shut down")
+            return read
+        # The layout and the model are shared by many adapters: each is pickled once.
         request = _frame((info, self._pickled(layout), self._pickled(model), page_elems,
-                          str(dtype).removeprefix("torch."), path))
-        return self._threads.submit(self._run, request, path)
+                          str(dtype).removeprefix("torch."), dest))
+        worker = self._least_busy()
+        worker.reads.append(read)
+        try:
+            worker.send(request)
+        except OSError as err:  # the process died: its reads fail, a new one takes its place
+            self._replace(worker, err)
+        return read
+
+    def poll(self) -> list[Read]:
+        """The reads whose replies have arrived since the last poll (done: ok or failed); never waits."""
+        finished: list[Read] = []
+        busy = [w for w in self.workers if w.reads]
+        while busy:
+            ready, _, _ = select.select([w.out for w in busy], [], [], 0)
+            if not ready:
+                break
+            for worker in [w for w in busy if w.out in ready]:
+                finished.extend(self._take_reply(worker))
+            busy = [w for w in self.workers if w.reads]
+        return finished
+
+    def wait(self, read: Read, timeout: float) -> Read:
+        """Poll until ``read`` is done (`TimeoutError` after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while not read.done():
+            self.poll()
+            left = deadline - time.monotonic()
+            if read.done():
+                break
+            if left <= 0:
+                raise TimeoutError(f"no reply for a read in {timeout} s")
+            select.select([w.out for w in self.workers if w.reads], [], [], min(left, 0.05))
+        return read
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(w.reads) for w in self.workers)
+
+    def _least_busy(self) -> _Worker:
+        worker = min(self.workers, key=lambda w: len(w.reads))
+        if worker.reads and len(self.workers) < self.max_workers:
+            worker = _Worker()
+            self.workers.append(worker)
+        return worker
+
+    def _take_reply(self, worker: _Worker) -> list[Read]:
+        try:
+            reply = worker.receive()
+        except (EOFError, OSError, pickle.UnpicklingError) as err:
+            return self._replace(worker, err)
+        read = worker.reads.popleft()
+        if reply[0] == "error":
+            read.fail(f"{reply[1]}: {reply[2]}")
+        else:
+            _, shape, dtype_name, read.seconds, kept = reply
+            read.kept = read.target.keep if kept and read.target is not None else None
+            _collect(read, shape, getattr(torch, dtype_name))
+        return [read]
+
+    def _replace(self, worker: _Worker, err: Exception) -> list[Read]:
+        """``worker`` died: fail its reads, and start a new process in its place unless shut down."""
+        failed = list(worker.reads)
+        worker.reads.clear()
+        for read in failed:
+            read.fail(f"the adapter reader process failed: {err}")
+        worker.close()
+        if not self._closed:
+            self.workers[self.workers.index(worker)] = _Worker()
+        return failed
 
     def _pickled(self, obj) -> bytes:
         """``obj`` pickled, from a small cache by identity (the entry keeps ``obj`` alive, so its id
@@ -164,55 +297,85 @@ class ReaderPool:
             hit = self._pickles[id(obj)] = (obj, _frame(obj))
         return hit[1]
 
-    def _take(self) -> _Worker:
-        if self._closed.is_set():
-            raise AdapterError("the adapter reader pool is shut down")
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            with self._lock:
-                if self._closed.is_set():
-                    raise AdapterError("the adapter reader pool is shut down") from None
-                if len(self._all) < self.max_workers:
-                    self._all.append(_Worker())
-                    return self._all[-1]
-            return self._idle.get()
-
-    def _run(self, request: bytes, path: str) -> tuple[torch.Tensor, float]:
-        return self._call(self._take(), request, path)
-
-    def _call(self, worker: _Worker, request: bytes, path: str) -> tuple[torch.Tensor, float]:
-        try:
-            return worker.call(request, path)
-        except (EOFError, OSError, ValueError) as err:  # the process died or its pipe was closed (shutdown):
-            # replace it unless shut down, fail this read
-            worker.close()
-            with self._lock:
-                if not self._closed.is_set():
-                    self._all[self._all.index(worker)] = worker = _Worker()
-            raise AdapterError(f"the adapter reader process failed: {err}") from err
-        finally:
-            self._idle.put(worker)
-
     def shutdown(self) -> None:
+        """Stop the workers; reads in flight fail."""
+        self._closed = True
+        for worker in self.workers:
+            for read in worker.reads:
+                read.fail("the adapter reader pool was shut down with the read in flight")
+            worker.reads.clear()
         self._finalizer()
 
 
-def _close(lock: threading.Lock, closed: threading.Event, workers: list[_Worker], threads: ThreadPoolExecutor,
-           directory: str) -> None:
-    with lock:  # a read that fails from here on starts no replacement
-        closed.set()
-        current = list(workers)
-    threads.shutdown(wait=False, cancel_futures=True)
-    for worker in current:
+def _collect(read: Read, shape: tuple, dtype: torch.dtype) -> None:
+    """Give a read whose reply was ok its buffer: a view of its target, or what its file holds."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if read.target is not None:
+        if nbytes != read.target.nbytes:
+            read.fail(f"the packed buffer is {nbytes} bytes, its target {read.target.nbytes}")
+            return
+        read.buf = read.target.view.view(dtype).view(shape)
+        return
+    buf = torch.empty(shape, dtype=dtype)
+    try:
+        with open(read.path, "rb") as f:
+            got = f.readinto(buf.view(-1).view(torch.uint8).numpy())
+    except OSError as err:
+        read.fail(f"reading the packed buffer back from {read.path} failed: {err}")
+        return
+    if got != nbytes:
+        read.fail(f"the adapter reader process wrote a short buffer to {read.path}")
+        return
+    _remove(read.path)
+    read.buf = buf
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _close(workers: list[_Worker], directory: str) -> None:
+    for worker in workers:
         worker.close()
     shutil.rmtree(directory, ignore_errors=True)
 
 
+# -- the worker process ------------------------------------------------------------------
 @functools.lru_cache(maxsize=PICKLE_CACHE)
 def _unpickled(data: bytes):
     """A layout or model the parent pickled once (`ReaderPool._pickled`), unpickled once here."""
     return pickle.loads(data)
+
+
+@functools.lru_cache(maxsize=8)
+def _mapped(path: str) -> mmap.mmap:
+    """A shared-memory file of the parent's, mapped once."""
+    with open(path, "r+b") as f:
+        return mmap.mmap(f.fileno(), 0)
+
+
+def _put(buf: torch.Tensor, dest: tuple) -> bool:
+    """Write the packed buffer where the request says; whether its ``keep`` file was written."""
+    data = buf.view(-1).view(torch.uint8).numpy()
+    if dest[0] == "file":
+        data.tofile(dest[1])
+        return False
+    _, path, offset, nbytes, keep = dest
+    if data.size != nbytes:
+        raise AdapterError(f"the packed buffer is {data.size} bytes, {nbytes} were reserved for it")
+    np.frombuffer(_mapped(path), dtype=np.uint8, count=nbytes, offset=offset)[:] = data
+    if keep is None:
+        return False
+    try:
+        data.tofile(keep)
+        return True
+    except OSError:  # e.g. shared memory full: the parent keeps its own copy instead
+        _remove(keep)
+        return False
 
 
 def main() -> None:
@@ -223,15 +386,15 @@ def main() -> None:
     torch.set_num_threads(1)
     while True:
         try:
-            info, layout, model, page_elems, dtype_name, path = _receive(requests)
+            info, layout, model, page_elems, dtype_name, dest = _receive(requests)
             layout, model = _unpickled(layout), _unpickled(model)
         except EOFError:
             return
         start = time.perf_counter()
         try:
             buf = read_and_pack(info, layout, model, page_elems, getattr(torch, dtype_name)).contiguous()
-            buf.view(-1).view(torch.uint8).numpy().tofile(path)
-            reply = ("ok", tuple(buf.shape), dtype_name, time.perf_counter() - start)
+            kept = _put(buf, dest)
+            reply = ("ok", tuple(buf.shape), dtype_name, time.perf_counter() - start, kept)
         except Exception as err:  # noqa: BLE001 - any failure is this load's, reported; the worker lives on
             reply = ("error", type(err).__name__, str(err))
         _send(replies, _frame(reply))

@@ -4,58 +4,123 @@ Pinning a buffer (``cudaHostAlloc``) costs milliseconds per megabyte (6 ms for
 2 MB on an H100 host), paid on the step loop's thread.  Pinning every adapter as
 it arrives from the reader processes cost about 2 ms a load while serving — several milliseconds of a prefill step
 that admits a few new adapters.  Instead the storage keeps one ring, pinned
-once: a host buffer is copied (``memcpy``) into the ring's next free bytes and
-the device copy reads it from there asynchronously.  Copies run in order on
-one side stream, so slices are freed first in, first out: a slice is reused
-only after the event recorded behind its copy has completed.
+once, and the device copy reads each adapter from a slice of it asynchronously.
+
+Two ways into a slice:
+
+- `stage` copies (``memcpy``) a host buffer into the ring's next free bytes, on
+  the caller's thread; `hold` then names the event behind the copies that read
+  what was staged.
+- `reserve` hands out a slice for someone else to fill — with ``shared=True``
+  the ring is a file in shared memory (``ring.path``) that the adapter reader
+  processes map and pack straight into, so the step loop copies nothing — and
+  the slice comes back with `hold_slice` (its event) or `release` (not copied).
+
+Slices are freed first in, first out: a slice is reused only once it and every
+slice handed out before it is done (released, or its event completed).
 
 Sizes are in bytes; every slice starts 512-byte aligned.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
+import weakref
 from collections import deque
 
 import numpy as np
 import torch
 
 ALIGN = 512
+SHM_DIR = "/dev/shm"  # where a shared ring's file lives (memory, not disk), if this system has it
+
+
+class RingSlice:
+    """Bytes ``[start, start + nbytes)`` of a ring, held until released or ``event`` completes."""
+
+    __slots__ = ("event", "nbytes", "released", "start")
+
+    def __init__(self, start: int, nbytes: int) -> None:
+        self.start = start
+        self.nbytes = nbytes
+        self.event = None  # behind the copy that reads the slice (``query() -> bool``)
+        self.released = False  # done without a copy
+
+    def done(self) -> bool:
+        return self.released or (self.event is not None and self.event.query())
 
 
 class PinnedRing:
-    def __init__(self, nbytes: int, pin: bool = True) -> None:
+    def __init__(self, nbytes: int, pin: bool = True, shared: bool = False) -> None:
+        """``shared``: backed by a file in shared memory (`SHM_DIR`) that other processes may map
+        (``path``); an `OSError` if there is no room for it."""
         if nbytes < ALIGN:
             raise ValueError(f"a pinned ring needs at least {ALIGN} bytes, got {nbytes}")
         self.capacity = nbytes // ALIGN * ALIGN
-        self.buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        self.path: str | None = None
+        if shared:
+            self.path, mapping = _shared_file(self.capacity)
+            self.buf = torch.frombuffer(mapping, dtype=torch.uint8)
+            registered = pin and _register(self.buf)
+            # Unregistered before the mapping goes: the driver would take a later mapping at the same
+            # address for registered memory, and refuse to register it.
+            weakref.finalize(self, _release_shared, self.path, self.buf.data_ptr() if registered else None,
+                             mapping)
+        else:
+            self.buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
         self.head = 0  # where the next slice starts
-        self._live: deque[list] = deque()  # [start, event or None] of held slices, oldest first
+        self._live: deque[RingSlice] = deque()  # slices held, oldest first
+        self._staged: list[RingSlice] = []  # staged since the last `hold`
 
     def stage(self, src: torch.Tensor) -> torch.Tensor | None:
         """A copy of ``src`` (same shape and dtype) in the ring, or None when there is no room now.
         Call `hold` with the event behind the copies that read it once they are issued."""
         nbytes = src.numel() * src.element_size()
-        size = -(-nbytes // ALIGN) * ALIGN
-        start = self._room(size)
-        if start is None:
+        piece = self.reserve(nbytes)
+        if piece is None:
             return None
-        dst = self.buf[start:start + nbytes]
+        dst = self.buf[piece.start:piece.start + nbytes]
         # One thread, the GIL released: torch's copy_ splits a copy over its intra-op threads, and
         # with the reader processes busy on some cores the split copy waited on descheduled
         # threads (3 ms for 2 MB while serving, 0.03 ms alone).
         np.copyto(dst.numpy(), src.contiguous().view(-1).view(torch.uint8).numpy())
-        dst = dst.view(src.dtype).view(src.shape)
-        self._live.append([start, None])
-        self.head = start + size if start + size < self.capacity else 0
-        return dst
+        self._staged.append(piece)
+        return dst.view(src.dtype).view(src.shape)
 
     def hold(self, event) -> None:
         """The copies that read the slices staged since the last `hold` complete with ``event``
         (``query() -> bool``)."""
-        for live in reversed(self._live):
-            if live[1] is not None:
-                break
-            live[1] = event
+        for piece in self._staged:
+            piece.event = event
+        self._staged.clear()
+
+    def reserve(self, nbytes: int) -> RingSlice | None:
+        """``nbytes`` of the ring for the caller to fill, or None when there is no room now.  The slice
+        is held until `hold_slice` or `release`."""
+        size = -(-nbytes // ALIGN) * ALIGN
+        start = self._room(size)
+        if start is None:
+            return None
+        piece = RingSlice(start, nbytes)
+        self._live.append(piece)
+        self.head = start + size if start + size < self.capacity else 0
+        return piece
+
+    def view(self, piece: RingSlice) -> torch.Tensor:
+        """The slice's bytes (uint8)."""
+        return self.buf[piece.start:piece.start + piece.nbytes]
+
+    @staticmethod
+    def hold_slice(piece: RingSlice, event) -> None:
+        """The copy that reads ``piece`` completes with ``event``."""
+        piece.event = event
+
+    @staticmethod
+    def release(piece: RingSlice) -> None:
+        """``piece`` is not read by any copy: it may be reused (once the slices before it are)."""
+        piece.released = True
 
     @property
     def in_use(self) -> int:
@@ -64,16 +129,66 @@ class PinnedRing:
 
     def _room(self, size: int) -> int | None:
         """Start of ``size`` free bytes at the head, or at 0 after a wrap; None if they are not free."""
-        while self._live and self._live[0][1] is not None and self._live[0][1].query():
+        while self._live and self._live[0].done():
             self._live.popleft()
         if size > self.capacity:
             return None
         if not self._live:
             self.head = 0
             return 0
-        tail = self._live[0][0]  # start of the oldest slice still held
+        tail = self._live[0].start  # start of the oldest slice still held
         if self.head > tail:  # held: [tail, head); free: [head, capacity) and [0, tail)
             if self.head + size <= self.capacity:
                 return self.head
             return 0 if size <= tail else None
         return self.head if self.head + size <= tail else None  # held wraps; free: [head, tail)
+
+
+def _shared_file(nbytes: int) -> tuple[str, mmap.mmap]:
+    """A new file of ``nbytes`` in shared memory, its blocks allocated now (so that touching a page
+    later cannot fail), mapped shared."""
+    directory = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+    fd, path = tempfile.mkstemp(prefix="unipage-ring-", dir=directory)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
+        return path, mmap.mmap(fd, nbytes)
+    except OSError:
+        _unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _register(buf: torch.Tensor) -> bool:
+    """Page-lock ``buf``'s memory for the device (``cudaHostRegister``); an `OSError` if that fails."""
+    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+    if err != 0:
+        try:  # the failure is also the thread's last CUDA error: read (and so clear) it now, or the
+            torch.zeros(1, device="cuda")  # next kernel launch would report it as its own
+        except RuntimeError:
+            pass
+        raise OSError(f"cudaHostRegister of a {buf.numel()}-byte shared ring failed: CUDA error {err}")
+    return True
+
+
+def _release_shared(path: str, registered_ptr: int | None, mapping: mmap.mmap) -> None:
+    """A shared ring's end: wait for copies that may still read it, unregister it, remove its file (the
+    mapping goes with its last view)."""
+    if registered_ptr is not None:
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(registered_ptr)
+        except RuntimeError:  # CUDA already torn down at exit
+            pass
+    _unlink(path)
+    del mapping
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -14,27 +14,35 @@ completed, and only then does the engine tell the scheduler, so no batch reads
 an adapter before its pages are written.  A load without a host copy first
 reads and packs the adapter's files: on CUDA in helper processes
 (`READ_WORKERS`, see `unipage.adapter_reader`: work in this process would fight
-the step loop for the GIL), so a step never waits on a disk read — ``poll()``
-starts the page copy once the packed buffer is ready, and reports a read that
-failed.  On CPU a load completes inside ``apply``.
+the step loop for the GIL), so a step never waits on a disk read.  The ring is
+shared memory that the reader processes pack straight into (a slice reserved
+when the read is submitted), so the step loop copies nothing on the way in —
+``poll()`` only starts the page copy once a read's reply is in, and reports a
+read that failed.  The reader writes the host copy too, as a file in shared
+memory (under `SHM_DIR`): a host copy is a tensor or such a file, and a load from
+one reads it into the ring.  On CPU a load completes inside ``apply``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
-from concurrent.futures import Future
+import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from unipage.adapter_pack import LoraWeights, gather_adapter
-from unipage.adapter_reader import ReaderPool, read_and_pack
+from unipage.adapter_reader import Read, ReaderPool, SharedTarget, read_and_pack
 from unipage.adapters import AdapterRecord, DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.config import UnipageConfig
 from unipage.errors import AdapterError
-from unipage.pinned import PinnedRing
+from unipage.pinned import SHM_DIR, PinnedRing, RingSlice
 
 log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
@@ -69,13 +77,16 @@ class PoolStorage:
         self.dtype = getattr(torch, config.model.dtype)
         shape = (config.model.pool_rows, config.num_pages, config.page_elems)
         self.pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._host: dict[str, torch.Tensor] = {}  # name -> [L, n, P] on the CPU
+        self._host: dict[str, torch.Tensor | str] = {}  # name -> [L, n, P] on the CPU, or a file of its bytes
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._events: dict[str, torch.cuda.Event] = {}  # page copies in flight (CUDA)
-        self._reads: dict[str, tuple[Future, LoadAdapter]] = {}  # file reads in flight (CUDA)
+        self._reads: dict[str, tuple[Read, LoadAdapter, RingSlice | None]] = {}  # file reads in flight (CUDA)
+        self._orphans: list[tuple[Read, RingSlice | None]] = []  # reads of evicted adapters, still in flight
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
-        self._ring = PinnedRing(RING_BYTES) if self._cuda else None
+        self._ring = _pinned_ring(RING_BYTES) if self._cuda else None
+        self._host_dir: str | None = None  # the readers' host copies (`_keep_path`)
+        self._host_names = itertools.count()
         self._fence: torch.cuda.Event | None = None  # `mark_step`: what a page copy waits for (CUDA)
         self.reads = ReadStats()
 
@@ -87,9 +98,11 @@ class PoolStorage:
                 self._load(effect, result)
             elif isinstance(effect, EvictAdapter):
                 self._events.pop(effect.name, None)
-                self._reads.pop(effect.name, None)  # a read still running is dropped when it ends
+                dropped = self._reads.pop(effect.name, None)
+                if dropped is not None:  # its ring slice comes back once the worker is done with it
+                    self._orphans.append((dropped[0], dropped[2]))
             elif isinstance(effect, DropHostCopy):
-                self._host.pop(effect.name, None)
+                _remove(self._host.pop(effect.name, None))
             else:
                 raise TypeError(f"unknown effect {effect!r}")
         return result
@@ -98,14 +111,27 @@ class PoolStorage:
         """CUDA: start the page copies of reads that finished; report the loads whose copies
         have completed since the last poll, and the reads that failed."""
         result = ApplyResult()
-        for name in [n for n, (future, _) in self._reads.items() if future.done()]:
-            future, effect = self._reads.pop(name)
+        if self._reads or self._orphans:
+            self._reader.poll()
+            self._release_orphans()
+        for name in [n for n, (read, _, _) in self._reads.items() if read.done()]:
+            read, effect, piece = self._reads.pop(name)
             try:
-                buf, seconds = future.result()
+                buf, seconds = read.result()
                 buf = self._check_pages(effect, buf)
                 self.reads.add(effect, seconds)
-                self._finish_read(effect, buf)
             except (AdapterError, OSError) as err:
+                _remove(read.kept)
+                if piece is not None:
+                    self._ring.release(piece)
+                log.warning("loading adapter %r failed: %s", name, err)
+                result.failed.append((name, str(err)))
+                continue
+            try:
+                self._finish_read(effect, buf, piece, read.kept)
+            except (AdapterError, OSError) as err:
+                if piece is not None and piece.event is None:  # no copy reads it
+                    self._ring.release(piece)
                 log.warning("loading adapter %r failed: %s", name, err)
                 result.failed.append((name, str(err)))
         result.done = [name for name, event in self._events.items() if event.query()]
@@ -129,9 +155,12 @@ class PoolStorage:
             self._fence.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        """Stop the background readers (reads in flight are abandoned)."""
+        """Stop the background readers (reads in flight are abandoned); the host copies kept in files go."""
         if self._reader is not None:
             self._reader.shutdown()
+        if self._host_dir is not None:
+            self._host = {name: buf for name, buf in self._host.items() if not isinstance(buf, str)}
+            shutil.rmtree(self._host_dir, ignore_errors=True)
 
     def load_event(self, name: str):
         """The CUDA event of a load still in flight, or None."""
@@ -160,21 +189,60 @@ class PoolStorage:
         return in_flight is None or in_flight[1] is not effect
 
     def _submit(self, effect: LoadAdapter) -> None:
-        """Read and pack the adapter's files in a reader process (staged in the pinned ring later, by `poll`
-        on this thread)."""
-        future = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
-                                     self.dtype)
-        self._reads[effect.name] = (future, effect)
+        """Read and pack the adapter's files in a reader process, straight into a slice of the shared ring
+        (or, with no room there, through a file: staged by `poll` on this thread)."""
+        piece = target = None
+        if self._ring is not None and self._ring.path is not None:
+            nbytes = (self.config.model.pool_rows * len(effect.pages) * self.config.page_elems
+                      * self.pool.element_size())
+            piece = self._ring.reserve(nbytes)
+            if piece is not None:
+                keep = self._keep_path() if effect.cache_on_host else None
+                target = SharedTarget(self._ring.path, piece.start, self._ring.view(piece), keep)
+        read = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
+                                   self.dtype, target)
+        self._reads[effect.name] = (read, effect, piece)
+
+    def _release_orphans(self) -> None:
+        """Give back the ring slices of dropped reads that are over."""
+        keep = []
+        for read, piece in self._orphans:
+            if not read.done():
+                keep.append((read, piece))
+                continue
+            _remove(read.kept)
+            if piece is not None:
+                self._ring.release(piece)
+        self._orphans = keep
+
+    def _keep_path(self) -> str | None:
+        """A new file for a reader to keep a host copy in (None: no directory for them)."""
+        if self._host_dir is None:
+            try:
+                self._host_dir = tempfile.mkdtemp(prefix="unipage-host-", dir=SHM_DIR)
+            except OSError as err:
+                log.warning("host copies stay in this process: no directory for them in %s (%s)", SHM_DIR, err)
+                self._host_dir = ""
+            else:
+                weakref.finalize(self, shutil.rmtree, self._host_dir, True)
+        if not self._host_dir:
+            return None
+        return os.path.join(self._host_dir, f"{next(self._host_names)}.bin")
 
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
         buf = self._host.get(effect.name) if effect.from_host else None
+        piece = keep = None
+        if isinstance(buf, str):  # a file a reader kept: it stays the host copy
+            keep = buf
+            buf, piece = self._read_host_file(effect, keep)
+            keep = keep if buf is not None else None
         if buf is None and self._reader is not None:
             if self._needs_read(effect):  # else `start_reads` submitted it
                 self._submit(effect)
             return
         try:
             buf = buf if buf is not None else self.read_packed(effect)
-            self._finish_read(effect, buf)
+            self._finish_read(effect, buf, piece, keep)
         except (AdapterError, OSError) as err:
             log.warning("loading adapter %r failed: %s", effect.name, err)
             result.failed.append((effect.name, str(err)))
@@ -182,17 +250,52 @@ class PoolStorage:
         if not self._cuda:
             result.done.append(effect.name)
 
-    def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor) -> None:
-        """Keep the host copy if asked, and copy the pages into the pool (on CUDA: on the side stream,
-        from the pinned ring; pinned on its own only when the ring has no room for it).  A copy
-        that cannot be started (e.g. no device memory for it) is an `AdapterError`."""
-        if effect.cache_on_host:
-            self._host[effect.name] = buf
-        if not self._cuda:
-            self.pool.index_copy_(1, torch.tensor(effect.pages, dtype=torch.long), buf)
-            return
+    def _read_host_file(self, effect: LoadAdapter, path: str) -> tuple[torch.Tensor | None, RingSlice | None]:
+        """A host copy kept in a file, read into a slice of the ring (or, with no room there, into a new
+        buffer); ``(None, None)`` if the file cannot be read (its host copy is dropped: read the adapter's
+        files instead)."""
+        shape = (self.config.model.pool_rows, len(effect.pages), self.config.page_elems)
+        nbytes = shape[0] * shape[1] * shape[2] * self.pool.element_size()
+        piece = self._ring.reserve(nbytes) if self._ring is not None else None
+        dst = self._ring.view(piece) if piece is not None else torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            with open(path, "rb") as f:
+                if f.readinto(dst.numpy()) != nbytes:
+                    raise OSError(f"{path} is short of {nbytes} bytes")
+        except OSError as err:
+            log.warning("the host copy of adapter %r is lost (%s): reading its files", effect.name, err)
+            if piece is not None:
+                self._ring.release(piece)
+            _remove(self._host.pop(effect.name, None))
+            return None, None
+        return dst.view(self.dtype).view(shape), piece
+
+    def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor, piece: RingSlice | None = None,
+                     keep: str | None = None) -> None:
+        """Keep the host copy if asked (the file ``keep``, if a reader wrote one), and copy the pages into
+        the pool (on CUDA: on the side stream, from the pinned ring — ``buf`` already lies in its slice
+        ``piece``, or is staged into it here; pinned on its own only when the ring has no room for it).
+        A copy that cannot be started (e.g. no device memory for it) is an `AdapterError`."""
+        try:
+            if self._cuda:
+                self._copy_pages(effect, buf, piece)
+            else:
+                self.pool.index_copy_(1, torch.tensor(effect.pages, dtype=torch.long), buf)
+        finally:
+            if effect.cache_on_host:  # after the copy is launched: the device need not wait for it
+                self._keep_host_copy(effect.name, keep or (_host_copy(buf) if piece is not None else buf))
+            if piece is not None and not self._cuda:  # copied already
+                self._ring.release(piece)
+
+    def _keep_host_copy(self, name: str, copy: torch.Tensor | str) -> None:
+        old = self._host.get(name)
+        if isinstance(old, str) and not (isinstance(copy, str) and copy == old):
+            _remove(old)  # a file it replaces
+        self._host[name] = copy
+
+    def _copy_pages(self, effect: LoadAdapter, buf: torch.Tensor, piece: RingSlice | None) -> None:
         pages = torch.tensor(effect.pages, dtype=torch.long)
-        staged = self._ring.stage(buf)
+        staged = buf if piece is not None else self._ring.stage(buf)
         if staged is None:
             src, index = buf.pin_memory(), pages
         else:
@@ -213,8 +316,9 @@ class PoolStorage:
                 failure = err
             event = torch.cuda.Event()
             event.record(self._stream)  # after whatever part of the copy was issued
-        if staged is not None:
-            self._ring.hold(event)  # the slices come back either way
+        self._ring.hold(event)  # the slices come back either way
+        if piece is not None:
+            self._ring.hold_slice(piece, event)
         if failure is not None:
             raise AdapterError(f"adapter {effect.name!r}: copying its pages to the device failed: {failure}")
         self._events[effect.name] = event
@@ -240,3 +344,29 @@ class PoolStorage:
         if record.pages is None:
             raise AdapterError(f"adapter {record.name!r} is not resident")
         return gather_adapter(self.pool, record.pages, record.layout)
+
+
+def _pinned_ring(nbytes: int) -> PinnedRing:
+    """The ring page copies pass through: in shared memory, so reader processes can pack into it, unless
+    the system has no room for that."""
+    try:
+        return PinnedRing(nbytes, shared=True)
+    except OSError as err:
+        log.warning("no shared pinned ring (%s): packed adapters are staged on the step loop's thread", err)
+        return PinnedRing(nbytes)
+
+
+def _host_copy(buf: torch.Tensor) -> torch.Tensor:
+    """A copy of ``buf`` in ordinary host memory: one thread, the GIL released (`PinnedRing.stage`)."""
+    out = torch.empty(buf.shape, dtype=buf.dtype)
+    np.copyto(out.view(-1).view(torch.uint8).numpy(), buf.contiguous().view(-1).view(torch.uint8).numpy())
+    return out
+
+
+def _remove(path) -> None:
+    """Remove a host copy's file (anything else: nothing to do)."""
+    if isinstance(path, str):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
