@@ -161,3 +161,50 @@ def test_no_room_for_a_shared_ring_is_an_os_error(monkeypatch, tmp_path):
     with pytest.raises(OSError, match="No space"):
         PinnedRing(4 * ALIGN, pin=False, shared=True)
     assert list(tmp_path.iterdir()) == []  # the file was removed
+
+
+def test_close_removes_a_shared_ring_at_once_and_a_failed_registration_leaves_no_file(monkeypatch, tmp_path):
+    import os
+
+    from unipage import pinned
+
+    monkeypatch.setattr(pinned, "SHM_DIR", str(tmp_path))
+    ring = PinnedRing(4 * ALIGN, pin=False, shared=True)
+    assert os.path.basename(ring.path).startswith(f"{pinned.RING_PREFIX}{os.getpid()}-")
+    ring.close()
+    assert list(tmp_path.iterdir()) == []
+
+    def refused(buf):
+        raise OSError("cudaHostRegister of a shared ring failed: CUDA error 712")
+
+    monkeypatch.setattr(pinned, "_register", refused)
+    with pytest.raises(OSError, match="712"):
+        PinnedRing(4 * ALIGN, pin=True, shared=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_shared_memory_directory_is_an_os_error_not_a_file_on_disk(monkeypatch, tmp_path):
+    from unipage import pinned
+
+    monkeypatch.setattr(pinned, "SHM_DIR", str(tmp_path / "missing"))
+    with pytest.raises(OSError, match="no shared memory directory"):
+        PinnedRing(4 * ALIGN, pin=False, shared=True)
+
+
+def test_the_files_of_dead_processes_are_swept_and_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from unipage.pinned import sweep_dead
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    for name in (f"unipage-ring-{dead}-x", f"unipage-ring-{os.getpid()}-y", "unipage-ring-junk", "other"):
+        (tmp_path / name).write_bytes(b"0")
+    (tmp_path / f"unipage-host-{dead}-z").mkdir()
+    (tmp_path / f"unipage-host-{dead}-z" / "0.bin").write_bytes(b"0")
+    sweep_dead(str(tmp_path), "unipage-ring-")
+    sweep_dead(str(tmp_path), "unipage-host-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"unipage-ring-{os.getpid()}-y",
+                                                                  "unipage-ring-junk", "other"])

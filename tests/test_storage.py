@@ -358,3 +358,38 @@ def test_cuda_reads_pack_into_the_shared_pinned_ring(tmp_path):
     torch.cuda.synchronize()
     assert storage._ring.reserve(storage._ring.capacity) is not None  # every slice came back
     storage.close()
+
+
+def test_a_read_no_reader_can_take_fails_its_load_and_gives_its_slice_back(tmp_path, monkeypatch):
+    memory, storage = setup(tmp_path)
+    _with_shared_reads(storage)
+    try:
+        def no_process(*args, **kwargs):
+            raise OSError(11, "Resource temporarily unavailable")
+
+        monkeypatch.setattr(storage._reader, "submit", no_process)
+        memory.adapters.request("a0")
+        storage.apply(memory.adapters.take_effects())  # no exception escapes the step
+        assert [name for name, _ in _poll_reads(storage)] == ["a0"]
+        assert storage._ring.reserve(storage._ring.capacity) is not None  # its slice came back
+    finally:
+        storage.close()
+
+
+def test_a_host_copy_dropped_while_its_read_is_in_flight_is_not_kept(tmp_path):
+    from unipage.adapters import DropHostCopy
+
+    memory, storage = setup(tmp_path)
+    _with_shared_reads(storage)
+    try:
+        memory.adapters.request("a0")
+        (load,) = memory.adapters.take_effects()
+        assert load.cache_on_host
+        storage.apply([load])
+        storage.apply([DropHostCopy("a0")])  # the host tier let it go before the read came back
+        assert _poll_reads(storage) == []
+        assert not storage.has_host_copy("a0")
+        assert storage._host_dir is None or os.listdir(storage._host_dir) == []  # its file went too
+    finally:
+        storage.close()
+    assert storage._ring is None  # closed: the shared ring's file is gone

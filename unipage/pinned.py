@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import tempfile
 import weakref
 from collections import deque
@@ -35,6 +36,7 @@ import torch
 
 ALIGN = 512
 SHM_DIR = "/dev/shm"  # where a shared ring's file lives (memory, not disk), if this system has it
+RING_PREFIX = "unipage-ring-"  # a shared ring's file: RING_PREFIX + pid + "-" + a unique suffix
 
 
 class RingSlice:
@@ -60,19 +62,30 @@ class PinnedRing:
             raise ValueError(f"a pinned ring needs at least {ALIGN} bytes, got {nbytes}")
         self.capacity = nbytes // ALIGN * ALIGN
         self.path: str | None = None
+        self._finalizer = None
         if shared:
             self.path, mapping = _shared_file(self.capacity)
             self.buf = torch.frombuffer(mapping, dtype=torch.uint8)
-            registered = pin and _register(self.buf)
+            try:
+                registered = pin and _register(self.buf)
+            except OSError:
+                _unlink(self.path)  # (the memory goes with the mapping)
+                raise
             # Unregistered before the mapping goes: the driver would take a later mapping at the same
             # address for registered memory, and refuse to register it.
-            weakref.finalize(self, _release_shared, self.path, self.buf.data_ptr() if registered else None,
-                             mapping)
+            self._finalizer = weakref.finalize(self, _release_shared, self.path,
+                                               self.buf.data_ptr() if registered else None, mapping)
         else:
             self.buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
         self.head = 0  # where the next slice starts
         self._live: deque[RingSlice] = deque()  # slices held, oldest first
         self._staged: list[RingSlice] = []  # staged since the last `hold`
+
+    def close(self) -> None:
+        """A shared ring: unregister it and remove its file now (after the copies in flight), not when it is
+        collected.  The ring must not be used after this."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     def stage(self, src: torch.Tensor) -> torch.Tensor | None:
         """A copy of ``src`` (same shape and dtype) in the ring, or None when there is no room now.
@@ -146,9 +159,13 @@ class PinnedRing:
 
 def _shared_file(nbytes: int) -> tuple[str, mmap.mmap]:
     """A new file of ``nbytes`` in shared memory, its blocks allocated now (so that touching a page
-    later cannot fail), mapped shared."""
-    directory = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix="unipage-ring-", dir=directory)
+    later cannot fail), mapped shared; an `OSError` if this system has no shared memory directory (a
+    file on disk would be written back).  Its name carries this process's id: the files of processes
+    that died without removing theirs (SIGKILL, an OOM kill) are removed here first."""
+    if not os.path.isdir(SHM_DIR):
+        raise OSError(f"no shared memory directory {SHM_DIR}")
+    sweep_dead(SHM_DIR, RING_PREFIX)
+    fd, path = tempfile.mkstemp(prefix=f"{RING_PREFIX}{os.getpid()}-", dir=SHM_DIR)
     try:
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, nbytes)
@@ -160,6 +177,32 @@ def _shared_file(nbytes: int) -> tuple[str, mmap.mmap]:
         raise
     finally:
         os.close(fd)
+
+
+def sweep_dead(directory: str, prefix: str) -> None:
+    """Remove the entries ``<prefix><pid>-*`` of ``directory`` whose process ``pid`` no longer runs."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            path = os.path.join(directory, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _unlink(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
 
 
 def _register(buf: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -42,12 +43,13 @@ from unipage.adapter_reader import Read, ReaderPool, SharedTarget, read_and_pack
 from unipage.adapters import AdapterRecord, DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.config import UnipageConfig
 from unipage.errors import AdapterError
-from unipage.pinned import SHM_DIR, PinnedRing, RingSlice
+from unipage.pinned import SHM_DIR, PinnedRing, RingSlice, sweep_dead
 
 log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
 READ_WORKERS = min(8, max(2, CPUS // 2))  # processes that read and pack adapter files (CUDA)
 RING_BYTES = 256 << 20  # the pinned ring that page copies pass through (CUDA)
+HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
 
 @dataclass
@@ -83,6 +85,7 @@ class PoolStorage:
         self._events: dict[str, torch.cuda.Event] = {}  # page copies in flight (CUDA)
         self._reads: dict[str, tuple[Read, LoadAdapter, RingSlice | None]] = {}  # file reads in flight (CUDA)
         self._orphans: list[tuple[Read, RingSlice | None]] = []  # reads of evicted adapters, still in flight
+        self._unkept: set[Read] = set()  # reads in flight whose host copy was dropped meanwhile: not kept
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
         self._ring = _pinned_ring(RING_BYTES) if self._cuda else None
         self._host_dir: str | None = None  # the readers' host copies (`_keep_path`)
@@ -103,6 +106,9 @@ class PoolStorage:
                     self._orphans.append((dropped[0], dropped[2]))
             elif isinstance(effect, DropHostCopy):
                 _remove(self._host.pop(effect.name, None))
+                in_flight = self._reads.get(effect.name)
+                if in_flight is not None:  # the copy it would keep is dropped too
+                    self._unkept.add(in_flight[0])
             else:
                 raise TypeError(f"unknown effect {effect!r}")
         return result
@@ -116,6 +122,10 @@ class PoolStorage:
             self._release_orphans()
         for name in [n for n, (read, _, _) in self._reads.items() if read.done()]:
             read, effect, piece = self._reads.pop(name)
+            cache = effect.cache_on_host and read not in self._unkept
+            self._unkept.discard(read)
+            if not cache:
+                _remove(read.kept)
             try:
                 buf, seconds = read.result()
                 buf = self._check_pages(effect, buf)
@@ -128,7 +138,7 @@ class PoolStorage:
                 result.failed.append((name, str(err)))
                 continue
             try:
-                self._finish_read(effect, buf, piece, read.kept)
+                self._finish_read(effect, buf, piece, read.kept, cache)
             except (AdapterError, OSError) as err:
                 if piece is not None and piece.event is None:  # no copy reads it
                     self._ring.release(piece)
@@ -161,6 +171,9 @@ class PoolStorage:
         if self._host_dir is not None:
             self._host = {name: buf for name, buf in self._host.items() if not isinstance(buf, str)}
             shutil.rmtree(self._host_dir, ignore_errors=True)
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
     def load_event(self, name: str):
         """The CUDA event of a load still in flight, or None."""
@@ -199,8 +212,12 @@ class PoolStorage:
             if piece is not None:
                 keep = self._keep_path() if effect.cache_on_host else None
                 target = SharedTarget(self._ring.path, piece.start, self._ring.view(piece), keep)
-        read = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
-                                   self.dtype, target)
+        try:
+            read = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
+                                       self.dtype, target)
+        except (OSError, pickle.PicklingError) as err:  # e.g. no reader process could be started: the load
+            read = Read(target, None)  # fails at the next poll, and its slice comes back then
+            read.fail(f"adapter {effect.name!r}: no reader could take its read: {err}")
         self._reads[effect.name] = (read, effect, piece)
 
     def _release_orphans(self) -> None:
@@ -219,7 +236,8 @@ class PoolStorage:
         """A new file for a reader to keep a host copy in (None: no directory for them)."""
         if self._host_dir is None:
             try:
-                self._host_dir = tempfile.mkdtemp(prefix="unipage-host-", dir=SHM_DIR)
+                sweep_dead(SHM_DIR, HOST_PREFIX)  # those of processes that died without removing theirs
+                self._host_dir = tempfile.mkdtemp(prefix=f"{HOST_PREFIX}{os.getpid()}-", dir=SHM_DIR)
             except OSError as err:
                 log.warning("host copies stay in this process: no directory for them in %s (%s)", SHM_DIR, err)
                 self._host_dir = ""
@@ -271,18 +289,20 @@ class PoolStorage:
         return dst.view(self.dtype).view(shape), piece
 
     def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor, piece: RingSlice | None = None,
-                     keep: str | None = None) -> None:
+                     keep: str | None = None, cache: bool | None = None) -> None:
         """Keep the host copy if asked (the file ``keep``, if a reader wrote one), and copy the pages into
         the pool (on CUDA: on the side stream, from the pinned ring — ``buf`` already lies in its slice
         ``piece``, or is staged into it here; pinned on its own only when the ring has no room for it).
-        A copy that cannot be started (e.g. no device memory for it) is an `AdapterError`."""
+        A copy that cannot be started (e.g. no device memory for it) is an `AdapterError`.  ``cache``: keep
+        the host copy (default: as the load asks)."""
+        cache = effect.cache_on_host if cache is None else cache
         try:
             if self._cuda:
                 self._copy_pages(effect, buf, piece)
             else:
                 self.pool.index_copy_(1, torch.tensor(effect.pages, dtype=torch.long), buf)
         finally:
-            if effect.cache_on_host:  # after the copy is launched: the device need not wait for it
+            if cache:  # after the copy is launched: the device need not wait for it
                 self._keep_host_copy(effect.name, keep or (_host_copy(buf) if piece is not None else buf))
             if piece is not None and not self._cuda:  # copied already
                 self._ring.release(piece)
