@@ -11,10 +11,12 @@ so the parent's ``__main__`` is never re-imported.
 The parent runs no thread for them: whatever a thread of the serving process
 does, it does holding the GIL now and then, and each time the step loop's
 next call waits for it (a prefill step's launches slowed by milliseconds while
-reads were in flight).  `ReaderPool.submit` writes the request to a worker's
-pipe at once (the least busy worker's: a worker serves its pipe in order), and
-`ReaderPool.poll`, called by the step loop, picks up the replies that are
-there (``select``, no waiting).  The packed buffer does not come back through
+reads were in flight).  `ReaderPool.submit` queues the request and hands it
+to the least busy worker with room (at most `PIPELINE` requests each; a worker
+serves its pipe in order), writing only what the non-blocking pipe takes, so
+it never waits for a busy worker; `ReaderPool.poll`, called by the step loop,
+writes the rest, picks up the replies that are there (``poll``, no waiting)
+and hands queued requests to the workers that have room again.  The packed buffer does not come back through
 the pipe: the worker writes it straight into a `SharedTarget` — a slice of the
 caller's pinned ring, a file in shared memory that the worker maps — so the
 step loop copies nothing; or, given no target, into a file of the pool's
@@ -57,6 +59,8 @@ from unipage.errors import AdapterError
 
 _LENGTH = struct.Struct("<Q")
 PICKLE_CACHE = 64  # layouts and models kept pickled (parent) and unpickled (worker)
+PIPELINE = 2  # requests a worker holds at once: the one it works on and the next, already in its pipe
+MAX_RESENDS = 3  # dead workers a read may go through unstarted before it fails
 
 
 def read_and_pack(info, layout, model, page_elems: int, dtype: torch.dtype) -> torch.Tensor:
@@ -146,15 +150,22 @@ def _read_exact(fd: int, n: int) -> bytes:
     return b"".join(parts)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+class _Request:
+    """A read and its request frame (length and pickle), kept until a reply comes so that a read a dead
+    worker never started can go to another; ``resends``: how many dead workers it has been through."""
+
+    __slots__ = ("data", "read", "resends")
+
+    def __init__(self, read: Read, data: bytes) -> None:
+        self.read = read
+        self.data = data
+        self.resends = 0
 
 
 class _Worker:
-    """One ``python -m unipage.adapter_reader`` process (with PYTHONSAFEPATH set), its pipes unbuffered
-    (``select`` sees every byte), and the reads sent to it, oldest first."""
+    """One ``python -m unipage.adapter_reader`` process (with PYTHONSAFEPATH set), its pipes unbuffered,
+    its stdin non-blocking: what does not fit in the pipe waits in ``outgoing`` for the next `flush`.
+    ``sent``: the requests given to it, oldest first, until their replies come (it serves them in order)."""
 
     def __init__(self) -> None:
         # Modules as found here; PYTHONSAFEPATH (Python 3.11+, as -P): not the working directory first
@@ -163,33 +174,69 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "unipage.adapter_reader"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, bufsize=0)
         self.out = self.proc.stdout.fileno()
-        self.reads: deque[Read] = deque()
+        self.stdin = self.proc.stdin.fileno()
+        os.set_blocking(self.stdin, False)
+        self.sent: deque[_Request] = deque()
+        self.outgoing = bytearray()
 
-    def send(self, request: bytes) -> None:
-        _write_all(self.proc.stdin.fileno(), _LENGTH.pack(len(request)) + request)
+    def give(self, request: _Request) -> None:
+        """Queue ``request`` to this worker; `flush` writes it."""
+        self.sent.append(request)
+        self.outgoing += request.data
+
+    def flush(self) -> None:
+        """Write what the pipe takes now, never waiting (`OSError`, e.g. a broken pipe, if the process died)."""
+        while self.outgoing:
+            try:
+                written = os.write(self.stdin, self.outgoing)
+            except BlockingIOError:
+                return
+            del self.outgoing[:written]
+
+    def oldest_written(self) -> bool:
+        """Whether the oldest request in ``sent`` went whole into the pipe."""
+        later = sum(len(request.data) for request in itertools.islice(self.sent, 1, None))
+        return bool(self.sent) and len(self.outgoing) <= later
 
     def receive(self):
         """The next reply (blocks until it is whole: call once the pipe is readable)."""
         (length,) = _LENGTH.unpack(_read_exact(self.out, _LENGTH.size))
         return pickle.loads(_read_exact(self.out, length))
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # the worker exits at end of input
+    def leftover_replies(self) -> list:
+        """The whole replies left in the pipe of a process that has exited."""
+        data, replies, at = self.proc.stdout.read(), [], 0
+        while at + _LENGTH.size <= len(data):
+            (length,) = _LENGTH.unpack_from(data, at)
+            if at + _LENGTH.size + length > len(data):
+                break
             try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        else:
-            self.proc.stdin.close()
+                replies.append(pickle.loads(data[at + _LENGTH.size:at + _LENGTH.size + length]))
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError):
+                break
+            at += _LENGTH.size + length
+        return replies
+
+    def kill(self) -> None:
+        """End the process now (its reads are abandoned or given to another) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        self.kill()
+        self.proc.stdin.close()
         self.proc.stdout.close()
 
 
 class ReaderPool:
     """Up to ``workers`` reader processes: one started at once (it imports torch while the engine
-    starts), the others when reads overlap.  Replies are taken by `poll` (or `wait`), on the caller's
-    thread.  They exit when the pool is shut down or collected; after that a read fails with
-    `AdapterError`."""
+    starts), the others when reads overlap.  Submitted reads wait in this process's queue until a worker
+    has room (at most `PIPELINE` requests each: the one it works on and the next), so `submit` never
+    waits for a busy worker.  Replies are taken by `poll` (or `wait`), on the caller's thread.  A dead
+    worker is replaced: its replies still in the pipe count, the read it was working on fails and the
+    ones it never started go to the others.  The workers exit when the pool is shut down or collected;
+    after that a read fails with `AdapterError`."""
 
     def __init__(self, workers: int) -> None:
         if workers < 1:
@@ -197,6 +244,8 @@ class ReaderPool:
         self.max_workers = workers
         self.workers: list[_Worker] = [_Worker()]
         self._closed = False
+        self._queue: deque[_Request] = deque()  # submitted, not yet given to a worker
+        self._finished: list[Read] = []  # done outside `poll` (failed at submit), for the next poll
         self._dir = tempfile.mkdtemp(prefix="unipage-reads-")  # buffers on their way back without a target
         self._names = itertools.count()
         self._pickles: dict[int, tuple[object, bytes]] = {}  # id -> (object, its pickle): `_pickled`
@@ -204,7 +253,8 @@ class ReaderPool:
 
     def submit(self, info, layout, model, page_elems: int, dtype: torch.dtype,
                target: SharedTarget | None = None) -> Read:
-        """Start a read: the packed buffer goes to ``target`` (its size must match), else through a file."""
+        """Start a read: the packed buffer goes to ``target`` (its size must match), else through a file.
+        Never waits: the request is queued here if no worker can take it now."""
         if target is None:
             os.makedirs(self._dir, exist_ok=True)  # a temp-dir cleaner may have removed it
             path = os.path.join(self._dir, f"{next(self._names)}.bin")
@@ -217,25 +267,22 @@ class ReaderPool:
         # The layout and the model are shared by many adapters: each is pickled once.
         request = _frame((info, self._pickled(layout), self._pickled(model), page_elems,
                           str(dtype).removeprefix("torch."), dest))
-        worker = self._least_busy()
-        worker.reads.append(read)
-        try:
-            worker.send(request)
-        except OSError as err:  # the process died: its reads fail, a new one takes its place
-            self._replace(worker, err)
+        self._queue.append(_Request(read, _LENGTH.pack(len(request)) + request))
+        self._dispatch()
         return read
 
     def poll(self) -> list[Read]:
-        """The reads whose replies have arrived since the last poll (done: ok or failed); never waits."""
-        finished: list[Read] = []
-        busy = [w for w in self.workers if w.reads]
-        while busy:
-            ready, _, _ = select.select([w.out for w in busy], [], [], 0)
+        """The reads done (ok or failed) since the last poll; never waits."""
+        self._dispatch()
+        while True:
+            busy = {w.out: w for w in self.workers if w.sent}
+            ready = _readable(busy, 0)
             if not ready:
                 break
-            for worker in [w for w in busy if w.out in ready]:
-                finished.extend(self._take_reply(worker))
-            busy = [w for w in self.workers if w.reads]
+            for fd in ready:
+                self._finished.extend(self._take_reply(busy[fd]))
+            self._dispatch()
+        finished, self._finished = self._finished, []
         return finished
 
     def wait(self, read: Read, timeout: float) -> Read:
@@ -248,16 +295,41 @@ class ReaderPool:
                 break
             if left <= 0:
                 raise TimeoutError(f"no reply for a read in {timeout} s")
-            select.select([w.out for w in self.workers if w.reads], [], [], min(left, 0.05))
+            _readable({w.out: w for w in self.workers if w.sent}, min(left, 0.05))
         return read
 
     @property
     def in_flight(self) -> int:
-        return sum(len(w.reads) for w in self.workers)
+        return len(self._queue) + sum(len(w.sent) for w in self.workers)
+
+    def _dispatch(self) -> None:
+        """Give queued requests to workers with room, and write what their pipes take; a worker found
+        dead on the way is replaced and its unstarted requests given again."""
+        while True:
+            while self._queue and not self._closed:
+                worker = self._least_busy()
+                if len(worker.sent) >= PIPELINE:
+                    break
+                worker.give(self._queue.popleft())
+            if not self._flush():
+                return
+
+    def _flush(self) -> bool:
+        """Write pending requests to every worker; whether one was found dead (and replaced)."""
+        died = False
+        if self._closed:  # the workers are gone, their pipes closed
+            return died
+        for worker in list(self.workers):
+            try:
+                worker.flush()
+            except OSError as err:
+                self._finished.extend(self._replace(worker, err))
+                died = True
+        return died
 
     def _least_busy(self) -> _Worker:
-        worker = min(self.workers, key=lambda w: len(w.reads))
-        if worker.reads and len(self.workers) < self.max_workers:
+        worker = min(self.workers, key=lambda w: len(w.sent))
+        if worker.sent and len(self.workers) < self.max_workers:
             worker = _Worker()
             self.workers.append(worker)
         return worker
@@ -267,25 +339,36 @@ class ReaderPool:
             reply = worker.receive()
         except (EOFError, OSError, pickle.UnpicklingError) as err:
             return self._replace(worker, err)
-        read = worker.reads.popleft()
-        if reply[0] == "error":
-            read.fail(f"{reply[1]}: {reply[2]}")
-        else:
-            _, shape, dtype_name, read.seconds, kept = reply
-            read.kept = read.target.keep if kept and read.target is not None else None
-            _collect(read, shape, getattr(torch, dtype_name))
+        read = worker.sent.popleft().read
+        _finish(read, reply)
         return [read]
 
     def _replace(self, worker: _Worker, err: Exception) -> list[Read]:
-        """``worker`` died: fail its reads, and start a new process in its place unless shut down."""
-        failed = list(worker.reads)
-        worker.reads.clear()
-        for read in failed:
+        """``worker`` died: take the replies it left, fail the read it was working on, queue the ones it
+        never started again (first, in order), and start a new process in its place unless shut down."""
+        worker.kill()
+        done = []
+        for reply in worker.leftover_replies()[:len(worker.sent)]:
+            read = worker.sent.popleft().read
+            _finish(read, reply)
+            done.append(read)
+        if worker.oldest_written():
+            read = worker.sent.popleft().read
             read.fail(f"the adapter reader process failed: {err}")
+            done.append(read)
+        for request in reversed(worker.sent):
+            request.resends += 1
+            if self._closed or request.resends > MAX_RESENDS:
+                request.read.fail(f"the adapter reader process failed {request.resends} times: {err}")
+                done.append(request.read)
+            else:
+                self._queue.appendleft(request)
+        worker.sent.clear()
+        worker.outgoing.clear()
         worker.close()
         if not self._closed:
             self.workers[self.workers.index(worker)] = _Worker()
-        return failed
+        return done
 
     def _pickled(self, obj) -> bytes:
         """``obj`` pickled, from a small cache by identity (the entry keeps ``obj`` alive, so its id
@@ -298,13 +381,37 @@ class ReaderPool:
         return hit[1]
 
     def shutdown(self) -> None:
-        """Stop the workers; reads in flight fail."""
+        """Stop the workers at once (killed: what they were doing is abandoned); reads in flight fail."""
         self._closed = True
+        self._finalizer()  # the workers are gone before their reads' targets are given up
+        pending = [request.read for request in self._queue]
+        self._queue.clear()
         for worker in self.workers:
-            for read in worker.reads:
-                read.fail("the adapter reader pool was shut down with the read in flight")
-            worker.reads.clear()
-        self._finalizer()
+            pending.extend(request.read for request in worker.sent)
+            worker.sent.clear()
+            worker.outgoing.clear()
+        for read in pending:
+            read.fail("the adapter reader pool was shut down with the read in flight")
+
+
+def _readable(workers: dict[int, _Worker], timeout: float) -> list[int]:
+    """The fds of ``workers`` with something to read (a reply, or the end of a dead one's pipe), waiting
+    up to ``timeout`` seconds; ``poll``, not ``select``: a server's fds may be numbered past 1024."""
+    if not workers:
+        return []
+    poller = select.poll()
+    for fd in workers:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(timeout * 1000)]
+
+
+def _finish(read: Read, reply: tuple) -> None:
+    if reply[0] == "error":
+        read.fail(f"{reply[1]}: {reply[2]}")
+    else:
+        _, shape, dtype_name, read.seconds, kept = reply
+        read.kept = read.target.keep if kept and read.target is not None else None
+        _collect(read, shape, getattr(torch, dtype_name))
 
 
 def _collect(read: Read, shape: tuple, dtype: torch.dtype) -> None:
