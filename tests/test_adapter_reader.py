@@ -369,3 +369,33 @@ def test_shutdown_is_prompt_with_reads_queued(tmp_path):
     for read in reads:
         with pytest.raises(AdapterError, match="shut down"):
             read.result()
+
+
+def test_no_worker_that_can_start_fails_the_reads_and_the_pool_recovers(tmp_path, monkeypatch):
+    """A dead worker whose replacement cannot be started: the read fails (not submit), and a later read
+    starts a worker again."""
+    import subprocess
+
+    from unipage import adapter_reader
+
+    memory, _ = setup(tmp_path)
+    readers = ReaderPool(1)
+    try:
+        first = readers.workers[0]
+        first.proc.kill()
+        first.proc.wait()
+
+        def no_process(*args, **kwargs):
+            raise OSError("no more processes")
+
+        real_popen = subprocess.Popen
+        monkeypatch.setattr(adapter_reader.subprocess, "Popen", no_process)
+        read = readers.submit(*_args(memory, "a0", torch.float32))
+        assert readers.poll() == [read] and readers.workers == [] and readers.in_flight == 0
+        with pytest.raises(AdapterError, match="could be started: no more processes"):
+            read.result()
+        monkeypatch.setattr(adapter_reader.subprocess, "Popen", real_popen)
+        buf, _ = _done(readers, readers.submit(*_args(memory, "a0", torch.float32)))
+        assert torch.equal(buf, read_and_pack(*_args(memory, "a0", torch.float32)))
+    finally:
+        readers.shutdown()

@@ -307,7 +307,11 @@ class ReaderPool:
         dead on the way is replaced and its unstarted requests given again."""
         while True:
             while self._queue and not self._closed:
-                worker = self._least_busy()
+                try:
+                    worker = self._least_busy()
+                except OSError as err:  # no worker left, and none can be started
+                    self._fail_queued(f"no adapter reader process could be started: {err}")
+                    break
                 if len(worker.sent) >= PIPELINE:
                     break
                 worker.give(self._queue.popleft())
@@ -328,11 +332,25 @@ class ReaderPool:
         return died
 
     def _least_busy(self) -> _Worker:
-        worker = min(self.workers, key=lambda w: len(w.sent))
-        if worker.sent and len(self.workers) < self.max_workers:
-            worker = _Worker()
-            self.workers.append(worker)
-        return worker
+        """The worker with the fewest requests, or a new one if that one is busy and there is room
+        (`OSError` only if there is no worker and none can be started)."""
+        worker = min(self.workers, key=lambda w: len(w.sent), default=None)
+        if worker is not None and not worker.sent or len(self.workers) >= self.max_workers:
+            return worker
+        try:
+            started = _Worker()
+        except OSError:
+            if worker is None:
+                raise
+            return worker  # the others carry on
+        self.workers.append(started)
+        return started
+
+    def _fail_queued(self, message: str) -> None:
+        for request in self._queue:
+            request.read.fail(message)
+            self._finished.append(request.read)
+        self._queue.clear()
 
     def _take_reply(self, worker: _Worker) -> list[Read]:
         try:
@@ -367,7 +385,11 @@ class ReaderPool:
         worker.outgoing.clear()
         worker.close()
         if not self._closed:
-            self.workers[self.workers.index(worker)] = _Worker()
+            self.workers.remove(worker)
+            try:
+                self.workers.append(_Worker())
+            except OSError:  # the others carry on; with none, `_dispatch` fails the queued reads
+                pass
         return done
 
     def _pickled(self, obj) -> bytes:
