@@ -191,20 +191,23 @@ def test_no_shared_memory_directory_is_an_os_error_not_a_file_on_disk(monkeypatc
         PinnedRing(4 * ALIGN, pin=False, shared=True)
 
 
-def test_the_files_of_dead_processes_are_swept_and_live_ones_kept(tmp_path):
+def test_sweep_removes_old_entries_no_process_holds_a_lock_on(tmp_path):
     import os
-    import subprocess
-    import sys
 
-    from unipage.pinned import sweep_dead
+    from unipage.pinned import SWEEP_AGE_S, hold_lock, sweep_dead
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    for name in (f"unipage-ring-{dead}-x", f"unipage-ring-{os.getpid()}-y", "unipage-ring-junk", "other"):
+    old = os.path.getmtime(tmp_path) - 2 * SWEEP_AGE_S
+    for name in ("unipage-ring-1-dead", "unipage-ring-2-live", "unipage-ring-3-young", "other"):
         (tmp_path / name).write_bytes(b"0")
-    (tmp_path / f"unipage-host-{dead}-z").mkdir()
-    (tmp_path / f"unipage-host-{dead}-z" / "0.bin").write_bytes(b"0")
-    sweep_dead(str(tmp_path), "unipage-ring-")
-    sweep_dead(str(tmp_path), "unipage-host-")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"unipage-ring-{os.getpid()}-y",
-                                                                  "unipage-ring-junk", "other"])
+    (tmp_path / "unipage-host-4-dead").mkdir()
+    (tmp_path / "unipage-host-4-dead" / "0.bin").write_bytes(b"0")
+    for name in ("unipage-ring-1-dead", "unipage-ring-2-live", "other", "unipage-host-4-dead"):
+        os.utime(tmp_path / name, (old, old))
+    live = hold_lock(str(tmp_path / "unipage-ring-2-live"))  # as a running process holds its ring's
+    try:
+        sweep_dead(str(tmp_path), "unipage-ring-")
+        sweep_dead(str(tmp_path), "unipage-host-")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "unipage-ring-2-live",
+                                                              "unipage-ring-3-young"]
+    finally:
+        os.close(live)

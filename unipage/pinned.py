@@ -24,10 +24,12 @@ Sizes are in bytes; every slice starts 512-byte aligned.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections import deque
 
@@ -37,6 +39,7 @@ import torch
 ALIGN = 512
 SHM_DIR = "/dev/shm"  # where a shared ring's file lives (memory, not disk), if this system has it
 RING_PREFIX = "unipage-ring-"  # a shared ring's file: RING_PREFIX + pid + "-" + a unique suffix
+SWEEP_AGE_S = 60.0  # `sweep_dead` leaves younger entries alone (their maker may not hold its lock yet)
 
 
 class RingSlice:
@@ -64,17 +67,18 @@ class PinnedRing:
         self.path: str | None = None
         self._finalizer = None
         if shared:
-            self.path, mapping = _shared_file(self.capacity)
+            self.path, mapping, lock = _shared_file(self.capacity)
             self.buf = torch.frombuffer(mapping, dtype=torch.uint8)
             try:
                 registered = pin and _register(self.buf)
             except OSError:
                 _unlink(self.path)  # (the memory goes with the mapping)
+                os.close(lock)
                 raise
             # Unregistered before the mapping goes: the driver would take a later mapping at the same
             # address for registered memory, and refuse to register it.
             self._finalizer = weakref.finalize(self, _release_shared, self.path,
-                                               self.buf.data_ptr() if registered else None, mapping)
+                                               self.buf.data_ptr() if registered else None, mapping, lock)
         else:
             self.buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
         self.head = 0  # where the next slice starts
@@ -157,52 +161,63 @@ class PinnedRing:
         return self.head if self.head + size <= tail else None  # held wraps; free: [head, tail)
 
 
-def _shared_file(nbytes: int) -> tuple[str, mmap.mmap]:
+def _shared_file(nbytes: int) -> tuple[str, mmap.mmap, int]:
     """A new file of ``nbytes`` in shared memory, its blocks allocated now (so that touching a page
-    later cannot fail), mapped shared; an `OSError` if this system has no shared memory directory (a
-    file on disk would be written back).  Its name carries this process's id: the files of processes
-    that died without removing theirs (SIGKILL, an OOM kill) are removed here first."""
+    later cannot fail), mapped shared, and its descriptor, which holds a shared lock on it while open
+    (`sweep_dead`); an `OSError` if this system has no shared memory directory (a file on disk would be
+    written back).  The files of processes that died without removing theirs (SIGKILL, an OOM kill)
+    are removed first."""
     if not os.path.isdir(SHM_DIR):
         raise OSError(f"no shared memory directory {SHM_DIR}")
     sweep_dead(SHM_DIR, RING_PREFIX)
     fd, path = tempfile.mkstemp(prefix=f"{RING_PREFIX}{os.getpid()}-", dir=SHM_DIR)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, nbytes)
         else:
             os.ftruncate(fd, nbytes)
-        return path, mmap.mmap(fd, nbytes)
+        return path, mmap.mmap(fd, nbytes), fd
     except OSError:
         _unlink(path)
-        raise
-    finally:
         os.close(fd)
+        raise
+
+
+def hold_lock(path: str) -> int:
+    """Open ``path`` (a file or a directory) and hold a shared lock on it while the returned descriptor
+    is open: `sweep_dead` leaves it alone."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
 
 
 def sweep_dead(directory: str, prefix: str) -> None:
-    """Remove the entries ``<prefix><pid>-*`` of ``directory`` whose process ``pid`` no longer runs."""
+    """Remove the entries ``<prefix>*`` of ``directory`` that no process holds a lock on (`hold_lock`),
+    older than `SWEEP_AGE_S`: left by processes that died without removing them.  A lock goes with its
+    process, in whatever pid namespace it ran."""
     try:
-        names = os.listdir(directory)
+        names = [name for name in os.listdir(directory) if name.startswith(prefix)]
     except OSError:
         return
     for name in names:
-        pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
-        if pid.isdigit() and not _alive(int(pid)):
-            path = os.path.join(directory, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                _unlink(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < SWEEP_AGE_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # locked: its process runs
+            continue
+        finally:
+            os.close(fd)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _unlink(path)
 
 
 def _register(buf: torch.Tensor) -> bool:
@@ -217,9 +232,9 @@ def _register(buf: torch.Tensor) -> bool:
     return True
 
 
-def _release_shared(path: str, registered_ptr: int | None, mapping: mmap.mmap) -> None:
+def _release_shared(path: str, registered_ptr: int | None, mapping: mmap.mmap, lock: int) -> None:
     """A shared ring's end: wait for copies that may still read it, unregister it, remove its file (the
-    mapping goes with its last view)."""
+    mapping goes with its last view) and let go of its lock."""
     if registered_ptr is not None:
         try:
             torch.cuda.synchronize()
@@ -227,6 +242,7 @@ def _release_shared(path: str, registered_ptr: int | None, mapping: mmap.mmap) -
         except RuntimeError:  # CUDA already torn down at exit
             pass
     _unlink(path)
+    os.close(lock)
     del mapping
 
 

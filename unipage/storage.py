@@ -43,7 +43,7 @@ from unipage.adapter_reader import Read, ReaderPool, SharedTarget, read_and_pack
 from unipage.adapters import AdapterRecord, DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.config import UnipageConfig
 from unipage.errors import AdapterError
-from unipage.pinned import SHM_DIR, PinnedRing, RingSlice, sweep_dead
+from unipage.pinned import SHM_DIR, PinnedRing, RingSlice, hold_lock, sweep_dead
 
 log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
@@ -89,6 +89,7 @@ class PoolStorage:
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
         self._ring = _pinned_ring(RING_BYTES) if self._cuda else None
         self._host_dir: str | None = None  # the readers' host copies (`_keep_path`)
+        self._host_end: weakref.finalize | None = None  # removes that directory
         self._host_names = itertools.count()
         self._fence: torch.cuda.Event | None = None  # `mark_step`: what a page copy waits for (CUDA)
         self.reads = ReadStats()
@@ -170,7 +171,8 @@ class PoolStorage:
             self._reader.shutdown()
         if self._host_dir is not None:
             self._host = {name: buf for name, buf in self._host.items() if not isinstance(buf, str)}
-            shutil.rmtree(self._host_dir, ignore_errors=True)
+            if self._host_end is not None:
+                self._host_end()
         if self._ring is not None:
             self._ring.close()
             self._ring = None
@@ -238,11 +240,14 @@ class PoolStorage:
             try:
                 sweep_dead(SHM_DIR, HOST_PREFIX)  # those of processes that died without removing theirs
                 self._host_dir = tempfile.mkdtemp(prefix=f"{HOST_PREFIX}{os.getpid()}-", dir=SHM_DIR)
+                lock = hold_lock(self._host_dir)
             except OSError as err:
                 log.warning("host copies stay in this process: no directory for them in %s (%s)", SHM_DIR, err)
+                if self._host_dir:  # made, but not locked
+                    shutil.rmtree(self._host_dir, ignore_errors=True)
                 self._host_dir = ""
             else:
-                weakref.finalize(self, shutil.rmtree, self._host_dir, True)
+                self._host_end = weakref.finalize(self, _remove_dir, self._host_dir, lock)
         if not self._host_dir:
             return None
         return os.path.join(self._host_dir, f"{next(self._host_names)}.bin")
@@ -381,6 +386,12 @@ def _host_copy(buf: torch.Tensor) -> torch.Tensor:
     out = torch.empty(buf.shape, dtype=buf.dtype)
     np.copyto(out.view(-1).view(torch.uint8).numpy(), buf.contiguous().view(-1).view(torch.uint8).numpy())
     return out
+
+
+def _remove_dir(path: str, lock: int) -> None:
+    """The host copies' directory goes, and its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock)
 
 
 def _remove(path) -> None:
