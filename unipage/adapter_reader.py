@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from unipage.errors import AdapterError
+from unipage.pinned import remove_file
 
 _LENGTH = struct.Struct("<Q")
 PICKLE_CACHE = 64  # layouts and models kept pickled (parent) and unpickled (worker)
@@ -114,7 +115,7 @@ class Read:
 
     def fail(self, message: str) -> None:
         self.error = AdapterError(message)
-        _remove(self.path)
+        remove_file(self.path)
 
 
 def _frame(obj) -> bytes:
@@ -455,16 +456,8 @@ def _collect(read: Read, shape: tuple, dtype: torch.dtype) -> None:
     if got != nbytes:
         read.fail(f"the adapter reader process wrote a short buffer to {read.path}")
         return
-    _remove(read.path)
+    remove_file(read.path)
     read.buf = buf
-
-
-def _remove(path: str | None) -> None:
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def _close(workers: list[_Worker], directory: str) -> None:
@@ -503,7 +496,7 @@ def _put(buf: torch.Tensor, dest: tuple) -> bool:
         data.tofile(keep)
         return True
     except OSError:  # e.g. shared memory full: the parent keeps its own copy instead
-        _remove(keep)
+        remove_file(keep)
         return False
 
 

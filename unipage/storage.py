@@ -35,7 +35,6 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from unipage.adapter_pack import LoraWeights, gather_adapter
@@ -43,7 +42,15 @@ from unipage.adapter_reader import Read, ReaderPool, SharedTarget, read_and_pack
 from unipage.adapters import AdapterRecord, DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.config import UnipageConfig
 from unipage.errors import AdapterError
-from unipage.pinned import SHM_DIR, PinnedRing, RingSlice, hold_lock, sweep_dead
+from unipage.pinned import (
+    SHM_DIR,
+    PinnedRing,
+    RingSlice,
+    copy_bytes,
+    hold_lock,
+    remove_file,
+    sweep_dead,
+)
 
 log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
@@ -106,7 +113,7 @@ class PoolStorage:
                 if dropped is not None:  # its ring slice comes back once the worker is done with it
                     self._orphans.append((dropped[0], dropped[2]))
             elif isinstance(effect, DropHostCopy):
-                _remove(self._host.pop(effect.name, None))
+                remove_file(self._host.pop(effect.name, None))
                 in_flight = self._reads.get(effect.name)
                 if in_flight is not None:  # the copy it would keep is dropped too
                     self._unkept.add(in_flight[0])
@@ -126,13 +133,13 @@ class PoolStorage:
             cache = effect.cache_on_host and read not in self._unkept
             self._unkept.discard(read)
             if not cache:
-                _remove(read.kept)
+                remove_file(read.kept)
             try:
                 buf, seconds = read.result()
                 buf = self._check_pages(effect, buf)
                 self.reads.add(effect, seconds)
             except (AdapterError, OSError) as err:
-                _remove(read.kept)
+                remove_file(read.kept)
                 if piece is not None:
                     self._ring.release(piece)
                 log.warning("loading adapter %r failed: %s", name, err)
@@ -208,9 +215,7 @@ class PoolStorage:
         (or, with no room there, through a file: staged by `poll` on this thread)."""
         piece = target = None
         if self._ring is not None and self._ring.path is not None:
-            nbytes = (self.config.model.pool_rows * len(effect.pages) * self.config.page_elems
-                      * self.pool.element_size())
-            piece = self._ring.reserve(nbytes)
+            piece = self._ring.reserve(self._packed_bytes(effect))
             if piece is not None:
                 keep = self._keep_path() if effect.cache_on_host else None
                 target = SharedTarget(self._ring.path, piece.start, self._ring.view(piece), keep)
@@ -229,7 +234,7 @@ class PoolStorage:
             if not read.done():
                 keep.append((read, piece))
                 continue
-            _remove(read.kept)
+            remove_file(read.kept)
             if piece is not None:
                 self._ring.release(piece)
         self._orphans = keep
@@ -277,8 +282,7 @@ class PoolStorage:
         """A host copy kept in a file, read into a slice of the ring (or, with no room there, into a new
         buffer); ``(None, None)`` if the file cannot be read (its host copy is dropped: read the adapter's
         files instead)."""
-        shape = (self.config.model.pool_rows, len(effect.pages), self.config.page_elems)
-        nbytes = shape[0] * shape[1] * shape[2] * self.pool.element_size()
+        nbytes = self._packed_bytes(effect)
         piece = self._ring.reserve(nbytes) if self._ring is not None else None
         dst = self._ring.view(piece) if piece is not None else torch.empty(nbytes, dtype=torch.uint8)
         try:
@@ -289,9 +293,17 @@ class PoolStorage:
             log.warning("the host copy of adapter %r is lost (%s): reading its files", effect.name, err)
             if piece is not None:
                 self._ring.release(piece)
-            _remove(self._host.pop(effect.name, None))
+            remove_file(self._host.pop(effect.name, None))
             return None, None
-        return dst.view(self.dtype).view(shape), piece
+        return dst.view(self.dtype).view(self._packed_shape(effect)), piece
+
+    def _packed_shape(self, effect: LoadAdapter) -> tuple[int, int, int]:
+        """The shape ``[L, n, P]`` of the load's packed host buffer."""
+        return self.config.model.pool_rows, len(effect.pages), self.config.page_elems
+
+    def _packed_bytes(self, effect: LoadAdapter) -> int:
+        rows, pages, elems = self._packed_shape(effect)
+        return rows * pages * elems * self.pool.element_size()
 
     def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor, piece: RingSlice | None = None,
                      keep: str | None = None, cache: bool | None = None) -> None:
@@ -315,7 +327,7 @@ class PoolStorage:
     def _keep_host_copy(self, name: str, copy: torch.Tensor | str) -> None:
         old = self._host.get(name)
         if isinstance(old, str) and not (isinstance(copy, str) and copy == old):
-            _remove(old)  # a file it replaces
+            remove_file(old)  # a file it replaces
         self._host[name] = copy
 
     def _copy_pages(self, effect: LoadAdapter, buf: torch.Tensor, piece: RingSlice | None) -> None:
@@ -382,9 +394,9 @@ def _pinned_ring(nbytes: int) -> PinnedRing:
 
 
 def _host_copy(buf: torch.Tensor) -> torch.Tensor:
-    """A copy of ``buf`` in ordinary host memory: one thread, the GIL released (`PinnedRing.stage`)."""
+    """A copy of ``buf`` in ordinary host memory (`copy_bytes`)."""
     out = torch.empty(buf.shape, dtype=buf.dtype)
-    np.copyto(out.view(-1).view(torch.uint8).numpy(), buf.contiguous().view(-1).view(torch.uint8).numpy())
+    copy_bytes(out, buf)
     return out
 
 
@@ -392,12 +404,3 @@ def _remove_dir(path: str, lock: int) -> None:
     """The host copies' directory goes, and its lock."""
     shutil.rmtree(path, ignore_errors=True)
     os.close(lock)
-
-
-def _remove(path) -> None:
-    """Remove a host copy's file (anything else: nothing to do)."""
-    if isinstance(path, str):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
