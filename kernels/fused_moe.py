@@ -161,8 +161,8 @@ def _moe_gemm_kernel(
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FUSED: tl.constexpr = False, R_PAD: tl.constexpr = 16,
     RK: tl.constexpr = 16, RD: tl.constexpr = 16, SPLIT_K: tl.constexpr = 1, CHUNK_SLOTS: tl.constexpr = 1,
+    STEPS: tl.constexpr = 2,
     RUN: tl.constexpr = 16, PAGE_SHIFT: tl.constexpr = 6, DOWN_SHRINK: tl.constexpr = True,
-    CHUNK_DISTINCT: tl.constexpr = True,
 ):
     num_m = tl.load(num_blocks_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -201,17 +201,16 @@ def _moe_gemm_kernel(
             w_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
     n0 = pid_n * BLOCK_N
-    if FUSED:  # the LoRA deltas as extra K steps into the same accumulators
+    if FUSED:  # the LoRA deltas as extra K steps into the same accumulators, after the main loop
         slot = lora_fused.pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k)
         if GATED:
-            acc, acc_up = lora_fused.gate_up_delta(acc, acc_up, slot, pairs, expert, n0, N, num_pairs, z_ptr,
-                                                   pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K,
-                                                   CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION,
-                                                   CHUNK_DISTINCT)
+            acc, acc_up = lora_fused.gate_up_delta(acc, acc_up, slot, pairs, expert, pid_n * BLOCK_N, N, num_pairs,
+                                                   z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K,
+                                                   CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
         else:
-            acc = lora_fused.down_delta(acc, slot, pairs, expert, n0, N, z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                                        stride_pt, RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION,
-                                        CHUNK_DISTINCT)
+            acc = lora_fused.down_delta(acc, slot, pairs, expert, pid_n * BLOCK_N, N, z_ptr, pool_ptr, pt_ptr,
+                                        meta_ptr, stride_pt, RD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT,
+                                        DOT_PRECISION)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & (cols[None, :] < N)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -235,7 +234,7 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, out, mask=mask)
     if FUSED and GATED and DOWN_SHRINK:  # the down shrink, from act as stored
         lora_fused.down_shrink(out, slot, pairs, expert, n0, N, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-                               RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION, CHUNK_DISTINCT)
+                               RD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

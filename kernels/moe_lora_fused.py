@@ -1,7 +1,7 @@
 """Expert LoRA fused into the base MoE's grouped GEMMs ("K-extension").
 
-Shape legend: TK pairs, BM x BN a GEMM tile, S slots, C = ``CHUNK_SLOTS`` adapters per
-extra K step, RK = ``RK_PAD`` (a slice's padded rank), LK = C·RK.
+Shape legend: TK pairs, BM x BN a GEMM tile, S slots, C = ``lora_k // RK`` slot ids per
+extra K step, RK = a gate/up slice's padded rank (RD for down), LK = C·RK.
 
 The separate LoRA pass (`fused_moe_lora`) reads the base GEMM's un-activated gate/up
 output back, adds the delta, re-applies the activation and read-modify-writes ``y``:
@@ -10,30 +10,31 @@ steps of the base GEMMs, into the same accumulator, so nothing is written twice:
 
     acc[m, :] += Σ_j S[m, j] · B[j, :]          S [BM, LK], B [LK, BN]
 
-A tile (BM pairs of one expert) holds pairs of several adapters.  Its LoRA slots are
-taken in runs of C consecutive slot ids, each run starting at the smallest slot id left
-(so a step holds at least one of the tile's slots; ids it lacks read nothing); column
-``j`` of a step belongs to the step's slot ``c0 + j // RK`` and rank row ``r = j % RK``.  ``S[m, j]`` is pair m's
-shrink output ``z[m, a_row + r]`` when pair m's slot is slot c (and ``r`` < its rank),
-else 0 — block-sparse, built by one masked load; ``B[j]`` is row ``r`` of slot c's B
-for this expert, read from the slot's pool pages (one page lookup per 64-run).  A tile
-without LoRA pairs does no extra step.  Scaling is folded into B (pack time).
+A tile (BM pairs of one expert) holds pairs of several adapters.  Its steps cover the slot
+ids from the smallest to the largest of its pairs' slots, C consecutive ids per step
+(ids no pair of the tile has read nothing); column ``j`` of the step from ``c0`` belongs to
+slot ``c0 + j // RK`` and rank row ``r = j % RK``.  ``S[m, j]`` is pair m's shrink output
+``z[m, a_row + r]`` when pair m's slot is that slot (and ``r`` < its rank), else 0 —
+block-sparse, built by one masked load; ``B[j]`` is row ``r`` of that slot's B for this
+expert, read from the slot's pool pages (one page lookup per run).  A step depends only on
+the tile's smallest slot id, never on another step, and the first ``lora_chunks`` steps are
+unrolled, so the compiler issues their loads together: the chain metadata -> page table ->
+pool is paid about once per tile (a loop of dependent steps cost ~0.8 us each on an H100).
+Further slot ids take a loop.  The steps run after the main K loop (before it, their shared
+memory came on top of the loop's, past the limit).  A tile without LoRA pairs does no step.  Scaling is folded into B.
 
 - gate/up GEMM: ``acc_gate += S_gate @ B_gate``, ``acc_up += S_up @ B_up`` before
-  the activation; then the down shrink ``down_z[m] += act[m] @ A_down[slot, e].T``
-  (this column tile's share, atomics) from the rounded ``act`` the GEMM stores.
+  the activation; then (config ``"down_shrink": "epilogue"``) the down shrink
+  ``down_z[m] += act[m] @ A_down[slot, e].T`` (this column tile's share, atomics) from the
+  rounded ``act`` the GEMM stores, or (``"pass"``) a grouped pass over ``act`` after it.
 - down GEMM: ``acc += S_down @ B_down`` before the bias and the routing weight.
 
 ``z`` (split-K partials of ``x @ A_gu.T``) and zeroed ``down_z`` come from
 `fused_moe_lora.moe_lora_shrink`, run before the gate/up GEMM.
 
-Status (H100, bf16, 8 adapters; benchmarks/results/kernels-moe-*-h100.jsonl): exact, but
-slower than the separate pass at every size (Qwen3-30B-A3B at 4096 tokens: about 490-620 us
-over the base MoE against 356-410 us), so launch configs leave it off.  The plan and shrink
-alone take ~100 us there; the rest is the GEMMs' epilogue, likely because with one
-192 KB-smem CTA per SM nothing hides a tile's chain of dependent loads (metadata -> page
-table -> pool) per chunk, and because of register pressure (some compiled GEMM variants of a
-sweep reached 255 registers with spills; not mapped to their configs).
+Status (H100, bf16, 8 adapters; benchmarks/results/kernels-moe-fused-sweeps-h100.jsonl):
+exact, but slower than the separate pass at every size measured, so launch configs leave
+it off.
 """
 
 from __future__ import annotations
@@ -65,28 +66,22 @@ def pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k):
 
 
 @triton.jit
-def _next_chunk(slot, left, C: tl.constexpr, DISTINCT: tl.constexpr):
-    """The next chunk of C slots, each pair's position in it and whether it is in it, and ``left``
-    without them.  DISTINCT: the C smallest distinct slots left (C reductions); else the slot ids
-    ``[c0, c0 + C)`` from the smallest left ``c0`` (two reductions), NONE for those the tile lacks."""
+def _slot_range(slot):
+    """``(lo, hi)``: the smallest and the largest slot id among the tile's LoRA pairs (``lo > hi``
+    when it has none).  ``slot | -(slot >> 30)`` is -1 for NONE, else the slot: no compare and select
+    on ``slot`` here (with the 2-D compares of `_chunk_at`, Triton 3.6's layout pass mis-rewrote one)."""
+    return tl.min(slot, 0), tl.max(slot | -(slot >> 30), 0)
+
+
+@triton.jit
+def _chunk_at(slot, c0, C: tl.constexpr):
+    """The step over slot ids ``[c0, c0 + C)``: those ids (NONE for ids no pair of the tile has), each
+    pair's position in it and whether it is in it.  Both per-pair results come out of the [BM, C] match
+    by reductions, not from compares on ``slot`` itself: Triton 3.6's layout pass broke on the latter."""
     ids = tl.arange(0, C)
-    if DISTINCT:
-        chunk = tl.full([C], NONE, tl.int32)
-        for i in tl.static_range(C):
-            smallest = tl.min(left, 0)
-            chunk = tl.where(ids == i, smallest, chunk)
-            left = tl.where(left == smallest, NONE, left)
-        match = (slot[:, None] == chunk[None, :]) & (chunk[None, :] < NONE)  # [BM, C]
-        pos = tl.sum(tl.where(match, ids[None, :], 0), 1)
-        inside = tl.max(match.to(tl.int32), 1) > 0
-    else:
-        c0 = tl.min(left, 0)
-        match = slot[:, None] == (c0 + ids)[None, :]  # [BM, C]
-        chunk = tl.where(tl.max(match.to(tl.int32), 0) > 0, c0 + ids, NONE)
-        inside = (left >= c0) & (left < c0 + C)
-        pos = slot - c0
-        left = tl.where(inside, NONE, left)
-    return chunk, pos, inside, left
+    match = (slot[:, None] == (c0 + ids)[None, :]) & ((c0 + ids) < NONE)[None, :]  # [BM, C]
+    chunk = tl.where(tl.max(match.to(tl.int32), 0) > 0, c0 + ids, NONE)
+    return chunk, tl.sum(match.to(tl.int32) * ids[None, :], 1), tl.max(match.to(tl.int32), 1) > 0
 
 
 @triton.jit
@@ -99,9 +94,16 @@ def _rows(chunk, RK: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _zero_unless(x, ok):
+    """``x`` where ``ok``, else 0, by a multiply: a select on these per-pair masks made Triton 3.6's layout
+    pass fail (its condition and result left in different layouts)."""
+    return x * ok.to(x.dtype)
+
+
+@triton.jit
 def _field(meta_ptr, slot, field, ok):
     """``meta[slot, field]`` per element (``field`` scalar or per element); 0 where not ``ok``."""
-    return tl.load(meta_ptr + tl.where(ok, slot, 0) * NUM_FIELDS + field, mask=ok, other=0)
+    return tl.load(meta_ptr + _zero_unless(slot, ok) * NUM_FIELDS + field, mask=ok, other=0)
 
 
 @triton.jit
@@ -124,7 +126,7 @@ def _slice_field(meta_ptr, slot, ok, UP: tl.constexpr):
 def _paged_rows(pool_ptr, pt_ptr, stride_pt, slot, virt, ok, cols_left, BLOCK_N: tl.constexpr,
                 RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
     """``[rows, BLOCK_N]``: row i = slot[i]'s virtual elements ``virt[i] + [0, BLOCK_N)`` (0 where not ok)."""
-    pt = pt_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * stride_pt
+    pt = pt_ptr + _zero_unless(slot, ok).to(tl.int64)[:, None] * stride_pt
     return load_runs(pool_ptr, pt, virt, ok, cols_left, BLOCK_N, RUN, PAGE_SHIFT, True)
 
 
@@ -141,7 +143,7 @@ def _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, UP: tl.conste
     mask = inside[:, None] & (pos[:, None] == c[None, :]) & (r[None, :] < rank[:, None])
     s = tl.zeros((pairs.shape[0], C * RK), tl.float32)
     for split in tl.static_range(SPLIT_K):
-        rows = (split * num_pairs + tl.where(inside, pairs, 0)).to(tl.int64) * R_PAD + a_row
+        rows = (split * num_pairs + _zero_unless(pairs, inside)).to(tl.int64) * R_PAD + a_row
         s += tl.load(z_ptr + rows[:, None] + r[None, :], mask=mask, other=0.0)
     return s
 
@@ -164,23 +166,43 @@ def _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, 
 
 
 @triton.jit
-def gate_up_delta(acc, acc_up, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr, pt_ptr, meta_ptr,
+def _gate_up_step(acc, acc_up, c0, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr, pt_ptr, meta_ptr,
                   stride_pt, R_PAD: tl.constexpr, RK: tl.constexpr, SPLIT_K: tl.constexpr, C: tl.constexpr,
                   BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, DISTINCT: tl.constexpr):
-    """Add the gate/up LoRA deltas of the tile's pairs (``slot`` from `pair_slots`) to ``acc`` / ``acc_up``."""
+                  DOT_PRECISION: tl.constexpr):
+    """The gate and up deltas of the tile's pairs whose slot is in ``[c0, c0 + C)``."""
     dtype = pool_ptr.dtype.element_ty
-    left = slot
-    while tl.min(left, 0) < NONE:
-        chunk, pos, inside, left = _next_chunk(slot, left, C, DISTINCT)
-        b_gate = _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, False, RK, C,
-                            BLOCK_N, RUN, PAGE_SHIFT)
-        s_gate = _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, False, R_PAD, RK, SPLIT_K, C)
-        acc = tl.dot(s_gate.to(dtype), b_gate, acc, input_precision=DOT_PRECISION)
-        b_up = _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, True, RK, C,
-                          BLOCK_N, RUN, PAGE_SHIFT)
-        s_up = _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, True, R_PAD, RK, SPLIT_K, C)
-        acc_up = tl.dot(s_up.to(dtype), b_up, acc_up, input_precision=DOT_PRECISION)
+    chunk, pos, inside = _chunk_at(slot, c0, C)
+    b_gate = _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, False, RK, C, BLOCK_N,
+                        RUN, PAGE_SHIFT)
+    b_up = _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, True, RK, C, BLOCK_N, RUN,
+                      PAGE_SHIFT)
+    s_gate = _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, False, R_PAD, RK, SPLIT_K, C)
+    s_up = _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, True, R_PAD, RK, SPLIT_K, C)
+    acc = tl.dot(s_gate.to(dtype), b_gate, acc, input_precision=DOT_PRECISION)
+    acc_up = tl.dot(s_up.to(dtype), b_up, acc_up, input_precision=DOT_PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
+def gate_up_delta(acc, acc_up, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr, pt_ptr, meta_ptr,
+                  stride_pt, R_PAD: tl.constexpr, RK: tl.constexpr, SPLIT_K: tl.constexpr, C: tl.constexpr,
+                  STEPS: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Add the gate/up LoRA deltas of the tile's pairs (``slot`` from `pair_slots`) to ``acc`` / ``acc_up``:
+    STEPS unrolled steps, then a loop over the slot ids left."""
+    lo, hi = _slot_range(slot)
+    if lo <= hi:  # a tile without LoRA pairs skips the unrolled steps
+        for i in tl.static_range(STEPS):
+            acc, acc_up = _gate_up_step(acc, acc_up, lo + i * C, slot, pairs, expert, n0, inter, num_pairs,
+                                        z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K, C, BLOCK_N,
+                                        RUN, PAGE_SHIFT, DOT_PRECISION)
+    c0 = lo + STEPS * C
+    while c0 <= hi:
+        acc, acc_up = _gate_up_step(acc, acc_up, c0, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr,
+                                    pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K, C, BLOCK_N, RUN, PAGE_SHIFT,
+                                    DOT_PRECISION)
+        c0 += C
     return acc, acc_up
 
 
@@ -200,38 +222,70 @@ def _down_rows(chunk, expert, n0, width, pool_ptr, pt_ptr, meta_ptr, stride_pt, 
 
 
 @triton.jit
+def _down_z_block(down_z_ptr, pairs, pos, inside, RD: tl.constexpr, C: tl.constexpr):
+    """Pointers ``[BM, C·RD]`` into ``down_z`` and the mask of each pair's own slot's column block."""
+    j = tl.arange(0, C * RD)
+    mine = inside[:, None] & (pos[:, None] == (j // RD)[None, :])
+    return down_z_ptr + _zero_unless(pairs, inside).to(tl.int64)[:, None] * RD + (j % RD)[None, :], mine
+
+
+@triton.jit
+def _down_shrink_step(act, c0, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
+                      RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                      PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    chunk, pos, inside = _chunk_at(slot, c0, C)
+    a = _down_rows(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, C, BLOCK_N, RUN,
+                   PAGE_SHIFT)
+    part = tl.dot(act, tl.trans(a), input_precision=DOT_PRECISION)  # [BM, C·RD]: every slot of the chunk
+    ptrs, mine = _down_z_block(down_z_ptr, pairs, pos, inside, RD, C)
+    tl.atomic_add(ptrs, part, mask=mine, sem="relaxed")
+
+
+@triton.jit
 def down_shrink(act, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-                RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-                PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr, DISTINCT: tl.constexpr):
+                RD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``down_z[m] += act[m, cols] @ A_down[slot_m, e][:, cols].T`` for this column tile (``act`` [BM, BN]
     in the model dtype, as stored)."""
-    left = slot
-    while tl.min(left, 0) < NONE:
-        chunk, pos, inside, left = _next_chunk(slot, left, C, DISTINCT)
-        a = _down_rows(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, C, BLOCK_N,
-                       RUN, PAGE_SHIFT)
-        part = tl.dot(act, tl.trans(a), input_precision=DOT_PRECISION)  # [BM, C·RD]: every slot of the chunk
-        j = tl.arange(0, C * RD)
-        mine = inside[:, None] & (pos[:, None] == (j // RD)[None, :])  # the pair's own slot's block
-        ptrs = down_z_ptr + tl.where(inside, pairs, 0).to(tl.int64)[:, None] * RD + (j % RD)[None, :]
-        tl.atomic_add(ptrs, part, mask=mine, sem="relaxed")
+    lo, hi = _slot_range(slot)
+    if lo <= hi:
+        for i in tl.static_range(STEPS):
+            _down_shrink_step(act, lo + i * C, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr,
+                              meta_ptr, stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+    c0 = lo + STEPS * C
+    while c0 <= hi:
+        _down_shrink_step(act, c0, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
+                          stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+        c0 += C
+
+
+@triton.jit
+def _down_step(acc, c0, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
+               RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    chunk, pos, inside = _chunk_at(slot, c0, C)
+    b = _down_rows(chunk, expert, n0, hidden, pool_ptr, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C, BLOCK_N,
+                   RUN, PAGE_SHIFT)
+    ptrs, mine = _down_z_block(down_z_ptr, pairs, pos, inside, RD, C)
+    s = tl.load(ptrs, mask=mine, other=0.0)
+    return tl.dot(s.to(pool_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def down_delta(acc, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-               RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr, DISTINCT: tl.constexpr):
+               RD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc[m] += down_z[m] @ B_down[slot_m, e][:, cols]`` (before the bias and the routing weight)."""
-    left = slot
-    while tl.min(left, 0) < NONE:
-        chunk, pos, inside, left = _next_chunk(slot, left, C, DISTINCT)
-        b = _down_rows(chunk, expert, n0, hidden, pool_ptr, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C,
-                       BLOCK_N, RUN, PAGE_SHIFT)
-        j = tl.arange(0, C * RD)
-        mask = inside[:, None] & (pos[:, None] == (j // RD)[None, :])
-        ptrs = down_z_ptr + tl.where(inside, pairs, 0).to(tl.int64)[:, None] * RD + (j % RD)[None, :]
-        s = tl.load(ptrs, mask=mask, other=0.0)
-        acc = tl.dot(s.to(pool_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
+    lo, hi = _slot_range(slot)
+    if lo <= hi:
+        for i in tl.static_range(STEPS):
+            acc = _down_step(acc, lo + i * C, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr,
+                             meta_ptr, stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+    c0 = lo + STEPS * C
+    while c0 <= hi:
+        acc = _down_step(acc, c0, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
+                         stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+        c0 += C
     return acc
 
 
@@ -257,19 +311,20 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     """``(args, constexprs)`` of `fused_moe._moe_gemm_kernel`'s fused LoRA for ``plan``
     (`fused_moe_lora.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
     table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64): the
-    extra K of one step, so ``lora_k // rank pad`` adapters go into one step; ``"chunks"``:
-    "range" (default) or "distinct" (`_next_chunk`)."""
+    extra K of one step, so ``lora_k // rank pad`` slot ids go into one step; ``"lora_steps"``
+    (default 2): the steps unrolled (`gate_up_delta`)."""
     from unipage.kernels.fused_moe_lora import _chunk, _split_k, lora_pads
 
     lora, meta = plan.lora, plan.lora.meta
     r_pad, rk_pad, rd_pad = lora_pads(meta)
     splits, _ = _split_k(meta.hidden, plan.config["split_k"])
-    width = plan.config.get("lora_k", 64)
+    width, steps = plan.config.get("lora_k", 64), plan.config.get("lora_steps", 2)
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f'lora config "lora_steps" must be an int >= 0, got {steps!r}')
     args = (plan.gate_up_z if gated else plan.down_z, plan.down_z, lora.pool, lora.page_table, meta.table,
             plan.topk_ids.shape[1], lora.page_table.stride(0))
     constexprs = {"FUSED": True, "R_PAD": r_pad if gated else rd_pad, "RK": rk_pad, "RD": rd_pad,
-                  "SPLIT_K": splits, "CHUNK_SLOTS": max(1, width // (rk_pad if gated else rd_pad)),
+                  "SPLIT_K": splits, "CHUNK_SLOTS": max(1, width // (rk_pad if gated else rd_pad)), "STEPS": steps,
                   "RUN": min(block_n, _chunk(meta.inter) if gated else 64),
-                  "PAGE_SHIFT": lora.pool.shape[1].bit_length() - 1, "DOWN_SHRINK": down_shrink_in_epilogue(plan),
-                  "CHUNK_DISTINCT": plan.config.get("chunks", "range") == "distinct"}
+                  "PAGE_SHIFT": lora.pool.shape[1].bit_length() - 1, "DOWN_SHRINK": down_shrink_in_epilogue(plan)}
     return args, constexprs

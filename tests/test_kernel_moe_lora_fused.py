@@ -24,8 +24,8 @@ from unipage.kernels.fused_moe_lora import (
 from unipage.kernels.moe_align import moe_align_ref
 
 
-def _fused(config: dict, lora_k: int = 64, down_shrink: str = "epilogue", chunks: str = "range") -> dict:
-    return {**config, "fused": True, "lora_k": lora_k, "down_shrink": down_shrink, "chunks": chunks}
+def _fused(config: dict, lora_k: int = 64, down_shrink: str = "epilogue", steps: int = 2) -> dict:
+    return {**config, "fused": True, "lora_k": lora_k, "down_shrink": down_shrink, "lora_steps": steps}
 
 
 FUSED_GROUP, FUSED_PAIR = _fused(lt.GROUP), _fused(lt.PAIR)
@@ -41,10 +41,10 @@ def test_fused_matches_reference(mode, num_tokens, dtype):
 
 @pytest.mark.parametrize("mix", ["identical", "distinct", "zipf", "skewed", "none"])
 @pytest.mark.parametrize("lora_k", [16, 32, 128])  # one slot per extra K step, two, eight
-@pytest.mark.parametrize("chunks", ["distinct", "range"])
-def test_mixes_and_slots_per_step(mix, lora_k, chunks):
+@pytest.mark.parametrize("steps", [0, 1, 3])  # unrolled steps: the rest of a tile's slot ids take the loop
+def test_mixes_and_slots_per_step(mix, lora_k, steps):
     c = lt._case(40, torch.float16, mix, seed=11)
-    lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, chunks=chunks)),
+    lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, steps=steps)),
               lt._run(fused_experts_ref, c, lt.GROUP), torch.float16)
 
 
