@@ -160,6 +160,8 @@ def test_uses_fused_follows_the_config():
     assert moe_lora_fused.uses_fused(plan_moe_lora(c["lora"], c["topk_ids"], FUSED_GROUP))
     assert not moe_lora_fused.uses_fused(plan_moe_lora(c["lora"], c["topk_ids"], lt.GROUP))
     assert not moe_lora_fused.uses_fused(None)
+    plan = plan_moe_lora(c["lora"], c["topk_ids"], {**lt.GROUP, "fused": True})
+    assert not moe_lora_fused.down_shrink_in_epilogue(plan)  # the default: a pass between the GEMMs
 
 
 # --- GPU: real layers in bf16 ---------------------------------------------------------------------

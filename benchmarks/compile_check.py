@@ -1,0 +1,108 @@
+"""Compile the MoE kernels for a Hopper GPU on a machine without one: catch compiler failures early.
+
+Triton's passes run on the host, so a kernel that the device's Triton cannot compile (a
+``PassManager::run failed`` from its layout passes, say) fails here too, with the same message,
+before any device time is spent.  Nothing runs: launches become ``warmup`` calls against a
+stand-in driver that reports an sm_90 target, and each launcher's Python around them runs on CPU
+tensors at the benchmark's real shapes (`kernels_moe.setup` / `batch`), with the H100's tuned
+configs.
+
+Use the Triton the device has (3.6 on the lent machines), e.g. installed beside the venv::
+
+    pip install --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36 .venv/bin/python benchmarks/compile_check.py \\
+        --tokens 1024 4096 --lora '{"fused": true, "lora_k": 64, "lora_steps": 2}'
+
+One JSON line per (shape, tokens): each kernel compiled, ok or its error (a kernel that needs more
+shared memory than an H100 has is not ok either).  Exit status 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler.errors import CompilationError
+from triton.runtime import driver
+
+TUNED_DEVICE = "nvidia_h100_80gb_hbm3"
+SHARED_LIMIT = 232448  # bytes of shared memory one program may use on an H100 or H200 (227 KiB)
+
+
+class HopperStandIn:
+    """The little of a driver that compiling needs: a target, a device, a stream."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def compile_only(compiled: list):
+    """A `launch` that compiles (``warmup``) instead of running, and records what came of it."""
+    def launch(kernel, grid, *args, **kwargs):
+        name = kernel.fn.__name__
+        try:
+            binary = kernel.warmup(*args, grid=grid, **kwargs)
+            shared = binary.metadata.shared  # past the limit the launch would fail: counted as a failure
+            compiled.append({"kernel": name, "ok": shared <= SHARED_LIMIT, "shared": shared,
+                             "warps": binary.metadata.num_warps})
+        except (CompilationError, RuntimeError) as exc:  # the front end's, or the passes' (PassManager)
+            compiled.append({"kernel": name, "ok": False, "error": repr(exc)[:300]})
+    return launch
+
+
+def patch(compiled: list) -> None:
+    launch = compile_only(compiled)
+    for name in ("launch", "fused_moe", "fused_moe_lora", "moe_align"):
+        module = importlib.import_module(f"unipage.kernels.{name}")
+        module.launch = launch
+        if hasattr(module, "device_key"):
+            module.device_key = lambda device=None: TUNED_DEVICE
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 256, 1024, 4096])
+    parser.add_argument("--lora", default='{"fused": true}', help="keys merged into the tuned LoRA config")
+    args = parser.parse_args()
+    driver.set_active(HopperStandIn())
+    compiled: list = []
+    patch(compiled)
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import kernels_moe as km
+    from unipage.kernels.fused_moe import fused_experts
+    from unipage.kernels.fused_moe_lora import lora_config
+
+    km.DEVICE = "cpu"
+    failed = False
+    for shape in args.shapes:
+        s = km.setup(shape)
+        for tokens in args.tokens:
+            b = km.batch(s, tokens)
+            compiled.clear()
+            config = {**lora_config(b["lora"], b["topk_ids"]), **json.loads(args.lora)}
+            fused_experts(b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"], b["lora"],
+                          lora_config=config)
+            failed |= not all(c["ok"] for c in compiled)
+            print(json.dumps({"shape": shape, "tokens": tokens, "compiled": compiled}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
