@@ -52,6 +52,13 @@ from unipage.kernels.launch import launch
 from unipage.lora_layout import AdapterLayout
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+PLAN_ELEMS = 8192  # counts the alignment's plan program holds at once (chunks x groups)
+
+
+def _plan_rows(g_pad: int) -> int:
+    """Chunks whose counts the plan program loads at once: by the group count alone (so the
+    number of chunks, which follows the batch, never makes a new compile)."""
+    return min(16, max(1, PLAN_ELEMS // g_pad))
 
 
 @dataclass(frozen=True)
@@ -198,19 +205,30 @@ def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, counts_ptr, num_pair
     tl.atomic_add(row + group, 1, mask=valid, sem="relaxed")
 
 
+@triton.jit
+def _chunk_rows(counts_ptr, c0, num_chunks, CB: tl.constexpr, G_PAD: tl.constexpr):
+    """Rows ``c0 .. c0 + CB`` of the ``[chunks, G_PAD]`` counts (zeros past the last), their offsets and mask."""
+    rows = c0 + tl.arange(0, CB)
+    offs = rows[:, None] * G_PAD + tl.arange(0, G_PAD)[None, :]
+    ok = (rows < num_chunks)[:, None]
+    return tl.load(counts_ptr + offs, mask=ok, other=0), offs, ok
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks", "num_chunks"])
 def _align_plan_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_group_ptr, num_blocks_ptr,
                        num_pairs, max_blocks, num_chunks, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-                       CHUNK: tl.constexpr):
-    offs_g = tl.arange(0, G_PAD)
+                       CHUNK: tl.constexpr, CB: tl.constexpr):
+    # CB chunks' counts at a time: a few loads in flight, not one dependent loop step per chunk
     totals = tl.zeros([G_PAD], tl.int32)
-    for chunk in range(0, num_chunks):
-        totals += tl.load(counts_ptr + chunk * G_PAD + offs_g)
+    for c0 in range(0, num_chunks, CB):
+        block, _, _ = _chunk_rows(counts_ptr, c0, num_chunks, CB, G_PAD)
+        totals += tl.sum(block, 0)
     running, padded = _plan_groups(totals, num_blocks_ptr, BLOCK_M)
     starts = running
-    for chunk in range(0, num_chunks):  # chunk c starts after the earlier chunks' pairs of each group
-        tl.store(cursor_ptr + chunk * G_PAD + offs_g, running)
-        running += tl.load(counts_ptr + chunk * G_PAD + offs_g)
+    for c0 in range(0, num_chunks, CB):  # chunk c starts after the earlier chunks' pairs of each group
+        block, offs, ok = _chunk_rows(counts_ptr, c0, num_chunks, CB, G_PAD)
+        tl.store(cursor_ptr + offs, running[None, :] + tl.cumsum(block, 0) - block, mask=ok)
+        running += tl.sum(block, 0)
     _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M, CHUNK)  # the scatter launch fills it after
     _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M, G_PAD, CHUNK)
 
@@ -257,7 +275,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     launch(_align_count_kernel, (chunks,), *routing, counts, num_pairs, top_k, num_experts, LORA=lora, **shapes,
            num_warps=4)
     launch(_align_plan_kernel, (1,), counts, cursor, out.sorted_pairs, out.block_group, out.num_blocks, num_pairs,
-           blocks, chunks, **tiles, num_warps=8)
+           blocks, chunks, **tiles, CB=_plan_rows(g_pad), num_warps=8)
     launch(_align_scatter_kernel, (chunks,), *routing, cursor, out.sorted_pairs, num_pairs, top_k, num_experts,
            LORA=lora, **shapes, num_warps=4)
     return out

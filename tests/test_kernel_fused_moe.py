@@ -106,7 +106,7 @@ def _groups_of(align: Alignment) -> dict:
     return real
 
 
-@pytest.mark.parametrize("launches", ["one", "three"])
+@pytest.mark.parametrize("launches", ["one", "three", "many"])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 @pytest.mark.parametrize("num_tokens", TOKENS + (300,))
@@ -117,7 +117,8 @@ def test_align_matches_reference(num_tokens, block_m, lora, launches):
     if lora:
         extra = {"token_slots": torch.randint(-1, 3, (num_tokens,), generator=g, dtype=torch.int32),
                  "slot_flags": torch.tensor([1, 0, 1], dtype=torch.int32)}
-    split = {"one": {}, "three": {"chunk": 64, "one_program_max": 0}}[launches]  # 300 tokens: 10 chunks
+    split = {"one": {}, "three": {"chunk": 64, "one_program_max": 0},  # 300 tokens: 10 chunks
+             "many": {"chunk": 16, "one_program_max": 0}}[launches]  # more chunks than the plan loads at once
     got, want = moe_align(ids, E, block_m, **extra, **split), moe_align_ref(ids, E, block_m, **extra)
     groups = _groups_of(want)
     assert _groups_of(got) == groups
