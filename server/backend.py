@@ -25,6 +25,7 @@ from unipage.errors import (
     AdapterError,
     AdapterExistsError,
     AdapterPathError,
+    ClosedError,
     UnknownAdapterError,
 )
 
@@ -107,12 +108,19 @@ class EngineBackend:
             raise BackendError(ErrorCode.REQUEST_TOO_LARGE, str(err)) from None
         except UnknownAdapterError as err:
             raise BackendError(ErrorCode.UNKNOWN_ADAPTER, str(err)) from None
+        except ClosedError as err:
+            raise BackendError(ErrorCode.SHUTTING_DOWN, str(err)) from None
         except ValueError as err:
             raise BackendError(ErrorCode.INVALID_REQUEST, str(err)) from None
         return len(prompt)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
+
+    def close(self) -> None:
+        """Close the engine (`Engine.close`: its storage's shared memory and reader processes go); safe to
+        call again.  Not part of `Backend`: whoever builds the backend closes it, after the server stops."""
+        self.engine.close()
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()

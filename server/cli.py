@@ -6,13 +6,15 @@
 Clients: `unipage.server.Client` / `AsyncClient`, or any ZeroMQ DEALER
 speaking the protocol.  SIGINT or SIGTERM stops it gracefully: new requests
 are refused, live ones finish (or are aborted after --drain-timeout-s), and
-each gets its reply.  Exit codes: 0 after a clean stop; 2 bad options or
+each gets its reply; then the engine is closed (its shared memory and
+reader processes go).  Exit codes: 0 after a clean stop; 2 bad options or
 files, with a message.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -96,10 +98,14 @@ def build_backend(args: argparse.Namespace):
     sched.setdefault("max_model_len", min(int(hf.get("max_position_embeddings") or 4096), 8192))
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, pool=pool, lora=lora,
                     scheduler=SchedulerConfig(**sched), kernels=args.kernels)
-    for name, path in args.adapter:
-        engine.add_adapter(name, path)
-    has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
-    tokenizer = Tokenizer(model_dir, engine.hf_config) if has_tokenizer else None
+    try:
+        for name, path in args.adapter:
+            engine.add_adapter(name, path)
+        has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
+        tokenizer = Tokenizer(model_dir, engine.hf_config) if has_tokenizer else None
+    except BaseException:  # no backend to close: release the engine here
+        engine.close()
+        raise
     return EngineBackend(engine, tokenizer, getattr(args, "served_name", None) or os.path.basename(model_dir))
 
 
@@ -117,22 +123,35 @@ def main(argv: list[str] | None = None) -> int:
 
             demo_args(args)
         backend = build_backend(args)
-        server = Server(backend, server_config)
     except (ValueError, OSError) as err:
-        print(f"unipage-serve: {err}", file=sys.stderr)
-        return 2
+        return _cannot_start(err)
+    with contextlib.closing(backend):  # after the drain has answered every request: shared memory, readers
+        try:
+            server = Server(backend, server_config)
+        except (ValueError, OSError) as err:
+            return _cannot_start(err)
+        _serve(server, backend, args.ready_file)
+    return 0
+
+
+def _cannot_start(err: Exception) -> int:
+    print(f"unipage-serve: {err}", file=sys.stderr)
+    return 2
+
+
+def _serve(server, backend, ready_file: str | None) -> None:
+    """Serve until SIGINT or SIGTERM, then drain (`Server.serve_forever`)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
     adapters = ", ".join(a.name for a in backend.adapters()) or "none"
     log.info("serving %s on %s (device %s; adapters: %s)", backend.model_name, server.endpoint, backend.device,
              adapters)
-    if args.ready_file:
-        tmp = args.ready_file + ".tmp"
+    if ready_file:
+        tmp = ready_file + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(server.endpoint + "\n")
-        os.replace(tmp, args.ready_file)
+        os.replace(tmp, ready_file)
     server.serve_forever()
-    return 0
 
 
 def entry_point() -> None:

@@ -25,7 +25,7 @@ import torch
 
 from unipage.adapters import EvictAdapter, LoadAdapter
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
-from unipage.errors import AdapterBusyError
+from unipage.errors import AdapterBusyError, ClosedError
 from unipage.memory import UnifiedMemory
 from unipage.models.decoder import DecoderLM
 from unipage.models.dummy import DummyCheckpoint
@@ -78,7 +78,9 @@ class Engine:
         """``load_format``: "safetensors" reads the checkpoint's weights; "dummy" needs only its
         ``config.json`` and draws random weights on the device (benchmarks at real shapes).
         ``cuda_graphs``: replay captured CUDA graphs for decode steps (default: on with the Triton
-        kernels on CUDA; `unipage.graphs`)."""
+        kernels on CUDA; `unipage.graphs`).  `close` (or a ``with`` block) releases the pool storage's
+        shared memory and reader processes."""
+        self.closed = False
         model_dir = os.fspath(model_dir)
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -95,16 +97,37 @@ class Engine:
         check_pool_size(self.config)
         self.memory = UnifiedMemory(self.config)
         self.storage = PoolStorage(self.config, self.device)
-        max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)
-        self.scheduler = Scheduler(self.memory, scheduler or SchedulerConfig(max_model_len=max_len))
-        self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device,
-                                  graphs=self._graph_limits(cuda_graphs), lora_slots=self._lora_slots())
+        try:
+            max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)
+            self.scheduler = Scheduler(self.memory, scheduler or SchedulerConfig(max_model_len=max_len))
+            self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device,
+                                      graphs=self._graph_limits(cuda_graphs), lora_slots=self._lora_slots())
+        except BaseException:  # no engine to close: release the storage here
+            self.close()
+            raise
         self.vocab_size = int(hf["vocab_size"])
         self._done: list[str] = []  # loads complete, to report at the next update
         self._failed: list[str] = []
         self._in_flight: dict[str, int] = {}  # adapter -> slot, CUDA copies not yet complete
         self._idle_steps = 0
         self.last_step: StepOutput | None = None
+
+    def close(self) -> None:
+        """Release the pool storage (`PoolStorage.close`: its reader processes stop, its shared-memory ring
+        and host-copy files go); requests still live are abandoned.  Safe to call again.  After it,
+        `add_request` and `step` raise `ClosedError`."""
+        self.closed = True
+        self.storage.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("the engine is closed: no requests or steps after close()")
 
     def _graph_limits(self, wanted: bool | None) -> GraphLimits | None:
         triton = self.model.ops.name == "triton"
@@ -146,6 +169,7 @@ class Engine:
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self._check_open()
         bad = [t for t in request.prompt_token_ids if isinstance(t, int) and not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside the vocabulary "
@@ -167,6 +191,7 @@ class Engine:
         either.  Their host work (staging, copy launches, slot tables) then overlaps the GPU; the file
         reads, which touch no device state, start before the forward pass is launched.
         """
+        self._check_open()
         out = self.scheduler.schedule()
         self.runner.drop(out)
         self.runner.admit(out)

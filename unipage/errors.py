@@ -47,3 +47,7 @@ class PageError(ValueError):
 
 class CheckpointError(ValueError):
     """A model directory that cannot be served: missing files, unknown architecture, wrong shapes."""
+
+
+class ClosedError(ValueError):
+    """An engine or pool storage used after its ``close()`` (a ``ValueError``, as for a closed file)."""

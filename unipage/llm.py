@@ -76,16 +76,31 @@ class LLM:
         """Load ``model_dir`` (config.json + safetensors) onto ``device`` (default CUDA if present)
         in ``dtype`` (default the checkpoint's); register ``adapters`` {name: PEFT directory}.
         ``load_format="dummy"``: random weights from config.json alone (benchmarks).
-        ``cuda_graphs``: replay CUDA graphs for decode steps (default: on with the Triton kernels)."""
+        ``cuda_graphs``: replay CUDA graphs for decode steps (default: on with the Triton kernels).
+        `close` (or a ``with`` block) releases the engine's shared memory and reader processes."""
         model_dir = os.fspath(model_dir)
         self.engine = Engine(model_dir, device=device, dtype=dtype, pool=pool, lora=lora, scheduler=scheduler,
                              kernels=kernels, load_format=load_format,
                              cuda_graphs=cuda_graphs)
-        has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
-        self.tokenizer = Tokenizer(model_dir, self.engine.hf_config) if has_tokenizer else None
-        self._ids = itertools.count()
-        for name, path in (adapters or {}).items():
-            self.add_adapter(name, path)
+        try:
+            has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
+            self.tokenizer = Tokenizer(model_dir, self.engine.hf_config) if has_tokenizer else None
+            self._ids = itertools.count()
+            for name, path in (adapters or {}).items():
+                self.add_adapter(name, path)
+        except BaseException:  # no LLM to close: release the engine here
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the engine (`Engine.close`); safe to call again.  `generate` then raises `ClosedError`."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def add_adapter(self, name: str, path: str | os.PathLike) -> None:
         self.engine.add_adapter(name, path)

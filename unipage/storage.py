@@ -41,7 +41,7 @@ from unipage.adapter_pack import LoraWeights, gather_adapter
 from unipage.adapter_reader import Read, ReaderPool, SharedTarget, read_and_pack
 from unipage.adapters import AdapterRecord, DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.config import UnipageConfig
-from unipage.errors import AdapterError
+from unipage.errors import AdapterError, ClosedError
 from unipage.pinned import (
     SHM_DIR,
     PinnedRing,
@@ -100,9 +100,11 @@ class PoolStorage:
         self._host_names = itertools.count()
         self._fence: torch.cuda.Event | None = None  # `mark_step`: what a page copy waits for (CUDA)
         self.reads = ReadStats()
+        self.closed = False  # `close`: loads and reads are refused from then on
 
     def apply(self, effects) -> ApplyResult:
         """Perform the effects in order; report which loads completed or failed."""
+        self._check_open()
         result = ApplyResult()
         for effect in effects:
             if isinstance(effect, LoadAdapter):
@@ -124,6 +126,7 @@ class PoolStorage:
     def poll(self) -> ApplyResult:
         """CUDA: start the page copies of reads that finished; report the loads whose copies
         have completed since the last poll, and the reads that failed."""
+        self._check_open()
         result = ApplyResult()
         if self._reads or self._orphans:
             self._reader.poll()
@@ -173,7 +176,10 @@ class PoolStorage:
             self._fence.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        """Stop the background readers (reads in flight are abandoned); the host copies kept in files go."""
+        """Stop the background readers (reads in flight are abandoned); the host copies kept in files and
+        the shared ring's file go.  Safe to call again; `apply`, `start_reads` and `poll` then raise
+        `ClosedError`."""
+        self.closed = True
         if self._reader is not None:
             self._reader.shutdown()
         if self._host_dir is not None:
@@ -183,6 +189,10 @@ class PoolStorage:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("the pool storage is closed: no adapter loads or reads after close()")
 
     def load_event(self, name: str):
         """The CUDA event of a load still in flight, or None."""
@@ -196,6 +206,7 @@ class PoolStorage:
         with no host copy).  Reading touches no device state, so the engine starts the reads before a step's
         forward pass and performs the rest of the effects while it runs.  A load of an adapter that
         ``effects`` also evict is left to `apply`."""
+        self._check_open()
         if self._reader is None:
             return
         evicted = {e.name for e in effects if isinstance(e, EvictAdapter)}
