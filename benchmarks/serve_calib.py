@@ -8,27 +8,32 @@ over every step of the runs of one model, steps that start adapter loads
 included: the step loop's host work per load is the ``load_s`` term (the file
 reads themselves run in reader processes, as the simulator's ``read_workers``
 readers at ``disk_bytes_per_s``, the measured read-and-pack rate of one).
+The steps' launch times (seconds until the engine polls its reads, once the
+forward pass is launched) are fitted as ``launch_base_s + launch_token_s *
+scheduled tokens`` the same way, over the runs whose logs record them (older
+logs do not: without any, both stay 0 and reads are polled at the step's end
+only, as before the term).
 
 Replay: the same requests (adapters, lengths, submission order) as a `Trace`.
 Adapters the measured run had warmed up are made resident first by one tiny
 request each, ``WARM_OFFSET_S`` before the workload.  An all-at-once run
-keeps its submission times; a closed loop of concurrency C is solved as a
-fixed point: request ``C + k`` arrives when the k-th request finishes in the
-simulation, iterated from the measured times until nothing changes.
+keeps its submission times; a closed loop of concurrency C runs as one in the
+simulator (`ClosedLoop`): the first C requests at their measured submission
+times, request ``C + k`` at the end of the simulated step in which the k-th
+request finishes, as the driver submits it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import re
 from pathlib import Path
 
 import numpy as np
 from serve_driver import COLUMNS, TERMS, Timeline, serving_metrics
-from unipage.sim import CostProfile, Trace, build_config, simulate
+from unipage.sim import ClosedLoop, CostProfile, Trace, build_config, simulate
 from unipage.sim.profile import _COEFFICIENTS as COEFFICIENTS
+from unipage.sim.profile import _LAUNCH_COEFFICIENTS as LAUNCH_COEFFICIENTS
 
 assert len(TERMS) + 1 == len(COEFFICIENTS) and set(TERMS) <= set(COLUMNS), "fitted terms vs profile fields"
 WARM_OFFSET_S = 1000.0  # simulated seconds between the warm-up requests and the workload
@@ -83,6 +88,35 @@ def fit_coefficients(runs: list[np.ndarray]) -> tuple[dict, dict]:
     return dict(zip(COEFFICIENTS, (float(c) for c in coef))), quality
 
 
+def fit_launch(runs: list[np.ndarray]) -> tuple[dict, dict]:
+    """``launch_base_s`` and ``launch_token_s`` (`CostProfile`), and the fit's quality, from the step rows
+    (`COLUMNS`) that record a launch time; zeros (and 0 steps) when none does."""
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    rows = np.concatenate(runs) if runs else np.zeros((0, len(COLUMNS)))
+    rows = rows[np.isfinite(rows[:, col["launch"]])]
+    if not len(rows):
+        return dict.fromkeys(LAUNCH_COEFFICIENTS, 0.0), {"launch_steps": 0}
+    tokens = rows[:, col["prefill"]] + rows[:, col["decode"]]
+    design = np.column_stack([np.ones(len(rows)), tokens])
+    launch = rows[:, col["launch"]]
+    scale = np.linalg.norm(design, axis=0)
+    coef = nnls(design / scale, launch) / scale
+    rms = float(np.sqrt(np.mean((design @ coef - launch) ** 2)))
+    return dict(zip(LAUNCH_COEFFICIENTS, map(float, coef))), {"launch_steps": len(rows),
+                                                               "launch_rms_s": round(rms, 6)}
+
+
+def step_rows(lg: dict) -> np.ndarray:
+    """A run log's step rows in `COLUMNS` order; a column the log lacks (an older log) is NaN."""
+    columns = lg.get("columns", COLUMNS)
+    raw = np.asarray(lg["steps"], dtype=np.float64).reshape(-1, len(columns))
+    rows = np.full((len(raw), len(COLUMNS)), np.nan)
+    for i, name in enumerate(columns):
+        if name in COLUMNS:
+            rows[:, COLUMNS.index(name)] = raw[:, i]
+    return rows
+
+
 def gpu_tag(device: str) -> str:
     """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``; a CPU -> ``"cpu"``."""
     found = re.search(r"\b([a-z]{1,2}\d{2,3}[a-z]?)\b", device.lower())
@@ -95,8 +129,10 @@ def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
     if len(keys) != 1:
         raise ValueError(f"one profile fits the runs of one model on one device; got {sorted(keys)}")
     (key, device, device_type), = keys
-    coef, quality = fit_coefficients([np.asarray(lg["steps"], dtype=np.float64).reshape(-1, len(COLUMNS))
-                                      for lg in logs])
+    runs = [step_rows(lg) for lg in logs]
+    coef, quality = fit_coefficients(runs)
+    launch, launch_quality = fit_launch(runs)
+    quality.update(launch_quality)
     disk_bytes, disk_s = sum(lg["disk_bytes"] for lg in logs), sum(lg["disk_seconds"] for lg in logs)
     disk = disk_bytes / disk_s if disk_s > 0 else CostProfile.__dataclass_fields__["disk_bytes_per_s"].default
     tag = "cpu" if device_type == "cpu" else gpu_tag(device)
@@ -106,15 +142,23 @@ def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
               f"non-negative least-squares fit "
               f"of {quality['steps']} engine step times (runs: {runs}); predicted/measured total step time "
               f"{quality['total_ratio']}, RMS relative error per step {quality['rms_rel_error']}; "
+              f"{_launch_source(quality)}; "
               f"h2d = pinned copy measured in the run; disk = the engine's adapter read-and-pack rate"
               f"{'' if disk_s > 0 else ' (no file reads measured: the default)'}")
     workers = {max(1, lg["read_workers"]) for lg in logs}  # 0: read in the step (CPU)
     if len(workers) != 1:
         raise ValueError(f"the runs used different numbers of adapter readers: {sorted(workers)}")
-    profile = CostProfile(name=f"{key}-{tag}", **coef, h2d_bytes_per_s=float(np.median([lg["h2d_bytes_per_s"]
+    profile = CostProfile(name=f"{key}-{tag}", **coef, **launch, h2d_bytes_per_s=float(np.median([lg["h2d_bytes_per_s"]
                                                                                          for lg in logs])),
                           disk_bytes_per_s=float(disk), read_workers=int(workers.pop()), source=source)
     return profile, quality
+
+
+def _launch_source(quality: dict) -> str:
+    if not quality["launch_steps"]:
+        return "launch terms 0: no run log records the steps' launch times (reads are polled at step ends only)"
+    return (f"launch terms: a fit of {quality['launch_steps']} steps' launch times, RMS error "
+            f"{quality['launch_rms_s'] * 1e6:.0f} us")
 
 
 def write_profile(profile: CostProfile, directory: str | Path) -> Path:
@@ -149,32 +193,22 @@ def sim_trace(lg: dict) -> tuple[Trace, int]:
     return trace, w
 
 
-def replay(lg: dict, profile_path: Path) -> tuple[Timeline, int]:
-    """The simulated timeline of a measured run (seconds from its first submission), and the iterations."""
+def replay(lg: dict, profile_path: Path) -> Timeline:
+    """The simulated timeline of a measured run (seconds from its first submission)."""
     config = sim_config(lg, profile_path)
     trace, w = sim_trace(lg)
-    n, c = len(trace) - w, lg["concurrency"]
-    arrival = trace.arrival[w:].copy()
-    for iteration in range(1, math.ceil(n / c) + 3):
-        result = simulate(config, dataclasses.replace(trace, arrival=np.concatenate([trace.arrival[:w], arrival])))
-        finish = result.finish[w:]
-        if np.isnan(finish).any() or np.isnan(result.first_token[w:]).any():
-            raise RuntimeError(f"replay of {lg['label']}: {int(np.isnan(finish).sum())} requests never finished")
-        if c >= n:
-            break
-        closed = arrival.copy()
-        closed[c:] = np.sort(finish)[:n - c]
-        if np.array_equal(closed, arrival):
-            break
-        arrival = closed
+    result = simulate(config, trace, ClosedLoop(first=w, concurrency=lg["concurrency"]))
+    finish, first = result.finish[w:], result.first_token[w:]
+    if np.isnan(finish).any() or np.isnan(first).any():
+        raise RuntimeError(f"replay of {lg['label']}: {int(np.isnan(finish).sum())} requests never finished")
     off = WARM_OFFSET_S
-    return Timeline(arrival - off, result.first_token[w:] - off, finish - off, result.num_output[w:]), iteration
+    return Timeline(result.trace.arrival[w:] - off, first - off, finish - off, result.num_output[w:])
 
 
 def compare(lg: dict, profile: CostProfile, profile_path: Path, in_sample: bool) -> dict:
     """Simulated against measured throughput and p50 TTFT of one run (``in_sample``: the profile was fit
     on it)."""
-    timeline, iterations = replay(lg, profile_path)
+    timeline = replay(lg, profile_path)
     sim = serving_metrics(timeline, np.asarray(lg["requests"]["input"]))
     meas = lg["measured"]
     tput = sim["output_tokens_per_s"] / meas["output_tokens_per_s"]
@@ -187,5 +221,4 @@ def compare(lg: dict, profile: CostProfile, profile_path: Path, in_sample: bool)
             "ttft_p50_ratio": round(ttft, 4),
             "throughput_within_target": abs(tput - 1) <= THROUGHPUT_TOLERANCE,
             "ttft_p50_within_target": abs(ttft - 1) <= TTFT_TOLERANCE,
-            "measured_ttft_p99_s": meas["ttft_p99_s"], "sim_ttft_p99_s": sim["ttft_p99_s"],
-            "closed_loop_iterations": iterations}
+            "measured_ttft_p99_s": meas["ttft_p99_s"], "sim_ttft_p99_s": sim["ttft_p99_s"]}

@@ -10,7 +10,11 @@ step that finished it.
 Step rows hold the simulator's cost terms (see `unipage.sim.profile`), taken
 from the step's `SchedulerOutput` and the scheduler's requests just after
 ``schedule()`` (the engine's ``schedule`` is wrapped for the run), so a fit
-of measured step times gives the coefficients of a `CostProfile`.
+of measured step times gives the coefficients of a `CostProfile`.  They hold
+the step's launch time too: seconds from the step's start until the engine
+performs its adapter effects and polls its file reads, once the forward pass
+is launched (the engine's ``_perform`` is wrapped for the run); a fit of those
+gives the profile's ``launch_*`` terms (when in a step a read's copy starts).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from unipage.scheduler import Request, SamplingParams
 GREEDY = SamplingParams(temperature=0)
 # One row per step: the cost model's terms (without its constant), loads, wall seconds, the floor's bytes.
 COLUMNS = ("prefill", "decode", "kv_read", "adapters", "adapter_ranks", "token_ranks", "experts", "lora_experts",
-           "loads", "loads_disk", "seconds", "floor_weights", "floor_lora", "floor_kv")
+           "loads", "loads_disk", "seconds", "floor_weights", "floor_lora", "floor_kv", "launch")
 TERMS = ("prefill", "decode", "kv_read", "adapters", "adapter_ranks", "token_ranks", "experts", "lora_experts",
          "loads")  # the fitted terms, in `CostProfile` coefficient order after step_base_s
 
@@ -74,10 +78,11 @@ class StepLog:
         self.moe_layers = sum(map(model.is_moe_layer, range(model.num_layers)))
         self.rows: list[list[float]] = []
         self._seen = None  # (SchedulerOutput, contexts, adapters) of the step in flight
+        self._launched: float | None = None  # when the step in flight performed its adapter effects
 
     def __enter__(self) -> Self:
-        sched = self.engine.scheduler
-        schedule = sched.schedule
+        sched, engine = self.engine.scheduler, self.engine
+        schedule, perform = sched.schedule, engine._perform
 
         def schedule_and_note():
             out = schedule()
@@ -86,23 +91,33 @@ class StepLog:
                           [reqs[r].adapter for r in out.req_ids])
             return out
 
+        def perform_and_note(effects):  # the engine performs them, then polls its reads, once launched
+            if self._launched is None:
+                self._launched = time.perf_counter()
+            return perform(effects)
+
         sched.schedule = schedule_and_note
+        engine._perform = perform_and_note
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.engine.scheduler.schedule  # back to the class's method
+        del self.engine.scheduler.schedule  # back to the classes' methods
+        del self.engine._perform
 
     def step(self) -> list:
         """``engine.step()``, timed; a row is kept when the step ran a batch."""
+        self._launched = None
         start = time.perf_counter()
         outputs = self.engine.step()
         seconds = time.perf_counter() - start
         out, contexts, adapters = self._seen
         if out.req_ids:
-            self.rows.append(self._row(out, contexts, adapters, seconds))
+            launch = self._launched - start if self._launched is not None else float("nan")
+            self.rows.append(self._row(out, contexts, adapters, seconds) + [launch])
         return outputs
 
     def _row(self, out, contexts: list[int], adapters: list, seconds: float) -> list[float]:
+        """The columns up to ``floor_kv``."""
         counts, total = out.num_scheduled_tokens, out.total_num_scheduled_tokens
         decode = counts.count(1)
         per_adapter: dict[str, int] = {}

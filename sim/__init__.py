@@ -17,12 +17,12 @@ See docs/sim.md.
 
 from unipage.sim import belady as _belady  # noqa: F401 - registers the "belady" eviction policy
 from unipage.sim.config import SimConfig, build_config, load_config
-from unipage.sim.engine import SimResult, Simulation, simulate
+from unipage.sim.engine import ClosedLoop, SimResult, Simulation, simulate
 from unipage.sim.errors import SimInputError, SimulationError
 from unipage.sim.metrics import make_record, summarize
 from unipage.sim.profile import BUILTIN_PROFILES, CostProfile
 from unipage.sim.workload import Trace, load_trace
 
-__all__ = ["BUILTIN_PROFILES", "CostProfile", "SimConfig", "SimInputError", "SimResult", "Simulation",
+__all__ = ["BUILTIN_PROFILES", "ClosedLoop", "CostProfile", "SimConfig", "SimInputError", "SimResult", "Simulation",
            "SimulationError", "Trace", "build_config", "load_config", "load_trace", "make_record", "simulate",
            "summarize"]

@@ -3,14 +3,17 @@
     arrivals (Trace) ─► Scheduler.add ─┐
                                        ▼
     loop:  schedule() ─► SchedulerOutput ─► step time from the cost model ─► clock += step
-             ▲            adapter loads ─► load queue (disk, then host-to-device; overlap compute)
+             ▲            adapter loads ─► load queue (disk, then host-to-device; overlap compute;
+             │                             polled at the step's launch point and at its end)
              └──────── update(StepResult: a token for each request that caught up, loads done by now)
 
 Only time is simulated: `Scheduler`, `UnifiedMemory` (pool, reclaimer, KV
 manager, adapter manager) and the eviction and scheduling policies are the
 library's own objects.  Events are the arrivals, the end of each step and the
 completion of each adapter load.  While the engine runs a step, arrivals and
-load completions wait for the step's end (as in a real engine loop); when a
+load completions wait for the step's end (as in a real engine loop); a file
+read that finishes before the step's forward pass is launched starts its copy
+then (the engine polls there), so that copy can end within the step; when a
 step has nothing to compute, the clock jumps to the next arrival or load
 completion instead of spinning.
 
@@ -103,6 +106,11 @@ class StepCost:
             t += p.expert_s * self.moe_layers * self.touched(total)
         return t
 
+    def launch_s(self, out: SchedulerOutput) -> float:
+        """Seconds from the step's start until its forward pass is launched (when the engine polls reads)."""
+        p = self.p
+        return p.launch_base_s + p.launch_token_s * out.total_num_scheduled_tokens
+
     def _lora_s(self, out: SchedulerOutput, adapter_tokens: dict | None) -> float:
         p = self.p
         if adapter_tokens is not None:
@@ -122,8 +130,9 @@ class StepCost:
 class LoadQueue:
     """Adapter loads in flight: file reads on ``workers`` parallel readers, then a FIFO host-to-device queue.
 
-    As in the engine's step loop, a finished read's copy starts only at a poll (`poll`: the end of a step,
-    or at once when nothing runs), and `pop_done` reports the copies complete by then.
+    As in the engine's step loop, a finished read's copy starts only at a poll (`poll`: once a step's forward
+    pass is launched, at the end of the step, or at once when nothing runs), and `pop_done` reports the
+    copies complete by then.
     """
 
     def __init__(self, page_bytes: int, h2d_bytes_per_s: float, disk_bytes_per_s: float, workers: int = 1) -> None:
@@ -136,13 +145,14 @@ class LoadQueue:
         self.bytes_h2d = self.bytes_disk = 0
         self.loads = self.from_host = 0
 
-    def start(self, load: LoadAdapter, now: float) -> None:
-        """Queue ``load`` issued at ``now``: its file read, or (from the host tier) its copy at once."""
+    def start(self, load: LoadAdapter, now: float, launch: float) -> None:
+        """Queue ``load`` of a step starting at ``now`` whose forward pass is launched at ``launch``: its file
+        read from ``now``, or (from the host tier) its copy from ``launch`` (the engine performs loads then)."""
         self.loads += 1
         self.from_host += load.from_host
         self.seq += 1
         if load.from_host:
-            self._copy(load, now)
+            self._copy(load, launch)
             return
         done = max(heapq.heappop(self.readers), now) + load.info.file_bytes / self.disk
         heapq.heappush(self.readers, done)
@@ -176,12 +186,28 @@ class LoadQueue:
         return done
 
 
+@dataclass(frozen=True)
+class ClosedLoop:
+    """Requests ``first`` onwards as a closed loop of ``concurrency`` (a benchmark client's): the first
+    ``concurrency`` of them arrive at their trace times, each later one, in trace order, when one of them
+    finishes (at the end of that step, as a client submits once it sees the finish).  Requests before
+    ``first`` arrive at their trace times and release none."""
+
+    first: int
+    concurrency: int
+
+    def __post_init__(self) -> None:
+        if self.first < 0 or self.concurrency < 1:
+            raise SimInputError(f"closed loop: first must be >= 0 and concurrency >= 1, got {self.first} "
+                                f"and {self.concurrency}")
+
+
 @dataclass
 class SimResult:
     """Everything measured in one run (per-request arrays are indexed like the trace)."""
 
     config: SimConfig
-    trace: Trace
+    trace: Trace  # as run: with a closed loop, its arrivals are the release times
     first_token: np.ndarray  # [N] seconds; nan if it never produced one
     finish: np.ndarray  # [N] seconds at which it finished or was dropped
     num_output: np.ndarray  # [N] tokens generated
@@ -203,11 +229,16 @@ class SimResult:
 
 
 class Simulation:
-    """One run of ``config`` over ``trace`` (default: the config's workload)."""
+    """One run of ``config`` over ``trace`` (default: the config's workload), open loop unless
+    ``closed_loop`` says otherwise."""
 
-    def __init__(self, config: SimConfig, trace: Trace | None = None) -> None:
+    def __init__(self, config: SimConfig, trace: Trace | None = None, closed_loop: ClosedLoop | None = None) -> None:
         self.config = config
         self.trace = trace if trace is not None else load_trace(config)
+        if closed_loop is not None and closed_loop.first > len(self.trace):
+            raise SimInputError(f"closed loop: first {closed_loop.first} is past the trace's "
+                                f"{len(self.trace)} requests")
+        self.closed_loop = closed_loop
         self.clock = SimClock()
         self.memory = UnifiedMemory(config.unipage_config)
         self.ranks = self._register_adapters()
@@ -290,6 +321,10 @@ class Simulation:
         sample_dt = self.config.sample_interval_s or max((arrival[-1] if n else 1.0) / 400, 1e-3)
         samples = {k: [] for k in ("t", "free", "kv", "cached_kv", "adapter", "running", "waiting")}
         w0, w1 = (0.1 * arrival[-1], 0.9 * arrival[-1]) if n else (0.0, 0.0)
+        loop = self.closed_loop
+        if loop is not None:  # the later requests' times are their releases, known as the run goes
+            released = min(loop.first + loop.concurrency, n)
+            arrival[released:] = [INF] * (n - released)
         area = 0.0
         now = arrival[0] if n else 0.0
         next_sample, nxt, stalls = now, 0, 0
@@ -304,19 +339,20 @@ class Simulation:
             if out.finished_ids or out.aborted_ids:  # finished in the last update, or dropped just now
                 self._record_done(out)
             in_system = len(self.live)  # requests in the system during this step
-            started = 0
-            if out.adapter_effects:
-                for effect in out.adapter_effects:
-                    if type(effect) is LoadAdapter:
-                        loads.start(effect, now)
-                        started += 1
-                        self.cost.slot_rank[effect.slot] = self.ranks[effect.name]
+            started = self._new_loads(out) if out.adapter_effects else _NONE
             if oracle is not None:
                 self._tell_oracle(out)
             start = now
             if out.req_ids:
                 dt, sampled = self._run_batch(out)
-                dt += self.cost.p.load_s * started
+                dt += self.cost.p.load_s * len(started)
+                # As in the engine: reads start before the forward pass is launched; once it is, the
+                # host-tier copies start and a poll starts the copies of the reads finished by then.
+                launch = now + min(self.cost.launch_s(out), dt)
+                for load in started:
+                    loads.start(load, now, launch)
+                if loads.reads:
+                    loads.poll(launch)
                 now += dt
                 steps += 1
                 busy += dt
@@ -325,6 +361,8 @@ class Simulation:
                 stalls = 0
             else:
                 sampled = _NONE
+                for load in started:
+                    loads.start(load, now, now)
                 wake = min(arrival[nxt] if nxt < n else INF, loads.next_done())
                 if out.preempted_ids or wake == INF:  # nothing to wait for: schedule again at once
                     stalls += 1
@@ -340,7 +378,9 @@ class Simulation:
             done = loads.pop_done(now) if loads.heap else _NONE  # before the poll: a copy it starts is not done
             if loads.reads:
                 loads.poll(now)
-            sched.update(StepResult(sampled, done))
+            outputs = sched.update(StepResult(sampled, done))
+            if loop is not None and released < n:
+                released = self._release(outputs, arrival, released, now)
             if now >= next_sample:
                 self._sample(samples, now)
                 next_sample = now + sample_dt
@@ -349,11 +389,21 @@ class Simulation:
         self._record_remaining()
         self._sample(samples, now)
         end = float(np.nanmax(self.finish)) if n else 0.0
-        return SimResult(self.config, self.trace, self.first_token, self.finish, self.num_output, self.status,
+        trace = self.trace if loop is None else dataclasses.replace(self.trace, arrival=np.asarray(arrival))
+        return SimResult(self.config, trace, self.first_token, self.finish, self.num_output, self.status,
                          self.hit, self.preempted, end, steps, busy, batch_reqs, batch_tokens, loads,
                          dataclasses.asdict(self.memory.adapters.stats), dataclasses.asdict(sched.stats),
                          dict(self.memory.reclaimer.evictions), samples,
                          {"window": (w0, w1), "area": area}, time.perf_counter() - wall)
+
+    def _release(self, outputs: list, arrival: list[float], released: int, now: float) -> int:
+        """Closed loop: one more request arrives at ``now`` for each of the loop's requests that finished."""
+        first, n = self.closed_loop.first, len(arrival)
+        for output in outputs:
+            if output[2] is not None and int(output[0]) >= first and released < n:  # (id, tokens, finish, detail)
+                arrival[released] = now
+                released += 1
+        return released
 
     def _arrive(self, i: int) -> None:
         req = self._request(i)
@@ -366,6 +416,13 @@ class Simulation:
             self.hit[i] = self.memory.adapters.get(req.adapter).loaded
             if self.oracle is not None:
                 self.oracle.arrived(req.adapter)
+
+    def _new_loads(self, out: SchedulerOutput) -> list[LoadAdapter]:
+        """The step's adapter loads; their slots get their adapters' ranks (the step's LoRA cost)."""
+        new = [effect for effect in out.adapter_effects if type(effect) is LoadAdapter]
+        for load in new:
+            self.cost.slot_rank[load.slot] = self.ranks[load.name]
+        return new
 
     def _run_batch(self, out: SchedulerOutput) -> tuple[float, list]:
         """The step's duration, and the token each request samples (none for a prefill chunk that stops short)."""
@@ -432,6 +489,6 @@ class Simulation:
         samples["waiting"].append(self.sched.num_waiting)
 
 
-def simulate(config: SimConfig, trace: Trace | None = None) -> SimResult:
-    """Run one simulation of ``config`` (its workload, or ``trace``)."""
-    return Simulation(config, trace).run()
+def simulate(config: SimConfig, trace: Trace | None = None, closed_loop: ClosedLoop | None = None) -> SimResult:
+    """Run one simulation of ``config`` (its workload, or ``trace``; open loop unless ``closed_loop``)."""
+    return Simulation(config, trace, closed_loop).run()

@@ -14,6 +14,11 @@ Shape of one step's time (every coefficient in seconds, from a `CostProfile`)::
            + lora_expert_rank_s * sum over adapters of rank * experts touched  expert LoRA weights read
            + load_s            * adapter loads started    the step loop's host work for each
 
+When in the step the engine polls its file reads (host time, not added to the step)::
+
+    launch_s = launch_base_s + launch_token_s * scheduled tokens   from the step's start until its
+                                                                   forward pass is launched (capped at step_s)
+
 "Experts touched" by ``t`` tokens routed top-``k`` of ``E`` is the expectation
 ``E * (1 - (1 - k/E) ** t)`` (uniform routing): no per-token work in the
 simulator.
@@ -23,7 +28,8 @@ takes ``bytes / h2d_bytes_per_s``; one that misses the host cache first reads
 the adapter file, ``file_bytes / disk_bytes_per_s``, in one of ``read_workers``
 parallel readers (the engine's reader processes).  Host-to-device copies are
 one FIFO queue.  As in the engine, the copy of a file read starts only when the
-step loop polls at the end of a step (at once when nothing runs), and a load is
+step loop polls: right after it launches a step's forward pass (``launch_s``
+into the step), at the end of a step, and at once when nothing runs; a load is
 reported done at the end of the step in which its copy completed.
 
 A profile is a JSON object of these fields (`CostProfile.from_json`).  The
@@ -47,6 +53,7 @@ from unipage.sim.errors import SimInputError
 
 _COEFFICIENTS = ("step_base_s", "prefill_token_s", "decode_token_s", "kv_token_read_s", "adapter_s",
                  "adapter_rank_s", "lora_token_rank_s", "expert_s", "lora_expert_rank_s", "load_s")
+_LAUNCH_COEFFICIENTS = ("launch_base_s", "launch_token_s")  # when in a step the engine polls its reads
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class CostProfile:
     expert_s: float = 0.0  # MoE: per expert touched per MoE layer, >= 0
     lora_expert_rank_s: float = 0.0  # MoE: per (adapter, expert touched, MoE layer) per unit of rank, >= 0
     load_s: float = 0.0  # per adapter load the step starts: the step loop's host work for it, >= 0
+    launch_base_s: float = 0.0  # host seconds from a step's start until its forward pass is launched, >= 0
+    launch_token_s: float = 0.0  # ... plus this per scheduled token (building the batch's inputs), >= 0
     h2d_bytes_per_s: float = 25e9  # host-to-device copy bandwidth for adapter loads, > 0
     disk_bytes_per_s: float = 2e9  # adapter file read bandwidth of one reader (host-cache misses), > 0
     read_workers: int = 1  # adapter files read in parallel (the engine's reader processes), >= 1
@@ -72,7 +81,7 @@ class CostProfile:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SimInputError(f"profile: name must be a non-empty string, got {self.name!r}")
-        for key in _COEFFICIENTS:
+        for key in _COEFFICIENTS + _LAUNCH_COEFFICIENTS:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise SimInputError(f"profile {self.name!r}: {key} must be a number >= 0, got {value!r}")

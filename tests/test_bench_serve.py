@@ -1,6 +1,6 @@
 """benchmarks/serve.py end to end at toy widths on the CPU: every setup's records, the run logs, the fitted
 cost profiles and their replay in unipage-sim; and the pieces with exact answers (the HBM floor's bytes,
-the non-negative fit, the closed loop's fixed point)."""
+the non-negative fit, the replayed closed loop)."""
 
 from __future__ import annotations
 
@@ -116,11 +116,11 @@ def test_calibration_writes_profiles_and_replays_every_run(runs):
             row["throughput_ratio"] * row["measured_output_tokens_per_s"], rel=1e-3)
 
 
-def test_closed_loop_replay_is_a_fixed_point(runs):
+def test_closed_loop_replay_releases_a_request_at_each_finish(runs):
     _, log_files, profiles = runs
     with open(next(f for f in log_files if "c-llama-1b-tiny-6" in f)) as f:
         log = json.load(f)
-    timeline, _ = serve_calib.replay(log, profiles / "llama-1b-tiny-cpu.json")
+    timeline = serve_calib.replay(log, profiles / "llama-1b-tiny-cpu.json")
     c = log["concurrency"]
     assert np.array_equal(timeline.submit[c:], np.sort(timeline.finish)[:-c])  # each finish releases one
     assert (timeline.first > timeline.submit).all() and (timeline.tokens == 4).all()
@@ -177,6 +177,40 @@ def test_fit_recovers_planted_coefficients_by_name():
     assert got.keys() == truth.keys() and got["load_s"] == pytest.approx(truth["load_s"], rel=1e-6)
     assert all(got[k] == pytest.approx(v, rel=1e-6) for k, v in truth.items()), got
     assert quality["total_ratio"] == pytest.approx(1.0)
+
+
+def test_run_logs_record_each_steps_launch_time_and_the_fit_uses_them(runs):
+    _, log_files, profiles = runs
+    col = serve.drv.COLUMNS.index("launch")
+    for path in log_files:
+        with open(path) as f:
+            log = json.load(f)
+        rows = serve_calib.step_rows(log)
+        assert log["columns"] == list(serve.drv.COLUMNS) and len(rows)
+        assert (rows[:, col] > 0).all() and (rows[:, col] <= rows[:, serve.drv.COLUMNS.index("seconds")]).all()
+    profile = CostProfile.from_json(profiles / "llama-1b-tiny-cpu.json")
+    assert "launch terms: a fit of" in profile.source and profile.launch_base_s + profile.launch_token_s > 0
+
+
+def test_fit_launch_recovers_planted_terms_and_skips_rows_without_one():
+    rng = np.random.default_rng(1)
+    col = {name: i for i, name in enumerate(serve.drv.COLUMNS)}
+    rows = np.zeros((200, len(serve.drv.COLUMNS)))
+    rows[:, col["prefill"]], rows[:, col["decode"]] = rng.integers(0, 4096, 200), rng.integers(0, 64, 200)
+    rows[:, col["launch"]] = 5e-4 + 2e-6 * (rows[:, col["prefill"]] + rows[:, col["decode"]])
+    old = rows.copy()
+    old[:, col["launch"]] = np.nan  # an older log's rows: no launch times
+    got, quality = serve_calib.fit_launch([rows, old])
+    assert got["launch_base_s"] == pytest.approx(5e-4, rel=1e-6) and got["launch_token_s"] == pytest.approx(2e-6)
+    assert quality["launch_steps"] == 200
+    assert serve_calib.fit_launch([old]) == ({"launch_base_s": 0.0, "launch_token_s": 0.0}, {"launch_steps": 0})
+
+
+def test_step_rows_of_a_log_without_launch_times():
+    columns = [c for c in serve.drv.COLUMNS if c != "launch"]
+    rows = serve_calib.step_rows({"columns": columns, "steps": [list(range(len(columns)))]})
+    assert rows.shape == (1, len(serve.drv.COLUMNS)) and np.isnan(rows[0, serve.drv.COLUMNS.index("launch")])
+    assert rows[0, serve.drv.COLUMNS.index("seconds")] == columns.index("seconds")
 
 
 def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):

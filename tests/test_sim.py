@@ -21,7 +21,7 @@ from unipage.sim import (
 )
 from unipage.sim.cli import main
 from unipage.sim.config import read_toml, to_toml
-from unipage.sim.engine import FINISHED
+from unipage.sim.engine import FINISHED, ClosedLoop
 from unipage.sim.metrics import dumps
 from unipage.sim.workload import Trace, choose_adapters, gamma_arrivals, sample_lengths
 
@@ -143,11 +143,11 @@ def test_exact_event_times_of_a_hand_checked_scenario(tmp_path):
     assert record["duration_s"] == pytest.approx(0.23)
 
 
-def _hand_run(tmp_path, profile: dict, trace: Trace):
+def _hand_run(tmp_path, profile: dict, trace: Trace, closed_loop: ClosedLoop | None = None):
     (tmp_path / "hand.json").write_text(json.dumps({**HAND_PROFILE, **profile}))
     raw = {"model": {"preset": "tiny"}, "pool": {"num_pages": 64}, "sim": {"profile": "hand.json"},
            "workload": {"num_adapters": 2, "ranks": [8, 8]}}
-    return simulate(build_config(raw, tmp_path), trace)
+    return simulate(build_config(raw, tmp_path), trace, closed_loop)
 
 
 @pytest.mark.parametrize("workers, second", [(1, 0.138), (2, 0.108)])
@@ -169,6 +169,37 @@ def test_a_read_done_mid_step_is_copied_after_the_step(tmp_path):
                   np.array([1, 1], dtype=np.int32), np.zeros(2, dtype=np.int32), ["a0", "a1"], [8, 8], ["t0"])
     result = _hand_run(tmp_path, {"load_s": 0.001}, trace)
     assert result.first_token.tolist() == pytest.approx([0.091, 0.129], abs=1e-12)
+
+
+@pytest.mark.parametrize("launch_base_s, launch_token_s, second", [
+    (0.0, 0.0, 0.129),  # no launch time: polled at the step's end, as above
+    (0.04, 0.0, 0.129),  # launched before the read ends: the copy waits for the step's end
+    (0.06, 0.0, 0.109),  # launched after: the copy runs 0.06-0.08, done within the step
+    (0.0, 0.00075, 0.109),  # 80 tokens * 0.75 ms: launched at 0.06
+    (1.0, 0.0, 0.129),  # a launch time past the step's end means its end
+])
+def test_a_read_done_before_the_launch_is_copied_within_the_step(tmp_path, launch_base_s, launch_token_s, second):
+    """As in the engine, reads are polled once the step's forward pass is launched: the same scenario as
+    above, with the launch ``launch_base_s + launch_token_s * 80`` into the step.  A read that ended by
+    then has its copy done within the step, and r1's prefill runs one step sooner (0.091-0.109)."""
+    trace = Trace(np.array([0.0, 0.0]), np.array([-1, 0], dtype=np.int32), np.array([80, 8], dtype=np.int32),
+                  np.array([1, 1], dtype=np.int32), np.zeros(2, dtype=np.int32), ["a0", "a1"], [8, 8], ["t0"])
+    result = _hand_run(tmp_path, {"load_s": 0.001, "launch_base_s": launch_base_s,
+                                  "launch_token_s": launch_token_s}, trace)
+    assert result.first_token.tolist() == pytest.approx([0.091, second], abs=1e-12)
+
+
+def test_a_closed_loop_releases_a_request_at_each_finish(tmp_path):
+    """Base-model requests of 4 prompt tokens and 1 output (14 ms each).  r0 arrives at 0 and is not in
+    the loop; r1 (trace time 0.5) is the loop's one request in flight; r2 and r3 arrive when the one
+    before finishes, whatever their trace times (0.0 here)."""
+    trace = Trace(np.array([0.0, 0.5, 0.0, 0.0]), np.full(4, -1, dtype=np.int32), np.full(4, 4, dtype=np.int32),
+                  np.ones(4, dtype=np.int32), np.zeros(4, dtype=np.int32), ["a0"], [8], ["t0"])
+    result = _hand_run(tmp_path, {}, trace, closed_loop=ClosedLoop(first=1, concurrency=1))
+    assert result.trace.arrival.tolist() == pytest.approx([0.0, 0.5, 0.514, 0.528], abs=1e-12)
+    assert result.finish.tolist() == pytest.approx([0.014, 0.514, 0.528, 0.542], abs=1e-12)
+    with pytest.raises(SimInputError, match="concurrency"):
+        ClosedLoop(first=0, concurrency=0)
 
 
 def test_bad_read_workers(tmp_path):
