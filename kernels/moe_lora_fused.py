@@ -17,11 +17,12 @@ slot ``c0 + j // RK`` and rank row ``r = j % RK``.  ``S[m, j]`` is pair m's shri
 ``z[m, a_row + r]`` when pair m's slot is that slot (and ``r`` < its rank), else 0 —
 block-sparse, built by one masked load; ``B[j]`` is row ``r`` of that slot's B for this
 expert, read from the slot's pool pages (one page lookup per run).  A step depends only on
-the tile's smallest slot id, never on another step, and the first ``lora_chunks`` steps are
+the tile's smallest slot id, never on another step, and the first ``lora_steps`` steps are
 unrolled, so the compiler issues their loads together: the chain metadata -> page table ->
 pool is paid about once per tile (a loop of dependent steps cost ~0.8 us each on an H100).
-Further slot ids take a loop.  The steps run after the main K loop (before it, their shared
-memory came on top of the loop's, past the limit).  A tile without LoRA pairs does no step.  Scaling is folded into B.
+Further slot ids take a loop, each step from the next id a pair has.  The steps run after the
+main K loop (before it, their shared memory came on top of the loop's, past the limit).  A tile
+without LoRA pairs does no step.  Scaling is folded into B.
 
 - gate/up GEMM: ``acc_gate += S_gate @ B_gate``, ``acc_up += S_up @ B_up`` before
   the activation; then the down shrink ``down_z[m] += act[m] @ A_down[slot, e].T``: a grouped
@@ -55,6 +56,7 @@ from unipage.kernels.moe_align import (
 )
 
 NONE = tl.constexpr(1 << 30)  # "no slot": larger than any slot id
+MAX_STEPS = 8  # unrolled steps at most ("lora_steps"): each adds its loads and dots to the compiled kernel
 
 
 @triton.jit
@@ -71,6 +73,14 @@ def _slot_range(slot):
     when it has none).  ``slot | -(slot >> 30)`` is -1 for NONE, else the slot: no compare and select
     on ``slot`` here (with the 2-D compares of `_chunk_at`, Triton 3.6's layout pass mis-rewrote one)."""
     return tl.min(slot, 0), tl.max(slot | -(slot >> 30), 0)
+
+
+@triton.jit
+def _next_slot(slot, at):
+    """The smallest slot id ``>= at`` among the tile's pairs (NONE if none): the loop after the unrolled
+    steps skips ids no pair has (resident slots are sparse when many adapters are loaded).  By a
+    multiply, not a select: see `_zero_unless`."""
+    return tl.min(slot + (slot < at).to(tl.int32) * NONE, 0)
 
 
 @triton.jit
@@ -197,12 +207,12 @@ def gate_up_delta(acc, acc_up, slot, pairs, expert, n0, inter, num_pairs, z_ptr,
             acc, acc_up = _gate_up_step(acc, acc_up, lo + i * C, slot, pairs, expert, n0, inter, num_pairs,
                                         z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K, C, BLOCK_N,
                                         RUN, PAGE_SHIFT, DOT_PRECISION)
-    c0 = lo + STEPS * C
+    c0 = _next_slot(slot, lo + STEPS * C)
     while c0 <= hi:
         acc, acc_up = _gate_up_step(acc, acc_up, c0, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr,
                                     pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K, C, BLOCK_N, RUN, PAGE_SHIFT,
                                     DOT_PRECISION)
-        c0 += C
+        c0 = _next_slot(slot, c0 + C)
     return acc, acc_up
 
 
@@ -252,11 +262,11 @@ def down_shrink(act, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_pt
         for i in tl.static_range(STEPS):
             _down_shrink_step(act, lo + i * C, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr,
                               meta_ptr, stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
-    c0 = lo + STEPS * C
+    c0 = _next_slot(slot, lo + STEPS * C)
     while c0 <= hi:
         _down_shrink_step(act, c0, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
                           stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
-        c0 += C
+        c0 = _next_slot(slot, c0 + C)
 
 
 @triton.jit
@@ -281,11 +291,11 @@ def down_delta(acc, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_pt
         for i in tl.static_range(STEPS):
             acc = _down_step(acc, lo + i * C, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr,
                              meta_ptr, stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
-    c0 = lo + STEPS * C
+    c0 = _next_slot(slot, lo + STEPS * C)
     while c0 <= hi:
         acc = _down_step(acc, c0, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
                          stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
-        c0 += C
+        c0 = _next_slot(slot, c0 + C)
     return acc
 
 
@@ -320,8 +330,10 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     r_pad, rk_pad, rd_pad = lora_pads(meta)
     splits, _ = _split_k(meta.hidden, plan.config["split_k"])
     width, steps = plan.config.get("lora_k", 64), plan.config.get("lora_steps", 2)
-    if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f'lora config "lora_steps" must be an int >= 0, got {steps!r}')
+    if "chunks" in plan.config:
+        raise ValueError('lora config "chunks" was removed: steps now cover consecutive slot ids (see "lora_steps")')
+    if type(steps) is not int or not 0 <= steps <= MAX_STEPS:
+        raise ValueError(f'lora config "lora_steps" must be an int in [0, {MAX_STEPS}], got {steps!r}')
     args = (plan.gate_up_z if gated else plan.down_z, plan.down_z, lora.pool, lora.page_table, meta.table,
             plan.topk_ids.shape[1], lora.page_table.stride(0))
     constexprs = {"FUSED": True, "R_PAD": r_pad if gated else rd_pad, "RK": rk_pad, "RD": rd_pad,

@@ -48,6 +48,23 @@ def test_mixes_and_slots_per_step(mix, lora_k, steps):
               lt._run(fused_experts_ref, c, lt.GROUP), torch.float16)
 
 
+@pytest.mark.parametrize("lora_k, steps", [(16, 1), (32, 0)])
+def test_sparse_slot_ids(lora_k, steps):
+    """Adapters at slots 0, 21 and 42 with empty slots between (many resident adapters): the loop after the
+    unrolled steps goes from one slot a pair has to the next."""
+    slots = [("fused", 8)] + [None] * 20 + [("split", 4)] + [None] * 20 + [("fused", 8)]
+    c = lt._case(40, torch.float32, "distinct", seed=15, slots=slots)
+    lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, steps=steps)), lt._loop_moe(c, torch.float32),
+              torch.float32)
+
+
+def test_bad_fused_config_is_refused():
+    c = lt._case(7, torch.float32, "uniform", seed=3)
+    for bad in ({"lora_steps": -1}, {"lora_steps": 9}, {"lora_steps": True}, {"chunks": "range"}):
+        with pytest.raises(ValueError, match="lora_steps|chunks"):
+            lt._run(fused_experts, c, {**FUSED_GROUP, **bad})
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("mode, mix", [("pair", "uniform"), ("group", "zipf"), ("group", "distinct")])
 def test_down_shrink_as_a_pass(mode, mix, dtype):
