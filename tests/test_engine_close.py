@@ -101,6 +101,25 @@ def test_work_after_close_is_a_closed_error(tiny, monkeypatch):
         engine.storage.apply([])
     with pytest.raises(ClosedError):
         engine.storage.poll()
+    for call in (lambda: engine.add_adapter("late", tiny.adapters["qv-r4"]), lambda: engine.remove_adapter("x"),
+                 engine.capture_graphs):
+        with pytest.raises(ClosedError):
+            call()
+
+
+def test_close_with_a_read_in_flight(tiny, monkeypatch):
+    """A read still queued or running when the engine closes is abandoned: everything is released anyway."""
+    import unipage.engine
+
+    made = shared_storages(monkeypatch, unipage.engine)
+    engine = Engine(tiny.model_dir, device="cpu", pool=POOL)
+    engine.add_adapter("qv-r4", tiny.adapters["qv-r4"])
+    ((storage, ring),) = made
+    engine.memory.adapters.request("qv-r4")
+    storage.apply(engine.memory.adapters.take_effects())
+    assert storage._reads  # the read is queued or running in a reader process
+    engine.close()
+    assert released(storage, ring)
 
 
 def test_a_constructor_that_fails_after_the_storage_releases_it(tiny, monkeypatch):

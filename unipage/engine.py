@@ -115,7 +115,7 @@ class Engine:
     def close(self) -> None:
         """Release the pool storage (`PoolStorage.close`: its reader processes stop, its shared-memory ring
         and host-copy files go); requests still live are abandoned.  Safe to call again.  After it,
-        `add_request` and `step` raise `ClosedError`."""
+        `add_request`, `step`, `add_adapter`, `remove_adapter` and `capture_graphs` raise `ClosedError`."""
         self.closed = True
         self.storage.close()
 
@@ -151,16 +151,19 @@ class Engine:
         (a serving start-up step: call it once the adapters in use are resident); returns how many
         were captured, 0 without graphs.  A later change of the LoRA tables' shape (`LoraTables`)
         drops them, and they are captured again as batches need them."""
+        self._check_open()
         graphs = self.runner.graphs
         return 0 if graphs is None else graphs.capture_all()
 
     # -- adapters ------------------------------------------------------------
     def add_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Register a PEFT adapter directory under ``name`` (loaded into the pool when first used)."""
+        self._check_open()
         self.memory.register_adapter(name, os.fspath(path))
 
     def remove_adapter(self, name: str) -> None:
         """Unregister ``name``; an `AdapterBusyError` while a live request uses it."""
+        self._check_open()
         users = [r.request_id for r in self.scheduler.requests.values() if r.adapter == name]
         if users or name in self._in_flight:
             raise AdapterBusyError(f"adapter {name!r} is used by live requests {users[:5]} or loading; "

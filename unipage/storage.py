@@ -187,6 +187,8 @@ class PoolStorage:
             if self._host_end is not None:
                 self._host_end()
         if self._ring is not None:
+            if self._stream is not None:  # copies still reading the ring (on the copy stream) end first
+                self._stream.synchronize()
             self._ring.close()
             self._ring = None
 
