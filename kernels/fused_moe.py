@@ -204,13 +204,12 @@ def _moe_gemm_kernel(
     if FUSED:  # the LoRA deltas as extra K steps into the same accumulators, after the main loop
         slot = lora_fused.pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k)
         if GATED:
-            acc, acc_up = lora_fused.gate_up_delta(acc, acc_up, slot, pairs, expert, pid_n * BLOCK_N, N, num_pairs,
-                                                   z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K,
+            acc, acc_up = lora_fused.gate_up_delta(acc, acc_up, slot, pairs, expert, n0, N, num_pairs, z_ptr,
+                                                   pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K,
                                                    CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
         else:
-            acc = lora_fused.down_delta(acc, slot, pairs, expert, pid_n * BLOCK_N, N, z_ptr, pool_ptr, pt_ptr,
-                                        meta_ptr, stride_pt, RD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT,
-                                        DOT_PRECISION)
+            acc = lora_fused.down_delta(acc, slot, pairs, expert, n0, N, z_ptr, pool_ptr, pt_ptr, meta_ptr,
+                                        stride_pt, RD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & (cols[None, :] < N)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]

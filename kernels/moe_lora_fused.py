@@ -77,9 +77,9 @@ def _slot_range(slot):
 
 @triton.jit
 def _next_slot(slot, at):
-    """The smallest slot id ``>= at`` among the tile's pairs (NONE if none): the loop after the unrolled
-    steps skips ids no pair has (resident slots are sparse when many adapters are loaded).  By a
-    multiply, not a select: see `_zero_unless`."""
+    """The smallest slot id ``>= at`` among the tile's pairs (NONE if none; ``at <= NONE``, so the sum
+    cannot overflow): the loop after the unrolled steps skips ids no pair has (resident slots are
+    sparse when many adapters are loaded).  By a multiply, not a select: see `_zero_unless`."""
     return tl.min(slot + (slot < at).to(tl.int32) * NONE, 0)
 
 
@@ -207,7 +207,7 @@ def gate_up_delta(acc, acc_up, slot, pairs, expert, n0, inter, num_pairs, z_ptr,
             acc, acc_up = _gate_up_step(acc, acc_up, lo + i * C, slot, pairs, expert, n0, inter, num_pairs,
                                         z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K, C, BLOCK_N,
                                         RUN, PAGE_SHIFT, DOT_PRECISION)
-    c0 = _next_slot(slot, lo + STEPS * C)
+    c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
         acc, acc_up = _gate_up_step(acc, acc_up, c0, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr,
                                     pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K, C, BLOCK_N, RUN, PAGE_SHIFT,
@@ -262,7 +262,7 @@ def down_shrink(act, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_pt
         for i in tl.static_range(STEPS):
             _down_shrink_step(act, lo + i * C, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr,
                               meta_ptr, stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
-    c0 = _next_slot(slot, lo + STEPS * C)
+    c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
         _down_shrink_step(act, c0, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
                           stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
@@ -291,7 +291,7 @@ def down_delta(acc, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_pt
         for i in tl.static_range(STEPS):
             acc = _down_step(acc, lo + i * C, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr,
                              meta_ptr, stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
-    c0 = _next_slot(slot, lo + STEPS * C)
+    c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
         acc = _down_step(acc, c0, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
                          stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
