@@ -7,8 +7,9 @@ Clients: `unipage.server.Client` / `AsyncClient`, or any ZeroMQ DEALER
 speaking the protocol.  SIGINT or SIGTERM stops it gracefully: new requests
 are refused, live ones finish (or are aborted after --drain-timeout-s), and
 each gets its reply; then the engine is closed (its shared memory and
-reader processes go).  Exit codes: 0 after a clean stop; 2 bad options or
-files, with a message.
+reader processes go).  A SIGTERM during start-up closes what was built and
+exits.  Exit codes: 0 after a clean stop; 2 bad options or files, or an
+endpoint already taken, with a message; 143 after a SIGTERM during start-up.
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import zmq
     from unipage.server.server import Server
 
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # until `_serve`: a stop during start-up still cleans up
     try:
         server_config = ServerConfig(**pick(args, args._groups["server"]), adapter_roots=tuple(args.adapter_root))
         if args.model is None:
@@ -128,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.closing(backend):  # after the drain has answered every request: shared memory, readers
         try:
             server = Server(backend, server_config)
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, zmq.ZMQError) as err:  # bad options, or the endpoint is taken
             return _cannot_start(err)
         _serve(server, backend, args.ready_file)
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM before serving starts: leave through ``SystemExit``, so the engine built so far is closed."""
+    raise SystemExit(128 + signum)
 
 
 def _cannot_start(err: Exception) -> int:

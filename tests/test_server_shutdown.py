@@ -155,3 +155,67 @@ def test_sigterm_closes_the_engine_once_live_requests_are_answered(tiny, tmp_pat
     assert [(f.reason, f.completion_tokens) for f in finished] == [("length", 40)]
     ((storage, ring),) = made
     assert storage.closed and tc.released(storage, ring)
+
+
+@pytest.fixture
+def in_process_main(tiny, monkeypatch):
+    """Run `cli.main` in this process: the engine's storage gets the CUDA storage's parts (see
+    test_engine_close); the signal handlers and root logger main sets are undone afterwards.  Yields
+    ``(run, made)``: ``run(*extra_argv)`` returns main's exit status, ``made`` the storages built."""
+    import test_engine_close as tc
+    from unipage.server import cli
+
+    import unipage.engine
+
+    made = tc.shared_storages(monkeypatch, unipage.engine)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    root = logging.getLogger()
+    root_handlers, root_level = list(root.handlers), root.level
+
+    def run(*extra: str) -> int:
+        return cli.main(["--device", "cpu", "--model", tiny.model_dir, "--num-pages", "256", "--max-model-len",
+                         "64", "--log-level", "WARNING", *extra])
+
+    try:
+        yield run, made
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        root.handlers[:] = root_handlers
+        root.setLevel(root_level)
+
+
+def test_a_taken_endpoint_is_exit_2_and_the_engine_is_closed(in_process_main, capsys):
+    import test_engine_close as tc
+    import zmq
+
+    run, made = in_process_main
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as taken:
+        taken.bind("tcp://127.0.0.1:*")
+        endpoint = taken.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert run("--bind", endpoint) == 2
+    assert "unipage-serve:" in capsys.readouterr().err
+    ((storage, ring),) = made
+    assert storage.closed and tc.released(storage, ring)
+
+
+def test_sigterm_during_start_up_closes_the_engine(in_process_main, tiny, monkeypatch):
+    """A SIGTERM while adapters are being registered ends main with 128 + SIGTERM, the engine closed."""
+    import test_engine_close as tc
+
+    import unipage.engine
+
+    register = unipage.engine.Engine.add_adapter
+
+    def signalled(self, name, path):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # the handler runs in this thread before the sleep ends
+        register(self, name, path)
+
+    monkeypatch.setattr(unipage.engine.Engine, "add_adapter", signalled)
+    run, made = in_process_main
+    with pytest.raises(SystemExit) as stop:
+        run("--bind", "tcp://127.0.0.1:*", "--adapter", f"qv-r4={tiny.adapters['qv-r4']}")
+    assert stop.value.code == 128 + signal.SIGTERM
+    ((storage, ring),) = made
+    assert storage.closed and tc.released(storage, ring)
