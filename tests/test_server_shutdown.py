@@ -2,7 +2,7 @@
 
 Each server here runs with its own limits: small send queues and backlog (so a
 client that does not read overflows them quickly) and long generations (so
-requests are live when the signal comes).  The last test runs `unipage-serve`'s
+requests are live when the signal comes).  The last tests run `unipage-serve`'s
 ``main`` in this process, to see its engine's storage closed once it has stopped.
 """
 
@@ -104,59 +104,6 @@ def test_sigterm_finishes_live_requests_and_refuses_new_ones(tiny, tmp_path):
         assert server.proc.wait(30) == 0, server.log()
 
 
-def test_sigterm_closes_the_engine_once_live_requests_are_answered(tiny, tmp_path, monkeypatch):
-    """`main` returns only after the drain has answered the live request and the engine's storage is
-    closed: its shared ring's file gone, its reader processes exited (the CUDA storage's parts, given to
-    this CPU storage as in test_engine_close)."""
-    import test_engine_close as tc
-    from unipage.server import cli
-
-    import unipage.engine
-
-    made = tc.shared_storages(monkeypatch, unipage.engine)
-    ready = str(tmp_path / "endpoint")
-    finished, over = [], threading.Event()
-
-    def client_then_sigterm():
-        signalled = False
-        try:
-            deadline = time.monotonic() + 120
-            while not os.path.exists(ready) and time.monotonic() < deadline and not over.is_set():
-                time.sleep(0.02)
-            with open(ready, encoding="utf-8") as f, Client(f.read().strip(), timeout=30) as client:
-                stream = client.generate([5, 6, 7], max_tokens=40, temperature=0, ignore_eos=True)
-                next(stream)
-                if not tc.released(*made[0]):  # (else the test fails below)
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    signalled = True
-                    list(stream)
-                    finished.append(stream.finished)
-        finally:
-            if not signalled:  # whatever went wrong: never leave main serving
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGTERM, lambda *_: None)  # until main sets its own: a SIGTERM must not end pytest
-    root = logging.getLogger()
-    root_handlers, root_level = list(root.handlers), root.level  # main's basicConfig: undone afterwards
-    thread = threading.Thread(target=client_then_sigterm, daemon=True)
-    thread.start()
-    try:
-        argv = ["--device", "cpu", "--bind", "tcp://127.0.0.1:*", "--ready-file", ready, "--model",
-                tiny.model_dir, "--num-pages", "256", "--max-model-len", "64", "--log-level", "WARNING"]
-        assert cli.main(argv) == 0
-    finally:
-        over.set()
-        thread.join(60)  # before pytest's handlers are back: its last SIGTERM lands on main's
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        root.handlers[:] = root_handlers
-        root.setLevel(root_level)
-    assert [(f.reason, f.completion_tokens) for f in finished] == [("length", 40)]
-    ((storage, ring),) = made
-    assert storage.closed and tc.released(storage, ring)
-
-
 @pytest.fixture
 def in_process_main(tiny, monkeypatch):
     """Run `cli.main` in this process: the engine's storage gets the CUDA storage's parts (see
@@ -183,6 +130,47 @@ def in_process_main(tiny, monkeypatch):
             signal.signal(sig, handler)
         root.handlers[:] = root_handlers
         root.setLevel(root_level)
+
+
+def test_sigterm_closes_the_engine_once_live_requests_are_answered(in_process_main, tmp_path):
+    """`main` returns only after the drain has answered the live request and the engine's storage is
+    closed: its shared ring's file gone, its reader processes exited (the CUDA storage's parts, given to
+    this CPU storage as in test_engine_close)."""
+    import test_engine_close as tc
+
+    run, made = in_process_main
+    ready = str(tmp_path / "endpoint")
+    finished, over = [], threading.Event()
+
+    def client_then_sigterm():
+        signalled = False
+        try:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(ready) and time.monotonic() < deadline and not over.is_set():
+                time.sleep(0.02)
+            with open(ready, encoding="utf-8") as f, Client(f.read().strip(), timeout=30) as client:
+                stream = client.generate([5, 6, 7], max_tokens=40, temperature=0, ignore_eos=True)
+                next(stream)
+                if not tc.released(*made[0]):  # (else the test fails below)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    signalled = True
+                    list(stream)
+                    finished.append(stream.finished)
+        finally:
+            if not signalled:  # whatever went wrong: never leave main serving
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, lambda *_: None)  # until main sets its own: a SIGTERM must not end pytest
+    thread = threading.Thread(target=client_then_sigterm, daemon=True)
+    thread.start()
+    try:
+        assert run("--bind", "tcp://127.0.0.1:*", "--ready-file", ready) == 0
+    finally:
+        over.set()
+        thread.join(60)  # before pytest's handlers are back: its last SIGTERM lands on main's
+    assert [(f.reason, f.completion_tokens) for f in finished] == [("length", 40)]
+    ((storage, ring),) = made
+    assert storage.closed and tc.released(storage, ring)
 
 
 def test_a_taken_endpoint_is_exit_2_and_the_engine_is_closed(in_process_main, capsys):
