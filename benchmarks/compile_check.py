@@ -23,6 +23,7 @@ import argparse
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import torch
 from triton.backends.compiler import GPUTarget
@@ -86,7 +87,7 @@ def main() -> int:
     driver.set_active(HopperStandIn())
     compiled: list = []
     patch(compiled)
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parent))
     import kernels_moe as km
     from unipage.kernels.fused_moe import fused_experts
     from unipage.kernels.fused_moe_lora import lora_config

@@ -89,9 +89,9 @@ def _chunk_at(slot, c0, C: tl.constexpr):
     pair's position in it and whether it is in it.  Both per-pair results come out of the [BM, C] match
     by reductions, not from compares on ``slot`` itself: Triton 3.6's layout pass broke on the latter."""
     ids = tl.arange(0, C)
-    match = (slot[:, None] == (c0 + ids)[None, :]) & ((c0 + ids) < NONE)[None, :]  # [BM, C]
-    chunk = tl.where(tl.max(match.to(tl.int32), 0) > 0, c0 + ids, NONE)
-    return chunk, tl.sum(match.to(tl.int32) * ids[None, :], 1), tl.max(match.to(tl.int32), 1) > 0
+    hit = ((slot[:, None] == (c0 + ids)[None, :]) & ((c0 + ids) < NONE)[None, :]).to(tl.int32)  # [BM, C]
+    chunk = tl.where(tl.max(hit, 0) > 0, c0 + ids, NONE)
+    return chunk, tl.sum(hit * ids[None, :], 1), tl.max(hit, 1) > 0
 
 
 @triton.jit

@@ -79,14 +79,20 @@ def test_a_failed_read_is_an_adapter_error_and_the_worker_lives_on(tmp_path, poo
     assert torch.equal(buf, read_and_pack(*_args(memory, "a1", torch.float32)))
 
 
+def _kill_first(readers: ReaderPool):
+    """Kill the pool's first worker while it is idle; that worker."""
+    first = readers.workers[0]
+    first.proc.kill()
+    first.proc.wait()
+    return first
+
+
 def test_a_worker_dead_while_idle_is_replaced_and_the_read_goes_to_the_new_one(tmp_path):
     """The broken pipe of a worker that died idle is not the next read's failure: it is sent again."""
     memory, _ = setup(tmp_path)
     readers = ReaderPool(1)
     try:
-        first = readers.workers[0]
-        first.proc.kill()
-        first.proc.wait()
+        first = _kill_first(readers)
         buf, _ = _done(readers, readers.submit(*_args(memory, "a0", torch.float32)))
         assert torch.equal(buf, read_and_pack(*_args(memory, "a0", torch.float32)))
         assert readers.workers[0] is not first and len(readers.workers) == 1
@@ -381,9 +387,7 @@ def test_no_worker_that_can_start_fails_the_reads_and_the_pool_recovers(tmp_path
     memory, _ = setup(tmp_path)
     readers = ReaderPool(1)
     try:
-        first = readers.workers[0]
-        first.proc.kill()
-        first.proc.wait()
+        _kill_first(readers)
 
         def no_process(*args, **kwargs):
             raise OSError("no more processes")

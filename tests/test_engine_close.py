@@ -13,14 +13,13 @@ import time
 
 import pytest
 import test_server_support as ss
+from test_storage import with_shared_reads
 from unipage.scheduler import Request, SamplingParams
 
-from unipage.adapter_reader import ReaderPool
 from unipage.config import PoolConfig
 from unipage.engine import Engine
 from unipage.errors import ClosedError
 from unipage.llm import LLM
-from unipage.pinned import PinnedRing
 from unipage.storage import PoolStorage
 
 POOL = PoolConfig(num_pages=256)
@@ -37,9 +36,7 @@ def shared_storages(monkeypatch, module) -> list[tuple[PoolStorage, str]]:
     made = []
 
     def make(config, device="cpu"):
-        storage = PoolStorage(config, device)
-        storage._reader = ReaderPool(2)
-        storage._ring = PinnedRing(1 << 20, pin=False, shared=True)
+        storage = with_shared_reads(PoolStorage(config, device))
         assert os.path.exists(storage._ring.path) and storage._reader.workers[0].proc.poll() is None
         made.append((storage, storage._ring.path))
         return storage

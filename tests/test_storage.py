@@ -1,5 +1,6 @@
 """PoolStorage: the manager's effects performed on a real pool tensor, from real PEFT files."""
 
+import contextlib
 import os
 import time
 
@@ -194,13 +195,24 @@ def test_reads_started_before_apply_are_not_submitted_twice(tmp_path):
     assert len(submitted) == 2
 
 
-def _with_shared_reads(storage, ring_bytes=1 << 20):
+def with_shared_reads(storage, ring_bytes=1 << 20):
     """A CPU storage that reads like the CUDA one: reader processes packing into a shared ring."""
     from unipage.adapter_reader import ReaderPool
 
     storage._reader = ReaderPool(2)
     storage._ring = PinnedRing(ring_bytes, pin=False, shared=True)
     return storage
+
+
+@contextlib.contextmanager
+def shared_reads(tmp_path, ring_bytes=1 << 20):
+    """``(memory, storage)`` of `setup`, the storage reading as the CUDA one does; closed afterwards."""
+    memory, storage = setup(tmp_path)
+    with_shared_reads(storage, ring_bytes)
+    try:
+        yield memory, storage
+    finally:
+        storage.close()
 
 
 def _poll_reads(storage, seconds=120):
@@ -212,9 +224,7 @@ def _poll_reads(storage, seconds=120):
 
 
 def test_reads_pack_into_the_shared_ring_and_host_copies_are_their_own(tmp_path):
-    memory, storage = setup(tmp_path)
-    _with_shared_reads(storage)
-    try:
+    with shared_reads(tmp_path) as (memory, storage):
         for name in ("a0", "a1"):
             memory.adapters.request(name)
         effects = memory.adapters.take_effects()
@@ -233,17 +243,13 @@ def test_reads_pack_into_the_shared_ring_and_host_copies_are_their_own(tmp_path)
             with open(host, "rb") as f:
                 assert f.read() == packed.view(-1).view(torch.uint8).numpy().tobytes()
         assert storage._ring.reserve(storage._ring.capacity) is not None  # every slice came back
-    finally:
-        storage.close()
     assert not os.path.exists(storage._host_dir)
 
 
 @pytest.mark.parametrize("ring_bytes", [1 << 20, ALIGN])
 def test_a_reload_reads_the_kept_host_file_and_a_drop_removes_it(tmp_path, ring_bytes):
     """From the file into a ring slice (or a buffer of its own when the ring has no room), the disk copy gone."""
-    memory, storage = setup(tmp_path)
-    _with_shared_reads(storage)
-    try:
+    with shared_reads(tmp_path) as (memory, storage):
         memory.adapters.request("a1")
         storage.apply(memory.adapters.take_effects())
         assert _poll_reads(storage) == []
@@ -263,14 +269,10 @@ def test_a_reload_reads_the_kept_host_file_and_a_drop_removes_it(tmp_path, ring_
         assert all(torch.equal(after[k].a, before[k].a) for k in before)
         storage.apply([DropHostCopy("a1")])
         assert not storage.has_host_copy("a1") and not os.path.exists(host)
-    finally:
-        storage.close()
 
 
 def test_a_lost_host_file_falls_back_to_reading_the_files(tmp_path):
-    memory, storage = setup(tmp_path)
-    _with_shared_reads(storage)
-    try:
+    with shared_reads(tmp_path) as (memory, storage):
         memory.adapters.request("a0")
         storage.apply(memory.adapters.take_effects())
         assert _poll_reads(storage) == []
@@ -285,16 +287,12 @@ def test_a_lost_host_file_falls_back_to_reading_the_files(tmp_path):
         memory.adapters.load_done("a0")
         assert_resident_equals_files(memory, storage, "a0")
         assert os.path.exists(storage._host["a0"])  # kept anew
-    finally:
-        storage.close()
 
 
 def test_a_read_dropped_by_an_eviction_gives_its_slice_back_once_over(tmp_path):
     from unipage.adapters import EvictAdapter
 
-    memory, storage = setup(tmp_path)
-    _with_shared_reads(storage)
-    try:
+    with shared_reads(tmp_path) as (memory, storage):
         memory.adapters.request("a0")
         (load,) = memory.adapters.take_effects()
         storage.apply([load])
@@ -306,14 +304,10 @@ def test_a_read_dropped_by_an_eviction_gives_its_slice_back_once_over(tmp_path):
             assert storage.poll().done == []
             time.sleep(0.01)
         assert storage._orphans == [] and piece.released and not storage.has_host_copy("a0")
-    finally:
-        storage.close()
 
 
 def test_a_failed_read_into_the_ring_is_reported_and_gives_its_slice_back(tmp_path):
-    memory, storage = setup(tmp_path)
-    _with_shared_reads(storage)
-    try:
+    with shared_reads(tmp_path) as (memory, storage):
         weights = tmp_path / "a0" / "adapter_model.safetensors"
         weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # same size, other content
         memory.adapters.request("a0")
@@ -326,22 +320,16 @@ def test_a_failed_read_into_the_ring_is_reported_and_gives_its_slice_back(tmp_pa
         assert pieces["a0"].released and pieces["a1"].released  # a1's was copied (CPU: at once)
         memory.adapters.load_done("a1")
         assert_resident_equals_files(memory, storage, "a1")
-    finally:
-        storage.close()
 
 
 def test_reads_go_through_files_when_the_ring_has_no_room(tmp_path):
-    memory, storage = setup(tmp_path)
-    _with_shared_reads(storage, ring_bytes=ALIGN)
-    try:
+    with shared_reads(tmp_path, ring_bytes=ALIGN) as (memory, storage):
         memory.adapters.request("a0")
         storage.apply(memory.adapters.take_effects())
         assert storage._reads["a0"][2] is None
         assert _poll_reads(storage) == []
         memory.adapters.load_done("a0")
         assert_resident_equals_files(memory, storage, "a0")
-    finally:
-        storage.close()
 
 
 @pytest.mark.gpu
@@ -361,9 +349,7 @@ def test_cuda_reads_pack_into_the_shared_pinned_ring(tmp_path):
 
 
 def test_a_read_no_reader_can_take_fails_its_load_and_gives_its_slice_back(tmp_path, monkeypatch):
-    memory, storage = setup(tmp_path)
-    _with_shared_reads(storage)
-    try:
+    with shared_reads(tmp_path) as (memory, storage):
         def no_process(*args, **kwargs):
             raise OSError(11, "Resource temporarily unavailable")
 
@@ -372,16 +358,12 @@ def test_a_read_no_reader_can_take_fails_its_load_and_gives_its_slice_back(tmp_p
         storage.apply(memory.adapters.take_effects())  # no exception escapes the step
         assert [name for name, _ in _poll_reads(storage)] == ["a0"]
         assert storage._ring.reserve(storage._ring.capacity) is not None  # its slice came back
-    finally:
-        storage.close()
 
 
 def test_a_host_copy_dropped_while_its_read_is_in_flight_is_not_kept(tmp_path):
     from unipage.adapters import DropHostCopy
 
-    memory, storage = setup(tmp_path)
-    _with_shared_reads(storage)
-    try:
+    with shared_reads(tmp_path) as (memory, storage):
         memory.adapters.request("a0")
         (load,) = memory.adapters.take_effects()
         assert load.cache_on_host
@@ -390,6 +372,4 @@ def test_a_host_copy_dropped_while_its_read_is_in_flight_is_not_kept(tmp_path):
         assert _poll_reads(storage) == []
         assert not storage.has_host_copy("a0")
         assert storage._host_dir is None or os.listdir(storage._host_dir) == []  # its file went too
-    finally:
-        storage.close()
     assert storage._ring is None  # closed: the shared ring's file is gone
