@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from unipage.graphs import DecodeGraphs
@@ -23,6 +24,7 @@ from unipage.models.decoder import DecoderLM, StepBatch
 from unipage.models.lora_tables import LoraTables
 from unipage.sampling import make_generator, sample
 from unipage.scheduler import SamplingParams, SchedulerOutput
+from unipage.staging import StagedUpload
 
 
 @dataclass
@@ -56,6 +58,7 @@ class ModelRunner:
         ``lora_slots``: the LoRA tables' slot capacity from the start (None: grown on demand)."""
         self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
         self.lora = LoraTables(model.model, device, slots=lora_slots)
+        self.upload = StagedUpload(device)
         self.graphs = None
         if graphs is not None:
             self.graphs = DecodeGraphs(model, pool, self.lora, block_tokens, graphs.max_seqs,
@@ -131,43 +134,46 @@ class ModelRunner:
                                    f"{len(seq.token_ids)} tokens or {len(seq.block_table)} KV blocks")
 
     def _batch(self, out: SchedulerOutput, seqs: list[SeqState]) -> StepBatch:
-        ids, positions, token_slots, rows = [], [], [], []
-        seq_lens, cu = [], [0]
+        counts = np.asarray(out.num_scheduled_tokens, dtype=np.int64)
+        starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, len(seqs))
+        ends = starts + counts
+        cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(counts, out=cu[1:])
+        ids: list[int] = []
         per_slot: dict[int, int] = {}
-        for seq, n in zip(seqs, out.num_scheduled_tokens):
-            start, end = seq.num_computed, seq.num_computed + n
+        for seq, start, end, n in zip(seqs, starts.tolist(), ends.tolist(), out.num_scheduled_tokens):
             ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            token_slots += [seq.slot] * n
             if seq.slot >= 0:
                 per_slot[seq.slot] = per_slot.get(seq.slot, 0) + n
-            seq_lens.append(end)
-            cu.append(cu[-1] + n)
-            if end == len(seq.token_ids):
-                rows.append(cu[-1] - 1)
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        def kv(tables):  # slot mapping [T] and padded block tables [B, W] of one KV group
-            slots = self._slots(seqs, tables, out.num_scheduled_tokens)
-            width = max(len(t) for t in tables)
-            return tensor(slots, torch.long), tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
-
-        slot_mapping, block_tables = kv([seq.block_table for seq in seqs])
-        window = kv([seq.window_table for seq in seqs]) if seqs[0].window_table is not None else (None, None)
+        # each token's position: its row in the step, shifted by where its sequence's new tokens start
+        seq_of = np.repeat(np.arange(len(seqs)), counts)
+        positions = np.arange(int(cu[-1]), dtype=np.int64) + np.repeat(starts - cu[:-1], counts)
+        lengths = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, len(seqs))
+        rows = (cu[1:] - 1)[ends == lengths].astype(np.int64)
+        token_slots = np.repeat(np.fromiter((seq.slot for seq in seqs), np.int32, len(seqs)), counts)
+        tables = _table_matrix([seq.block_table for seq in seqs])
+        arrays = [np.asarray(ids, dtype=np.int64), positions, self._slots(tables, seq_of, positions), tables,
+                  ends.astype(np.int32), cu, token_slots, rows]
+        if seqs[0].window_table is not None:
+            window = _table_matrix([seq.window_table for seq in seqs])
+            arrays += [self._slots(window, seq_of, positions), window]
+        sent = self.upload.send(arrays)
+        window_slots, window_tables = sent[8:] or (None, None)
         return StepBatch(
-            input_ids=tensor(ids, torch.long), positions=tensor(positions, torch.long),
-            slot_mapping=slot_mapping, block_tables=block_tables,
-            seq_lens=tensor(seq_lens, torch.int32), cu_seqlens_q=tensor(cu, torch.int32),
-            max_q_len=max(out.num_scheduled_tokens), token_slots=tensor(token_slots, torch.int32),
-            logits_rows=tensor(rows, torch.long), any_lora=bool(per_slot),
-            group_tokens=max(per_slot.values(), default=0), active_slots=len(per_slot),
-            window_slot_mapping=window[0], window_block_tables=window[1])
+            input_ids=sent[0], positions=sent[1], slot_mapping=sent[2], block_tables=sent[3], seq_lens=sent[4],
+            cu_seqlens_q=sent[5], max_q_len=max(out.num_scheduled_tokens), token_slots=sent[6],
+            logits_rows=sent[7], any_lora=bool(per_slot), group_tokens=max(per_slot.values(), default=0),
+            active_slots=len(per_slot), window_slot_mapping=window_slots, window_block_tables=window_tables)
 
-    def _slots(self, seqs: list[SeqState], tables: list[list[int]], counts: list[int]) -> list[int]:
-        """Each scheduled token's KV slot (page * block_tokens + row) through ``tables``."""
-        bt, slots = self.block_tokens, []
-        for seq, table, n in zip(seqs, tables, counts):
-            slots += [table[p // bt] * bt + p % bt for p in range(seq.num_computed, seq.num_computed + n)]
-        return slots
+    def _slots(self, tables: np.ndarray, seq_of: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Each scheduled token's KV slot (page * block_tokens + row) through its sequence's row of ``tables``."""
+        bt = self.block_tokens
+        return tables[seq_of, positions // bt].astype(np.int64) * bt + positions % bt
+
+
+def _table_matrix(tables: list[list[int]]) -> np.ndarray:
+    """Block tables padded with 0 to the longest: ``[B, W]`` int32."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in zip(out, tables):
+        row[:len(table)] = table
+    return out
