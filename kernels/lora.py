@@ -55,6 +55,7 @@ contiguous; hoisted 11.6 us).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -377,64 +378,79 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, pag
         batch = plan_lora_batch(token_slots, meta.num_slots)
     if batch.num_tokens != x.shape[0]:
         _fail("batch.num_tokens", f"T = {x.shape[0]}", batch.num_tokens)
-    cfg = launch_config(meta, batch, pool.dtype, pool.device) | (config or {})
-    cfg["pdl"] = _use_pdl(cfg, pool.device)
-    part, split_k = _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous)
-    _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part, split_k, scale)
+    plan = _cached_plan(x, pool, meta, batch, config, contiguous)
+    args = [pool, page_table, page_table.stride(0), token_slots,
+            batch.tiles if batch.grouped else token_slots,
+            batch.token_order if batch.grouped else token_slots, meta.rank]
+    count = x.shape[0]
+    part = torch.empty(plan.split_k, count, meta.num_slices * meta.rank_block, dtype=torch.float32, device=x.device)
+    launch(_shrink_kernel, plan.shrink_grid,
+        x, x.stride(0), *args, meta.a_offset, part, count, meta.d_in, round_up(meta.d_in), plan.k_per_split,
+        **plan.shrink_options)
+    launch(_expand_kernel, plan.expand_grid,
+        y, y.stride(0), *args, meta.b_offset, part, meta.col_tile_table(plan.block_n), count, plan.split_k,
+        float(scale), **plan.expand_options)
     return y
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The launch of one geometry (input width, slices, rank block, dtype) on one batch: everything
+    but the tensors.  Every layer with that geometry shares it (`_cached_plan`)."""
+
+    split_k: int
+    k_per_split: int
+    block_n: int
+    shrink_grid: tuple[int, int, int]
+    shrink_options: dict  # constexprs and launch options
+    expand_grid: tuple[int, int]
+    expand_options: dict
+
+
+def _cached_plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, contiguous: bool) -> _Plan:
+    """`_plan`, kept in ``batch.plans`` for the other layers of the step (not with a ``config`` override)."""
+    if config:
+        return _plan(x, pool, meta, batch, config, contiguous)
+    key = (meta.d_in, meta.slice_cols, meta.slice_starts, meta.rank_block, pool.dtype, pool.shape[1], contiguous,
+           x.device)
+    plan = batch.plans.get(key)
+    if plan is None:
+        plan = batch.plans[key] = _plan(x, pool, meta, batch, None, contiguous)
+    return plan
+
+
+def _plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, contiguous: bool) -> _Plan:
+    cfg = launch_config(meta, batch, pool.dtype, pool.device) | (config or {})
+    pdl = _use_pdl(cfg, pool.device)
+    consts = {"J": meta.num_slices, "RB": meta.rank_block, "BM": batch.block_m, "GROUPED": batch.grouped,
+              "PAGED": not contiguous, "LOG2_P": pool.shape[1].bit_length() - 1, "FP32": pool.dtype == torch.float32}
+    # shrink
+    if batch.grouped and meta.rank_block > RUN:
+        cfg = {**cfg, "split_k": 1}  # the expand sums splits of [BM, 64]-rank chunks: keep it in registers
+    rows = rows_block(meta, cfg)
+    row_blocks = -(-(meta.num_slices * meta.rank_block) // rows)
+    block_k, stages = fit_stages(cfg["block_k"], cfg["shrink_stages"], batch.block_m + rows, x.element_size(),
+                                 x.device)  # x rows and A rows per stage
+    block_k, split_k, k_per_split = split_k_plan(meta.d_in, block_k, batch.num_row_tiles * row_blocks, cfg,
+                                                 x.device)
+    shrink = dict(ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=pdl,
+                  HOIST=k_per_split <= pool.shape[1], **consts, num_warps=cfg["shrink_warps"], num_stages=stages)
+    # expand
+    block_n = cfg["block_n"]
+    if block_n < RUN or block_n % RUN:
+        _fail("config block_n", "a multiple of 64", block_n)
+    expand = dict(RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,
+                  WIDE=meta.rank_block <= 64 and not batch.grouped, Y_DIV=math.gcd(RUN, *meta.slice_starts),
+                  EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), USE_PDL=pdl, **consts,
+                  num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
+                  **({"launch_pdl": True} if pdl else {}))
+    return _Plan(split_k, k_per_split, block_n, (batch.num_row_tiles, split_k, row_blocks), shrink,
+                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand)
 
 
 def _use_pdl(cfg: dict, device: torch.device) -> bool:
     """Launch the expand as a programmatic dependent of the shrink (Hopper+, config ``"pdl"``, default on)."""
     return bool(cfg.get("pdl", True)) and gdc_wait is not None and hopper_or_later(device)
-
-
-def _common(pool, page_table, token_slots, meta, batch, contiguous) -> tuple[list, dict]:
-    args = [pool, page_table, page_table.stride(0), token_slots,
-            batch.tiles if batch.grouped else token_slots,
-            batch.token_order if batch.grouped else token_slots, meta.rank]
-    consts = {"J": meta.num_slices, "RB": meta.rank_block, "BM": batch.block_m, "GROUPED": batch.grouped,
-              "PAGED": not contiguous, "LOG2_P": pool.shape[1].bit_length() - 1,
-              "FP32": pool.dtype == torch.float32}
-    return args, consts
-
-
-def _shrink(x, pool, page_table, token_slots, meta, batch, cfg, contiguous) -> tuple[torch.Tensor, int]:
-    if batch.grouped and meta.rank_block > RUN:
-        cfg = {**cfg, "split_k": 1}  # the expand sums splits of [BM, 64]-rank chunks: keep it in registers
-    rows = rows_block(meta, cfg)
-    row_blocks = -(-(meta.num_slices * meta.rank_block) // rows)
-    programs = batch.num_row_tiles * row_blocks
-    block_k, stages = fit_stages(cfg["block_k"], cfg["shrink_stages"], batch.block_m + rows, x.element_size(),
-                                 x.device)  # x rows and A rows per stage
-    block_k, split_k, k_per_split = split_k_plan(meta.d_in, block_k, programs, cfg, x.device)
-    count = x.shape[0]
-    part = torch.empty(split_k, count, meta.num_slices * meta.rank_block, dtype=torch.float32, device=x.device)
-    args, consts = _common(pool, page_table, token_slots, meta, batch, contiguous)
-    grid = (batch.num_row_tiles, split_k, row_blocks)
-    launch(_shrink_kernel, grid,
-        x, x.stride(0), *args, meta.a_offset, part,
-        count, meta.d_in, round_up(meta.d_in), k_per_split,
-        ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=cfg["pdl"],
-        HOIST=k_per_split <= pool.shape[1], **consts,
-        num_warps=cfg["shrink_warps"], num_stages=stages)
-    return part, split_k
-
-
-def _expand(y, pool, page_table, token_slots, meta, batch, cfg, contiguous, part, split_k, scale) -> None:
-    block_n = cfg["block_n"]
-    if block_n < RUN or block_n % RUN:
-        _fail("config block_n", "a multiple of 64", block_n)
-    col_tiles = meta.col_tile_table(block_n)
-    args, consts = _common(pool, page_table, token_slots, meta, batch, contiguous)
-    grid = (batch.num_row_tiles, col_tiles.shape[0])
-    launch(_expand_kernel, grid,
-        y, y.stride(0), *args, meta.b_offset, part, col_tiles,
-        y.shape[0], split_k, float(scale),
-        RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,
-        WIDE=meta.rank_block <= 64 and not batch.grouped, Y_DIV=math.gcd(RUN, *meta.slice_starts),
-        EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), USE_PDL=cfg["pdl"], **consts,
-        num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"], **({"launch_pdl": True} if cfg["pdl"] else {}))
 
 
 # --------------------------------------------------------------- reference

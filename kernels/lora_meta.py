@@ -206,6 +206,7 @@ class LoraBatch:
     block_m: int  # tokens per tile: 1 on the GEMV path, else a power of two >= 16
     token_order: torch.Tensor  # [T] int64, token ids sorted by slot (tokens without adapter first)
     tiles: torch.Tensor  # [M, 3] int32 (slot, first, end) into token_order
+    plans: dict = field(default_factory=dict, repr=False)  # the launchers' per-geometry plans of this batch
 
     @property
     def num_row_tiles(self) -> int:

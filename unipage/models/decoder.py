@@ -209,7 +209,7 @@ class DecoderLM:
         return x
 
     def _lora(self, y, x, pool_l, meta, ctx: _Context) -> None:
-        if ctx.lora is not None and meta is not None:
+        if ctx.lora is not None and meta is not None and meta.max_rank:  # (rank 0: no resident adapter has it)
             self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
 
     def _attention(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
