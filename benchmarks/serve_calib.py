@@ -106,6 +106,18 @@ def fit_launch(runs: list[np.ndarray]) -> tuple[dict, dict]:
                                                                "launch_rms_s": round(rms, 6)}
 
 
+def fit_gap(logs: list[dict]) -> float:
+    """``step_gap_s`` (`CostProfile`): the runs' wall time outside the engine's steps, per step that ran a
+    batch (the serving loop's host work between steps), averaged over the runs."""
+    gaps = []
+    for lg in logs:
+        seconds = step_rows(lg)[:, COLUMNS.index("seconds")]
+        duration = lg.get("measured", {}).get("duration_s")
+        if duration and len(seconds):
+            gaps.append(max(0.0, (duration - float(np.sum(seconds))) / len(seconds)))
+    return float(np.mean(gaps)) if gaps else 0.0
+
+
 def step_rows(lg: dict) -> np.ndarray:
     """A run log's step rows in `COLUMNS` order; a column the log lacks (an older log) is NaN."""
     columns = lg.get("columns", COLUMNS)
@@ -133,6 +145,7 @@ def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
     coef, quality = fit_coefficients(runs)
     launch, launch_quality = fit_launch(runs)
     quality.update(launch_quality)
+    gap = fit_gap(logs)
     disk_bytes, disk_s = sum(lg["disk_bytes"] for lg in logs), sum(lg["disk_seconds"] for lg in logs)
     disk = disk_bytes / disk_s if disk_s > 0 else CostProfile.__dataclass_fields__["disk_bytes_per_s"].default
     tag = "cpu" if device_type == "cpu" else gpu_tag(device)
@@ -142,13 +155,14 @@ def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
               f"non-negative least-squares fit "
               f"of {quality['steps']} engine step times (runs: {runs}); predicted/measured total step time "
               f"{quality['total_ratio']}, RMS relative error per step {quality['rms_rel_error']}; "
-              f"{_launch_source(quality)}; "
+              f"{_launch_source(quality)}; step gap: the runs' wall time outside their steps, per step "
+              f"({gap * 1e6:.0f} us); "
               f"h2d = pinned copy measured in the run; disk = the engine's adapter read-and-pack rate"
               f"{'' if disk_s > 0 else ' (no file reads measured: the default)'}")
     workers = {max(1, lg["read_workers"]) for lg in logs}  # 0: read in the step (CPU)
     if len(workers) != 1:
         raise ValueError(f"the runs used different numbers of adapter readers: {sorted(workers)}")
-    profile = CostProfile(name=f"{key}-{tag}", **coef, **launch, h2d_bytes_per_s=float(np.median([lg["h2d_bytes_per_s"]
+    profile = CostProfile(name=f"{key}-{tag}", **coef, **launch, step_gap_s=gap, h2d_bytes_per_s=float(np.median([lg["h2d_bytes_per_s"]
                                                                                          for lg in logs])),
                           disk_bytes_per_s=float(disk), read_workers=int(workers.pop()), source=source)
     return profile, quality

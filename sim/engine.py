@@ -381,6 +381,8 @@ class Simulation:
             outputs = sched.update(StepResult(sampled, done))
             if loop is not None and released < n:
                 released = self._release(outputs, arrival, released, now)
+            if out.req_ids:
+                now += self.cost.p.step_gap_s  # the serving loop's host time before the next step
             if now >= next_sample:
                 self._sample(samples, now)
                 next_sample = now + sample_dt

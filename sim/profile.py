@@ -14,6 +14,11 @@ Shape of one step's time (every coefficient in seconds, from a `CostProfile`)::
            + lora_expert_rank_s * sum over adapters of rank * experts touched  expert LoRA weights read
            + load_s            * adapter loads started    the step loop's host work for each
 
+Between two steps that ran a batch, the serving loop's own host time (handing out outputs,
+submitting the requests that arrive)::
+
+    gap = step_gap_s                                      added after each such step
+
 When in the step the engine polls its file reads (host time, not added to the step)::
 
     launch_s = launch_base_s + launch_token_s * scheduled tokens   from the step's start until its
@@ -54,6 +59,7 @@ from unipage.sim.errors import SimInputError
 _COEFFICIENTS = ("step_base_s", "prefill_token_s", "decode_token_s", "kv_token_read_s", "adapter_s",
                  "adapter_rank_s", "lora_token_rank_s", "expert_s", "lora_expert_rank_s", "load_s")
 _LAUNCH_COEFFICIENTS = ("launch_base_s", "launch_token_s")  # when in a step the engine polls its reads
+_GAP_COEFFICIENTS = ("step_gap_s",)  # the serving loop's host time between steps
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class CostProfile:
     load_s: float = 0.0  # per adapter load the step starts: the step loop's host work for it, >= 0
     launch_base_s: float = 0.0  # host seconds from a step's start until its forward pass is launched, >= 0
     launch_token_s: float = 0.0  # ... plus this per scheduled token (building the batch's inputs), >= 0
+    step_gap_s: float = 0.0  # host seconds of the serving loop after each step that ran a batch, >= 0
     h2d_bytes_per_s: float = 25e9  # host-to-device copy bandwidth for adapter loads, > 0
     disk_bytes_per_s: float = 2e9  # adapter file read bandwidth of one reader (host-cache misses), > 0
     read_workers: int = 1  # adapter files read in parallel (the engine's reader processes), >= 1
@@ -81,7 +88,7 @@ class CostProfile:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SimInputError(f"profile: name must be a non-empty string, got {self.name!r}")
-        for key in _COEFFICIENTS + _LAUNCH_COEFFICIENTS:
+        for key in _COEFFICIENTS + _LAUNCH_COEFFICIENTS + _GAP_COEFFICIENTS:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise SimInputError(f"profile {self.name!r}: {key} must be a number >= 0, got {value!r}")

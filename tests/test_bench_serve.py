@@ -190,6 +190,7 @@ def test_run_logs_record_each_steps_launch_time_and_the_fit_uses_them(runs):
         assert (rows[:, col] > 0).all() and (rows[:, col] <= rows[:, serve.drv.COLUMNS.index("seconds")]).all()
     profile = CostProfile.from_json(profiles / "llama-1b-tiny-cpu.json")
     assert "launch terms: a fit of" in profile.source and profile.launch_base_s + profile.launch_token_s > 0
+    assert "step gap" in profile.source and profile.step_gap_s >= 0
 
 
 def test_fit_launch_recovers_planted_terms_and_skips_rows_without_one():
@@ -204,6 +205,22 @@ def test_fit_launch_recovers_planted_terms_and_skips_rows_without_one():
     assert got["launch_base_s"] == pytest.approx(5e-4, rel=1e-6) and got["launch_token_s"] == pytest.approx(2e-6)
     assert quality["launch_steps"] == 200
     assert serve_calib.fit_launch([old]) == ({"launch_base_s": 0.0, "launch_token_s": 0.0}, {"launch_steps": 0})
+
+
+def test_fit_gap_is_the_wall_time_outside_the_steps_per_step():
+    columns = list(serve.drv.COLUMNS)
+    seconds = columns.index("seconds")
+
+    def log(step_seconds: list[float], duration: float | None) -> dict:
+        steps = [[s if i == seconds else 0.0 for i in range(len(columns))] for s in step_seconds]
+        return {"columns": columns, "steps": steps, "measured": {} if duration is None else {"duration_s": duration}}
+
+    # 4 steps of 10 ms in 46 ms: 1.5 ms a step; 2 steps of 5 ms in 12 ms: 1 ms a step; a log without a duration
+    # is left out; a run shorter than its steps (clock skew) counts 0
+    assert serve_calib.fit_gap([log([0.01] * 4, 0.046), log([0.005] * 2, 0.012), log([0.01], None)]) == \
+        pytest.approx(1.25e-3)
+    assert serve_calib.fit_gap([log([0.01] * 2, 0.019)]) == 0.0
+    assert serve_calib.fit_gap([]) == 0.0
 
 
 def test_step_rows_of_a_log_without_launch_times():

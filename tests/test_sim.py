@@ -202,6 +202,18 @@ def test_a_closed_loop_releases_a_request_at_each_finish(tmp_path):
         ClosedLoop(first=0, concurrency=0)
 
 
+def test_the_step_gap_comes_after_each_step_that_ran(tmp_path):
+    """The loop above with ``step_gap_s`` 3 ms: a request is released when the one before finishes, at the
+    step's end, and runs after the gap; idle time absorbs the gap (r1 still starts at its trace time)."""
+    trace = Trace(np.array([0.0, 0.5, 0.0, 0.0]), np.full(4, -1, dtype=np.int32), np.full(4, 4, dtype=np.int32),
+                  np.ones(4, dtype=np.int32), np.zeros(4, dtype=np.int32), ["a0"], [8], ["t0"])
+    result = _hand_run(tmp_path, {"step_gap_s": 0.003}, trace, closed_loop=ClosedLoop(first=1, concurrency=1))
+    assert result.trace.arrival.tolist() == pytest.approx([0.0, 0.5, 0.514, 0.531], abs=1e-12)
+    assert result.finish.tolist() == pytest.approx([0.014, 0.514, 0.531, 0.548], abs=1e-12)
+    with pytest.raises(SimInputError, match="step_gap_s"):
+        CostProfile.from_dict({**HAND_PROFILE, "step_gap_s": -1.0})
+
+
 def test_bad_read_workers(tmp_path):
     with pytest.raises(SimInputError, match="read_workers"):
         CostProfile.from_dict({**HAND_PROFILE, "read_workers": 0})
