@@ -107,8 +107,10 @@ def fit_launch(runs: list[np.ndarray]) -> tuple[dict, dict]:
 
 
 def fit_gap(logs: list[dict]) -> float:
-    """``step_gap_s`` (`CostProfile`): the runs' wall time outside the engine's steps, per step that ran a
-    batch (the serving loop's host work between steps), averaged over the runs."""
+    """``step_gap_s`` (`CostProfile`): the runs' wall time outside the engine's steps that ran a batch, per
+    such step, averaged over the runs.  That is the benchmark loop's host work between steps (outputs, new
+    requests, and its own per-step log rows), and the few engine steps that ran nothing (waiting on a load:
+    the simulator jumps over those waits instead, so they are counted twice, a small excess)."""
     gaps = []
     for lg in logs:
         seconds = step_rows(lg)[:, COLUMNS.index("seconds")]
@@ -155,15 +157,15 @@ def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
               f"non-negative least-squares fit "
               f"of {quality['steps']} engine step times (runs: {runs}); predicted/measured total step time "
               f"{quality['total_ratio']}, RMS relative error per step {quality['rms_rel_error']}; "
-              f"{_launch_source(quality)}; step gap: the runs' wall time outside their steps, per step "
-              f"({gap * 1e6:.0f} us); "
+              f"{_launch_source(quality)}; "
+              f"step gap: the runs' wall time outside their steps, per step ({gap * 1e6:.0f} us); "
               f"h2d = pinned copy measured in the run; disk = the engine's adapter read-and-pack rate"
               f"{'' if disk_s > 0 else ' (no file reads measured: the default)'}")
     workers = {max(1, lg["read_workers"]) for lg in logs}  # 0: read in the step (CPU)
     if len(workers) != 1:
         raise ValueError(f"the runs used different numbers of adapter readers: {sorted(workers)}")
-    profile = CostProfile(name=f"{key}-{tag}", **coef, **launch, step_gap_s=gap, h2d_bytes_per_s=float(np.median([lg["h2d_bytes_per_s"]
-                                                                                         for lg in logs])),
+    h2d = float(np.median([lg["h2d_bytes_per_s"] for lg in logs]))
+    profile = CostProfile(name=f"{key}-{tag}", **coef, **launch, step_gap_s=gap, h2d_bytes_per_s=h2d,
                           disk_bytes_per_s=float(disk), read_workers=int(workers.pop()), source=source)
     return profile, quality
 

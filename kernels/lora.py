@@ -395,8 +395,9 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, pag
 
 @dataclass(frozen=True)
 class _Plan:
-    """The launch of one geometry (input width, slices, rank block, dtype) on one batch: everything
-    but the tensors.  Every layer with that geometry shares it (`_cached_plan`)."""
+    """The launch of one geometry (input width, slice widths and starts, rank block, dtype, page size,
+    paged or not) on one batch: everything but the tensors.  Every layer with that geometry shares it
+    (`_cached_plan`)."""
 
     split_k: int
     k_per_split: int

@@ -379,10 +379,16 @@ class Simulation:
             if loads.reads:
                 loads.poll(now)
             outputs = sched.update(StepResult(sampled, done))
+            arrived = 0
             if loop is not None and released < n:
-                released = self._release(outputs, arrival, released, now)
-            if out.req_ids:
-                now += self.cost.p.step_gap_s  # the serving loop's host time before the next step
+                before, released = released, self._release(outputs, arrival, released, now)
+                arrived = released - before
+            if out.req_ids and self.cost.p.step_gap_s:  # the serving loop's host time before the next step
+                gap_end = now + self.cost.p.step_gap_s
+                if gap_end > w0 and now < w1:  # in the system meanwhile: the live less the finished, plus releases
+                    staying = len(self.live) - sum(1 for o in outputs if o.finished) + arrived
+                    area += staying * (min(gap_end, w1) - max(now, w0))
+                now = gap_end
             if now >= next_sample:
                 self._sample(samples, now)
                 next_sample = now + sample_dt

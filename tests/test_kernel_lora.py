@@ -212,6 +212,21 @@ def test_rank_above_64_takes_rank_chunks(grouped):
     assert_untouched(y_out, y0, slots, meta)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_layers_of_one_step_share_its_batch_but_not_a_plan_of_another_rank_block(grouped):
+    """One batch for every layer, as in the engine: layer 0 has q at rank 40 (rank block 64), layer 1 no q
+    (block 16); the launch plan kept in the batch for one must not serve the other."""
+    world = build_world(slots=[{"q_proj": 40, "k_proj": 4, "v_proj": 8}, {"k_proj": 8}], seed=13,
+                        layer1_drop="q_proj")
+    slots = token_mix("uniform", 24, [0, 1], torch.Generator().manual_seed(6))
+    batch = plan(slots, world, grouped)
+    for layer, block in ((0, 64), (1, 16), (0, 64)):
+        meta, y0, y_ref, y_out = run_both(world, slots, layer=layer, batch=batch)
+        assert meta.rank_block == block
+        assert_close(y_out, y_ref, y0)
+    assert len(batch.plans) == 2
+
+
 def test_layer_one_without_a_target_and_all_tokens_without_adapter():
     world = build_world(seed=11)
     slots = token_mix("uniform", 9, [0, 1, 3, 4], torch.Generator().manual_seed(4))

@@ -79,9 +79,16 @@ def test_every_request_finishes_or_is_aborted_and_the_pool_drains(policy, admiss
         assert record["aborted_slo"] > 0
 
 
-def test_littles_law_on_a_steady_workload():
+@pytest.mark.parametrize("step_gap_s", [0.0, 0.003])
+def test_littles_law_on_a_steady_workload(tmp_path, step_gap_s):
+    """Also with a serving-loop gap between steps (half a step's base time): the requests in the system
+    during the gaps count too."""
     raw = tiny(seed=3, workload={"rate": 15.0, "duration_s": 240.0}, pool={"num_pages": 2048})
-    record = make_record(simulate(build_config(raw)))
+    if step_gap_s:
+        profile = {**build_config(raw).profile.to_dict(), "name": "gap", "step_gap_s": step_gap_s}
+        (tmp_path / "gap.json").write_text(json.dumps(profile))
+        raw["sim"] = {"profile": "gap.json"}
+    record = make_record(simulate(build_config(raw, tmp_path)))
     assert record["aborted_slo"] == 0 and record["little_L"] > 1.0
     assert abs(record["little_L"] - record["little_lambda_W"]) <= 0.05 * record["little_lambda_W"]
 

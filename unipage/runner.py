@@ -158,7 +158,7 @@ class ModelRunner:
             window = _table_matrix([seq.window_table for seq in seqs])
             arrays += [self._slots(window, seq_of, positions), window]
         sent = self.upload.send(arrays)
-        window_slots, window_tables = sent[8:] or (None, None)
+        window_slots, window_tables = sent[8:] if len(sent) > 8 else (None, None)
         return StepBatch(
             input_ids=sent[0], positions=sent[1], slot_mapping=sent[2], block_tables=sent[3], seq_lens=sent[4],
             cu_seqlens_q=sent[5], max_q_len=max(out.num_scheduled_tokens), token_slots=sent[6],

@@ -5,7 +5,7 @@ a handful of small arrays.  Sent one by one from pageable memory, each copy
 cost about 0.15-0.2 ms of host time on the H100 machine (the driver stages
 pageable memory itself), several times the copy.  Here the arrays of one
 dtype are packed into a reused pinned buffer and sent in one asynchronous
-copy; the device tensors are views of one fresh device buffer.
+copy; the device tensors are views of a fresh device buffer per dtype.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-ALIGN = 32  # elements: every array starts at least 128 bytes into its buffer (Triton keys on 16-byte alignment)
+ALIGN = 32  # elements: every array starts at a multiple of 128 bytes (Triton keys on 16-byte alignment)
 _TORCH = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
 
@@ -51,7 +51,7 @@ class StagedUpload:
                 out[i] = dev[start:start + arrays[i].size].view(arrays[i].shape)
         if self._copied is None:
             self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copies ran on
         return out
 
     def _buffer(self, dtype: torch.dtype, elems: int) -> torch.Tensor:
