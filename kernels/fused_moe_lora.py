@@ -447,14 +447,14 @@ def _gate_up_loads(pool_ptr, pt, raw_ptr, rows, pair_ok, n0, inter, stride_raw, 
 
 
 @triton.jit
-def _gate_up_finish(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, a_down, g, u, alpha, limit,
-                    ACT: tl.constexpr, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``act = act_fn(g + z_gate B_gate, u + z_up B_up)`` stored; returns its down-A product (float32)."""
+def _gate_up_act(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, g, u, alpha, limit,
+                 ACT: tl.constexpr, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``act = act_fn(g + z_gate B_gate, u + z_up B_up)``, stored and returned (model dtype)."""
     g += _mm(z_gate, b_gate, PAIR, DOT_PRECISION)
     u += _mm(z_up, b_up, PAIR, DOT_PRECISION)
     act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
     tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
-    return _mm(act, tl.trans(a_down), PAIR, DOT_PRECISION)
+    return act
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -514,8 +514,9 @@ def _expand_gate_up_kernel(
             cols, mask, b_gate, b_up, a_down, g, u = _gate_up_loads(
                 pool_ptr, pt, raw_ptr, rows, pair_ok, n0, inter, stride_raw, gate_virt, gate_ok, up_virt, up_ok,
                 up_shift, down_virt, down_ok, BLOCK_N, CHUNK, PAGE_SHIFT, EVEN_N)
-            acc_down += _gate_up_finish(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, a_down,
-                                        g, u, alpha, limit, ACT, BLOCK_M == 1, DOT_PRECISION)
+            act = _gate_up_act(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, g, u, alpha, limit,
+                               ACT, BLOCK_M == 1, DOT_PRECISION)
+            acc_down += _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
         if down_rank > 0:
             tl.store(down_ptrs, acc_down, mask=down_mask)
     else:
@@ -526,10 +527,11 @@ def _expand_gate_up_kernel(
             gdc_wait()  # the shrink's partials are complete and visible from here on
         z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
         z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
-        acc_down = _gate_up_finish(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, a_down, g, u,
-                                   alpha, limit, ACT, BLOCK_M == 1, DOT_PRECISION)
+        act = _gate_up_act(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, g, u, alpha, limit,
+                           ACT, BLOCK_M == 1, DOT_PRECISION)
         if down_rank > 0:
-            tl.atomic_add(down_ptrs, acc_down, mask=down_mask, sem="relaxed")
+            tl.atomic_add(down_ptrs, _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION), mask=down_mask,
+                          sem="relaxed")
 
 
 @triton.jit
