@@ -430,54 +430,25 @@ def _slice_rows(row, field, group_off, RK_PAD: tl.constexpr, S_PAD: tl.constexpr
     return start + offs * stride, offs < _field(row, field + 1, S_PAD)
 
 
-@triton.jit
-def _gate_up_loads(pool_ptr, pt, raw_ptr, rows, pair_ok, n0, inter, stride_raw, gate_virt, gate_ok, up_virt,
-                   up_ok, up_shift, down_virt, down_ok, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                   PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr):
-    """Columns ``n0 .. n0 + BLOCK_N`` of the tile: its B gate/up and down-A chunks and the raw gate/up."""
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :]
-    b_gate = load_runs(pool_ptr, pt, gate_virt + n0, gate_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
-    b_up = load_runs(pool_ptr, pt, up_virt + n0 + up_shift, up_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
-    a_down = load_runs(pool_ptr, pt, down_virt + n0, down_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
-    raw = raw_ptr + rows * stride_raw + cols[None, :]
-    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
-    return cols, mask, b_gate, b_up, a_down, g, u
-
-
-@triton.jit
-def _gate_up_act(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, g, u, alpha, limit,
-                 ACT: tl.constexpr, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``act = act_fn(g + z_gate B_gate, u + z_up B_up)``, stored and returned (model dtype)."""
-    g += _mm(z_gate, b_gate, PAIR, DOT_PRECISION)
-    u += _mm(z_up, b_up, PAIR, DOT_PRECISION)
-    act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
-    tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
-    return act
-
-
 @triton.jit(do_not_specialize=["num_pairs"])
 def _expand_gate_up_kernel(
     raw_ptr,  # [TK, 2I] model dtype: un-activated gate | up of LoRA pairs (from the base GEMM)
     act_ptr,  # [TK, I] model dtype: written for LoRA pairs
     z_ptr,  # [SPLIT_K, TK, R_PAD] float32 from `_shrink_kernel`
-    down_z_ptr,  # [TK, RD_PAD] float32: += act @ A_d.T (N_LOOP: = act @ A_d.T)
+    down_z_ptr,  # [TK, RD_PAD] float32: += act @ A_d.T
     pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
     num_blocks_ptr, num_pairs, top_k, num_experts, num_slots, inter, stride_raw, stride_act, stride_pt, alpha,
     limit, R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, ACT: tl.constexpr, N_LOOP: tl.constexpr,
+    USE_PDL: tl.constexpr, ACT: tl.constexpr,
 ):
-    # N_LOOP: one program per tile walks all I columns (the tile's metadata chain once, its down-A product
-    # summed in registers and stored); else one program per (tile, BLOCK_N columns), and everything up to
-    # `gdc_wait` reads only what existed before the shrink started (routing, alignment, metadata, weights,
-    # the base GEMM's raw output): under PDL it overlaps the shrink.
+    # Everything up to `gdc_wait` reads only what existed before the shrink started (routing,
+    # alignment, metadata, weights, the base GEMM's raw output): under PDL it overlaps the shrink.
     if USE_PDL:
         gdc_launch_dependents()
     num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
-    num_n = 1 if N_LOOP else tl.cdiv(inter, BLOCK_N)
+    num_n = tl.cdiv(inter, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
         finish_early(USE_PDL)
@@ -501,49 +472,28 @@ def _expand_gate_up_kernel(
     down_ok = offs_d < down_rank
     down_virt = group_off + _field(row, meta + F_DOWN_A, S_PAD) + offs_d * ((inter + 63) // 64 * 64)
     rows = pairs[:, None].to(tl.int64)
-    dtype = pool_ptr.dtype.element_ty
-    down_ptrs = down_z_ptr + rows * RD_PAD + offs_d[None, :]
-    down_mask = pair_ok[:, None] & down_ok[None, :]
-    if N_LOOP:
-        if USE_PDL:
-            gdc_wait()  # the shrink's partials are complete and visible from here on
-        z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
-        z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
-        acc_down = tl.zeros((BLOCK_M, RD_PAD), tl.float32)
-        for n0 in range(0, inter, BLOCK_N):
-            cols, mask, b_gate, b_up, a_down, g, u = _gate_up_loads(
-                pool_ptr, pt, raw_ptr, rows, pair_ok, n0, inter, stride_raw, gate_virt, gate_ok, up_virt, up_ok,
-                up_shift, down_virt, down_ok, BLOCK_N, CHUNK, PAGE_SHIFT, EVEN_N)
-            act = _gate_up_act(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, g, u, alpha, limit,
-                               ACT, BLOCK_M == 1, DOT_PRECISION)
-            acc_down += _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
-        if down_rank > 0:
-            tl.store(down_ptrs, acc_down, mask=down_mask)
-    else:
-        cols, mask, b_gate, b_up, a_down, g, u = _gate_up_loads(
-            pool_ptr, pt, raw_ptr, rows, pair_ok, pid_n * BLOCK_N, inter, stride_raw, gate_virt, gate_ok, up_virt,
-            up_ok, up_shift, down_virt, down_ok, BLOCK_N, CHUNK, PAGE_SHIFT, EVEN_N)
-        if USE_PDL:
-            gdc_wait()  # the shrink's partials are complete and visible from here on
-        z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
-        z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
-        act = _gate_up_act(act_ptr, rows, cols, mask, stride_act, z_gate, z_up, b_gate, b_up, g, u, alpha, limit,
-                           ACT, BLOCK_M == 1, DOT_PRECISION)
-        if down_rank > 0:
-            tl.atomic_add(down_ptrs, _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION), mask=down_mask,
-                          sem="relaxed")
-
-
-@triton.jit
-def _down_chunk(y_ptr, rows, pair_ok, weight, z, b, n0, hidden, stride_y, BLOCK_N: tl.constexpr,
-                EVEN_N: tl.constexpr, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``y[:, n0 .. n0 + BLOCK_N] += w · z @ b`` for the tile's pairs."""
-    delta = _mm(z, b, PAIR, DOT_PRECISION)
+    n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
-    mask = pair_ok[:, None] & _col_mask(cols, hidden, EVEN_N)[None, :]
-    ptrs = y_ptr + rows * stride_y + cols[None, :]
-    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + weight[:, None] * delta
-    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    mask = pair_ok[:, None] & _col_mask(cols, inter, EVEN_N)[None, :]
+    b_gate = load_runs(pool_ptr, pt, gate_virt + n0, gate_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
+    b_up = load_runs(pool_ptr, pt, up_virt + n0 + up_shift, up_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
+    a_down = load_runs(pool_ptr, pt, down_virt + n0, down_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
+    raw = raw_ptr + rows * stride_raw + cols[None, :]
+    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()  # the shrink's partials are complete and visible from here on
+    dtype = pool_ptr.dtype.element_ty
+    z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
+    z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
+    g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION)
+    u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION)
+    act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
+    tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
+    if down_rank > 0:
+        acc_down = _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
+        tl.atomic_add(down_z_ptr + rows * RD_PAD + offs_d[None, :], acc_down,
+                      mask=pair_ok[:, None] & down_ok[None, :], sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -555,13 +505,12 @@ def _expand_down_kernel(
     num_blocks_ptr, num_pairs, top_k, num_experts, num_slots, hidden, stride_y, stride_pt,
     RD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, N_LOOP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # N_LOOP: one program per tile walks all H columns; else one per (tile, BLOCK_N columns), and up to
-    # `gdc_wait` only routing, alignment, metadata and weights are read (all older than the kernel before
-    # this one), so under PDL this overlaps that kernel's tail.
+    # Up to `gdc_wait`: only routing, alignment, metadata and weights (all older than the
+    # kernel before this one), so under PDL this overlaps that kernel's tail.
     num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
-    num_n = 1 if N_LOOP else tl.cdiv(hidden, BLOCK_N)
+    num_n = tl.cdiv(hidden, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
         finish_early(USE_PDL)
@@ -581,25 +530,17 @@ def _expand_down_kernel(
     rows = pairs[:, None].to(tl.int64)
     weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
     b_virt = group_off + _field(row, meta + F_DOWN_B, S_PAD) + offs_r * ((hidden + 63) // 64 * 64)
-    z_ptrs = down_z_ptr + rows * RD_PAD + offs_r[None, :]
-    z_mask = pair_ok[:, None] & r_ok[None, :]
-    dtype = pool_ptr.dtype.element_ty
-    if N_LOOP:
-        if USE_PDL:
-            gdc_wait()  # down_z and y are complete and visible from here on
-        z = tl.load(z_ptrs, mask=z_mask, other=0.0).to(dtype)
-        for n0 in range(0, hidden, BLOCK_N):
-            b = load_runs(pool_ptr, pt, b_virt + n0, r_ok, hidden - n0, BLOCK_N, RUN, PAGE_SHIFT, True)
-            _down_chunk(y_ptr, rows, pair_ok, weight, z, b, n0, hidden, stride_y, BLOCK_N, EVEN_N, BLOCK_M == 1,
-                        DOT_PRECISION)
-    else:
-        n0 = pid_n * BLOCK_N
-        b = load_runs(pool_ptr, pt, b_virt + n0, r_ok, hidden - n0, BLOCK_N, RUN, PAGE_SHIFT, True)
-        if USE_PDL:
-            gdc_wait()  # down_z and y are complete and visible from here on
-        z = tl.load(z_ptrs, mask=z_mask, other=0.0).to(dtype)
-        _down_chunk(y_ptr, rows, pair_ok, weight, z, b, n0, hidden, stride_y, BLOCK_N, EVEN_N, BLOCK_M == 1,
-                    DOT_PRECISION)
+    n0 = pid_n * BLOCK_N
+    b = load_runs(pool_ptr, pt, b_virt + n0, r_ok, hidden - n0, BLOCK_N, RUN, PAGE_SHIFT, True)
+    if USE_PDL:
+        gdc_wait()  # down_z and y are complete and visible from here on
+    z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
+    delta = _mm(z.to(pool_ptr.dtype.element_ty), b, BLOCK_M == 1, DOT_PRECISION)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = pair_ok[:, None] & _col_mask(cols, hidden, EVEN_N)[None, :]
+    ptrs = y_ptr + rows * stride_y + cols[None, :]
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + weight[:, None] * delta
+    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -703,13 +644,12 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     chunk = _chunk(meta.inter)
     block_n = max(chunk, min(cfg["gate_up"]["block_n"], next_pow2(meta.inter)))
     extra = {"launch_pdl": True} if pdl else {}
-    n_loop = bool(cfg["gate_up"].get("n_loop", False))
-    launch(_expand_gate_up_kernel, (tiles * (1 if n_loop else cdiv(meta.inter, block_n)),),
+    launch(_expand_gate_up_kernel, (tiles * cdiv(meta.inter, block_n),),
         raw, act, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.inter, raw.stride(0), act.stride(0),
         stride_pt, float(plan.lora.activation.alpha), float(plan.lora.activation.limit), R_PAD=r_pad,
         RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n, CHUNK=chunk,
         GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift, EVEN_N=meta.inter % block_n == 0,
-        S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code, N_LOOP=n_loop,
+        S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code,
         **_launch_opts(cfg["gate_up"]), **extra)
 
 
@@ -728,14 +668,13 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
                          f"{list(topk_weights.shape)} {topk_weights.dtype}")
     cfg, pdl = plan.config, _use_pdl(plan)
     block_n = max(64, min(cfg["down"]["block_n"], next_pow2(meta.hidden)))
-    n_loop = bool(cfg["down"].get("n_loop", False))
-    launch(_expand_down_kernel, (_num_tile_bound(plan) * (1 if n_loop else cdiv(meta.hidden, block_n)),),
+    launch(_expand_down_kernel, (_num_tile_bound(plan) * cdiv(meta.hidden, block_n),),
         y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
         plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n, RUN=64,
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,
         EVEN_N=meta.hidden % block_n == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, N_LOOP=n_loop, **_launch_opts(cfg["down"]), **({"launch_pdl": True} if pdl else {}))
+        USE_PDL=pdl, **_launch_opts(cfg["down"]), **({"launch_pdl": True} if pdl else {}))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ BASE_CONFIG = {"block_m": 16,
                "down": {"block_n": 64, "block_k": 32, "group_m": 2, "num_warps": 4, "num_stages": 2}}
 
 
-def _lora_config(block_m, split_k=1, block_n=64, n_loop=False):
+def _lora_config(block_m, split_k=1, block_n=64):
     launch = {"group_m": 2, "num_warps": 4, "num_stages": 2}
-    expand = {"block_n": block_n, "n_loop": n_loop, **launch}
-    return {"block_m": block_m, "split_k": split_k, "shrink": launch, "gate_up": expand, "down": dict(expand)}
+    return {"block_m": block_m, "split_k": split_k, "shrink": launch,
+            "gate_up": {"block_n": block_n, **launch}, "down": {"block_n": block_n, **launch}}
 
 
 PAIR, GROUP = _lora_config(1, split_k=2), _lora_config(16)
@@ -237,16 +237,6 @@ def test_gate_up_tiles_of_several_runs(inter, block_n):
     c = _case(23, torch.float32, "uniform", seed=6, inter=inter)
     for config in (_lora_config(1, split_k=2, block_n=block_n), _lora_config(16, block_n=block_n)):
         _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
-
-
-@pytest.mark.parametrize("block_m", [1, 16])
-@pytest.mark.parametrize("inter, hidden, block_n", [(96, 96, 64), (48, 200, 64), (96, 64, 128)])
-def test_expands_walking_every_column_chunk_in_one_program(block_m, inter, hidden, block_n):
-    """``n_loop``: one program per tile walks all column chunks of the gate/up and the down expand (two with
-    a ragged last one, one, four) and stores its down-A product whole instead of adding it up."""
-    c = _case(23, torch.float32, "zipf", seed=7, inter=inter, hidden=hidden)
-    config = _lora_config(block_m, split_k=2 if block_m == 1 else 1, block_n=block_n, n_loop=True)
-    _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
 
 
 @pytest.mark.parametrize("page_elems", [64, 1024])
