@@ -35,7 +35,7 @@ from unipage.sim import ClosedLoop, CostProfile, Trace, build_config, simulate
 from unipage.sim.profile import _COEFFICIENTS as COEFFICIENTS
 from unipage.sim.profile import _LAUNCH_COEFFICIENTS as LAUNCH_COEFFICIENTS
 
-assert len(TERMS) + 1 == len(COEFFICIENTS) and set(TERMS) <= set(COLUMNS), "fitted terms vs profile fields"
+assert len(TERMS) + 2 == len(COEFFICIENTS) and set(TERMS) <= set(COLUMNS), "fitted terms vs profile fields"
 WARM_OFFSET_S = 1000.0  # simulated seconds between the warm-up requests and the workload
 THROUGHPUT_TOLERANCE, TTFT_TOLERANCE = 0.05, 0.10  # the issue's targets
 
@@ -64,6 +64,14 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
+def design_matrix(rows: np.ndarray) -> np.ndarray:
+    """The fitted terms of step rows (`COLUMNS`), in `COEFFICIENTS` order: 1, the logged `TERMS`, and 1 for a
+    step with a prefill (the engine runs it eagerly; decode-only steps replay CUDA graphs)."""
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    eager = (rows[:, col["prefill"]] > 0).astype(np.float64)
+    return np.column_stack([np.ones(len(rows))] + [rows[:, col[t]] for t in TERMS] + [eager])
+
+
 def fit_coefficients(runs: list[np.ndarray]) -> tuple[dict, dict]:
     """Coefficients by `CostProfile` field, and the fit's quality, from each run's step rows (`COLUMNS`).
 
@@ -75,7 +83,7 @@ def fit_coefficients(runs: list[np.ndarray]) -> tuple[dict, dict]:
     if len(rows) < 2:
         raise ValueError(f"{len(rows)} steps: too few to fit a profile")
     weight = np.concatenate([np.full(len(r), 1.0 / r[:, col["seconds"]].mean()) for r in runs])
-    design = np.column_stack([np.ones(len(rows))] + [rows[:, col[t]] for t in TERMS])
+    design = design_matrix(rows)
     seconds = rows[:, col["seconds"]]
     weighted = design * weight[:, None]
     scale = np.linalg.norm(weighted, axis=0)

@@ -99,7 +99,7 @@ class StepCost:
         p = self.p
         total = out.total_num_scheduled_tokens
         t = (p.step_base_s + p.prefill_token_s * (total - decode) + p.decode_token_s * decode
-             + p.kv_token_read_s * kv_read)
+             + p.kv_token_read_s * kv_read + (p.eager_step_s if total > decode else 0.0))
         if out.adapters:
             t += self._lora_s(out, adapter_tokens)
         if self.moe_layers:

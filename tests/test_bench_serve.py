@@ -170,11 +170,12 @@ def test_fit_recovers_planted_coefficients_by_name():
         rows = np.zeros((300, len(serve.drv.COLUMNS)))
         for term in serve.drv.TERMS:
             rows[:, col[term]] = rng.integers(0, 50, len(rows))
-        coef = list(truth.values())
-        rows[:, col["seconds"]] = coef[0] + sum(c * rows[:, col[t]] for c, t in zip(coef[1:], serve.drv.TERMS))
+        rows[rng.random(len(rows)) < 0.3, col["prefill"]] = 0  # decode-only steps: no eager cost
+        rows[:, col["seconds"]] = serve_calib.design_matrix(rows) @ np.array(list(truth.values()))
         runs.append(rows)
     got, quality = serve_calib.fit_coefficients(runs)
     assert got.keys() == truth.keys() and got["load_s"] == pytest.approx(truth["load_s"], rel=1e-6)
+    assert got["eager_step_s"] == pytest.approx(truth["eager_step_s"], rel=1e-6)
     assert all(got[k] == pytest.approx(v, rel=1e-6) for k, v in truth.items()), got
     assert quality["total_ratio"] == pytest.approx(1.0)
 

@@ -221,6 +221,15 @@ def test_the_step_gap_comes_after_each_step_that_ran(tmp_path):
         CostProfile.from_dict({**HAND_PROFILE, "step_gap_s": -1.0})
 
 
+def test_an_eager_step_costs_its_launches_and_a_decode_step_does_not(tmp_path):
+    """``eager_step_s`` 5 ms: the prefill step (4 tokens) 0.010 + 0.004 + 0.005, the decode after it 0.012."""
+    trace = Trace(np.array([0.0]), np.full(1, -1, dtype=np.int32), np.full(1, 4, dtype=np.int32),
+                  np.full(1, 2, dtype=np.int32), np.zeros(1, dtype=np.int32), ["a0"], [8], ["t0"])
+    result = _hand_run(tmp_path, {"eager_step_s": 0.005}, trace)
+    assert result.first_token.tolist() == pytest.approx([0.019], abs=1e-12)
+    assert result.finish.tolist() == pytest.approx([0.031], abs=1e-12)
+
+
 def test_bad_read_workers(tmp_path):
     with pytest.raises(SimInputError, match="read_workers"):
         CostProfile.from_dict({**HAND_PROFILE, "read_workers": 0})
