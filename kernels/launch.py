@@ -57,7 +57,7 @@ _INT32, _INT64 = (-(1 << 31), (1 << 31) - 1), (-(1 << 63), (1 << 63) - 1)
 class _Kernel:
     """What a fast launch needs to know of one ``@triton.jit`` kernel, and its compiled entries."""
 
-    __slots__ = ("const", "defaults", "entries", "loose", "name_set", "names", "usable")
+    __slots__ = ("binders", "const", "defaults", "entries", "loose", "name_set", "names", "usable")
 
     def __init__(self, kernel: JITFunction) -> None:
         self.names = [p.name for p in kernel.params]  # every parameter, in order (constexprs too)
@@ -66,6 +66,7 @@ class _Kernel:
         self.loose = frozenset(p.num for p in kernel.params if p.do_not_specialize)
         self.const = frozenset(p.num for p in kernel.params if p.is_constexpr)
         self.entries: dict[tuple, object] = {}  # traits -> compiled kernel
+        self.binders: dict[tuple, object] = {}  # call shape -> `_binder` made for it (False: none could be)
         self.usable = True  # False: a compiled kernel lacked the launcher; always Triton's path
 
 
@@ -132,6 +133,54 @@ def bind(info: _Kernel, args: tuple, kwargs: dict) -> tuple[list, dict]:
     return bound, {k: v for k, v in kwargs.items() if k not in info.name_set}
 
 
+def _binder(info: _Kernel, args: tuple, kwargs: dict, bound: list):
+    """A function ``(args, kwargs) -> (traits, bound, options items)`` equal to `bind` and `traits` for calls
+    of this one's shape (positional count and keyword names) whose arguments have this call's kinds, and None
+    (the caller's cue for the general path) for one that does not: generated code, one expression per
+    parameter, without their loop.  False where a parameter's kind has no expression here."""
+    names, ns = info.names, {"Tensor": torch.Tensor, "int_trait": int_trait}
+    body = [f"    v{i} = args[{i}]" for i in range(len(args))]
+    guards, parts = [], []
+    for i, (name, value) in enumerate(zip(names, bound)):
+        if i >= len(args):
+            body.append(f"    v{i} = kwargs[{name!r}]" if name in kwargs else f"    v{i} = D{i}")
+            ns[f"D{i}"] = info.defaults.get(name)
+        cls = value.__class__
+        if isinstance(value, torch.Tensor):
+            guards.append(f"isinstance(v{i}, Tensor)")
+            parts.append(f"(v{i}.dtype, v{i}.data_ptr() & 15)")
+        elif cls in (int, float, bool):
+            guards.append(f"v{i}.__class__ is {cls.__name__}")
+            parts.append({int: f"int_trait(v{i}, True)" if i in info.loose else f"v{i}",
+                          float: f"v{i}" if i in info.const else "float", bool: f"(bool, v{i})"}[cls])
+        elif value is None or cls is str:
+            guards.append(f"v{i} is None" if value is None else f"v{i}.__class__ is str")
+            parts.append(f"v{i}")
+        else:  # a constexpr object, a dtype...: keyed by value by the general path
+            return False
+    items = "".join(f"({k!r}, kwargs[{k!r}]), " for k in kwargs if k not in info.name_set)
+    body += [f"    if not ({' and '.join(guards) or 'True'}):", "        return None",
+             f"    return ({''.join(p + ', ' for p in parts)}), [{', '.join(f'v{i}' for i in range(len(names)))}], "
+             f"({items})"]
+    exec("def binder(args, kwargs):\n" + "\n".join(body), ns)  # noqa: S102 - source built from names above
+    return ns["binder"]
+
+
+def _key(info: _Kernel, args: tuple, kwargs: dict) -> tuple[tuple, list, tuple]:
+    """``(traits, every parameter's value, launch options' items)`` of a call: by the binder made for its
+    shape at its first call, else `bind` and `traits` (TypeError if an argument is missing)."""
+    shape = (len(args), *kwargs)
+    binder = info.binders.get(shape)
+    if binder:
+        got = binder(args, kwargs)
+        if got is not None:
+            return got
+    bound, options = bind(info, args, kwargs)
+    if binder is None:
+        info.binders[shape] = _binder(info, args, kwargs, bound)
+    return traits(bound, info.loose, info.const), bound, tuple(options.items())
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` (``grid``: a tuple of one to three ints), with less host work."""
     if not (_ENABLED and kernel.__class__ is JITFunction and grid.__class__ is tuple and not _hooked()
@@ -146,9 +195,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if not info.usable:
         _triton(kernel, grid, args, kwargs)
         return
-    bound, options = bind(info, args, kwargs)
+    key_traits, bound, items = _key(info, args, kwargs)
     device = _current_device()
-    key = (device, traits(bound, info.loose, info.const), *options.items())
+    key = (device, key_traits, *items)
     try:
         compiled = info.entries.get(key)
     except TypeError:  # an argument that does not hash (a TMA descriptor): this launch takes Triton's path

@@ -54,6 +54,34 @@ def test_traits_are_finer_than_tritons_specialisation():
     assert L.int_trait(1 << 63, True) == "u64" and L.int_trait(1 << 31, False) == 1 << 31
 
 
+def test_the_binder_made_for_a_call_shape_keys_and_binds_as_bind_and_traits_do():
+    """Calls of one shape (positional count, keyword names) through the generated binder: the same traits,
+    values and options as the general path, whatever the values; a call whose kinds differ from the first
+    one's (a bool for an int, an int for a tensor) is left to the general path (None)."""
+    info = L._Kernel(JITFunction(_body, do_not_specialize=["n"]))
+    buf = torch.zeros(64, dtype=torch.float16)
+
+    def general(args, kwargs):
+        bound, options = L.bind(info, args, kwargs)
+        return L.traits(bound, info.loose, info.const), bound, tuple(options.items())
+
+    first = ((buf, buf, 7), {"stride": 4, "scale": 0.5, "FLAG": True, "num_warps": 8})
+    binder = L._binder(info, *first, L.bind(info, *first)[0])
+    calls = [first, ((buf[1:], buf.float(), 1 << 40), {"stride": 16, "scale": 2.0, "FLAG": False, "num_warps": 4}),
+             ((buf, buf, -3), {"stride": 0, "scale": 0.0, "FLAG": True, "num_warps": 8})]
+    for args, kwargs in calls:
+        assert binder(args, kwargs) == general(args, kwargs)
+    assert binder((buf, buf, True), first[1]) is None  # a bool where the first call had an int
+    assert binder((buf, 3, 7), first[1]) is None
+    with_str = ((buf, buf, 7, 4, 0.5, "tf32"), {"BLOCK": 32})
+    assert L._binder(info, *with_str, L.bind(info, *with_str)[0])(*with_str) == general(*with_str)
+    odd = ((buf, buf, 7, 4, 0.5, torch.float16), {})  # a kind with no expression: no binder
+    assert L._binder(info, *odd, L.bind(info, *odd)[0]) is False
+    # through `_key`: made at a shape's first call, then used
+    assert L._key(info, *calls[1]) == general(*calls[1]) and (3, "stride", "scale", "FLAG", "num_warps") in info.binders
+    assert L._key(info, *calls[2]) == general(*calls[2])
+
+
 class _Recorder:
     """Anything that is not a `JITFunction` (the interpreter's kernels): launched through ``[grid]``."""
 
