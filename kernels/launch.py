@@ -159,9 +159,9 @@ def _binder(info: _Kernel, args: tuple, kwargs: dict, bound: list):
         else:  # a constexpr object, a dtype...: keyed by value by the general path
             return False
     items = "".join(f"({k!r}, kwargs[{k!r}]), " for k in kwargs if k not in info.name_set)
+    values = ", ".join(f"v{i}" for i in range(len(names)))
     body += [f"    if not ({' and '.join(guards) or 'True'}):", "        return None",
-             f"    return ({''.join(p + ', ' for p in parts)}), [{', '.join(f'v{i}' for i in range(len(names)))}], "
-             f"({items})"]
+             f"    return ({''.join(p + ', ' for p in parts)}), [{values}], ({items})"]
     exec("def binder(args, kwargs):\n" + "\n".join(body), ns)  # noqa: S102 - source built from names above
     return ns["binder"]
 
