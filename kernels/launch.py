@@ -25,6 +25,12 @@ one entry never stands for two different compiled kernels:
 - keyword launch options (``num_warps``, ``num_stages``, ``launch_pdl``) and
   the current device.
 
+The traits and the bound arguments of a call come from a *binder* generated
+for its call shape (positional count and keyword names) at the shape's first
+call: one expression per parameter instead of a loop over them, guarded by
+the kinds of that first call's arguments (a call with other kinds takes the
+general `bind` and `traits`); half the host time of keying a launch.
+
 Triton's path is kept where this one cannot stand in for it: under the
 interpreter (``TRITON_INTERPRET=1``, no compiled kernels), when a launch hook
 or a kernel's pre-run hook is set (a profiler), for a callable grid, when
