@@ -321,7 +321,7 @@ class Simulation:
         sample_dt = self.config.sample_interval_s or max((arrival[-1] if n else 1.0) / 400, 1e-3)
         samples = {k: [] for k in ("t", "free", "kv", "cached_kv", "adapter", "running", "waiting")}
         w0, w1 = (0.1 * arrival[-1], 0.9 * arrival[-1]) if n else (0.0, 0.0)
-        loop = self.closed_loop
+        loop, released = self.closed_loop, n
         if loop is not None:  # the later requests' times are their releases, known as the run goes
             released = min(loop.first + loop.concurrency, n)
             arrival[released:] = [INF] * (n - released)
@@ -379,15 +379,12 @@ class Simulation:
             if loads.reads:
                 loads.poll(now)
             outputs = sched.update(StepResult(sampled, done))
-            arrived = 0
+            before = released
             if loop is not None and released < n:
-                before, released = released, self._release(outputs, arrival, released, now)
-                arrived = released - before
+                released = self._release(outputs, arrival, released, now)
             if out.req_ids and self.cost.p.step_gap_s:  # the serving loop's host time before the next step
                 gap_end = now + self.cost.p.step_gap_s
-                if gap_end > w0 and now < w1:  # in the system meanwhile: the live less the finished, plus releases
-                    staying = len(self.live) - sum(1 for o in outputs if o.finished) + arrived
-                    area += staying * (min(gap_end, w1) - max(now, w0))
+                area += self._gap_area(outputs, released - before, now, gap_end, w0, w1)
                 now = gap_end
             if now >= next_sample:
                 self._sample(samples, now)
@@ -403,6 +400,14 @@ class Simulation:
                          dataclasses.asdict(self.memory.adapters.stats), dataclasses.asdict(sched.stats),
                          dict(self.memory.reclaimer.evictions), samples,
                          {"window": (w0, w1), "area": area}, time.perf_counter() - wall)
+
+    def _gap_area(self, outputs: list, arrived: int, start: float, end: float, w0: float, w1: float) -> float:
+        """Request-seconds in the measurement window during a step gap: the live requests less those that
+        finished in the step, plus the closed loop's releases (they arrived at its end)."""
+        if end <= w0 or start >= w1:
+            return 0.0
+        staying = len(self.live) - sum(1 for o in outputs if o.finished) + arrived
+        return staying * (min(end, w1) - max(start, w0))
 
     def _release(self, outputs: list, arrival: list[float], released: int, now: float) -> int:
         """Closed loop: one more request arrives at ``now`` for each of the loop's requests that finished."""
