@@ -148,9 +148,11 @@ def _binder(info: _Kernel, args: tuple, kwargs: dict, bound: list):
     body = [f"    v{i} = args[{i}]" for i in range(len(args))]
     guards, parts = [], []
     for i, (name, value) in enumerate(zip(names, bound)):
-        if i >= len(args):
-            body.append(f"    v{i} = kwargs[{name!r}]" if name in kwargs else f"    v{i} = D{i}")
-            ns[f"D{i}"] = info.defaults.get(name)
+        if i >= len(args) and name in kwargs:
+            body.append(f"    v{i} = kwargs[{name!r}]")
+        elif i >= len(args):  # a default: bound into the function
+            body.append(f"    v{i} = D{i}")
+            ns[f"D{i}"] = info.defaults[name]
         cls = value.__class__
         if isinstance(value, torch.Tensor):
             guards.append(f"isinstance(v{i}, Tensor)")
