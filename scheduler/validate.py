@@ -28,6 +28,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _token_ids_ok(ids) -> bool:
+    """Every id an integer >= 0.  Plain ints (the usual case) are checked by C-level passes
+    (a 1K-token prompt in ~20 us, not ~300 us of a per-token Python test)."""
+    if set(map(type, ids)) == {int}:
+        return min(ids) >= 0
+    return all(_is_int(t) and t >= 0 for t in ids)
+
+
 def validate_request(sched: "Scheduler", req: Request) -> None:
     """Raise a `RequestError` (or `UnknownAdapterError`) naming the first problem with ``req``."""
     if not isinstance(req, Request):
@@ -44,7 +52,7 @@ def validate_request(sched: "Scheduler", req: Request) -> None:
     prompt = req.prompt_token_ids
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise RequestError(f"request {rid!r}: prompt_token_ids must be a non-empty list of token ids")
-    if not all(_is_int(t) and t >= 0 for t in prompt):
+    if not _token_ids_ok(prompt):
         raise RequestError(f"request {rid!r}: prompt_token_ids must hold integers >= 0")
     limit = sched.config.max_model_len
     if len(prompt) >= limit:

@@ -244,6 +244,8 @@ BAD = [
     (lambda: req("dup"), DuplicateRequestError, "'dup' is already live"),
     (lambda: Request("x", []), RequestError, "non-empty list"),
     (lambda: Request("x", [1, -2]), RequestError, "integers >= 0"),
+    (lambda: Request("x", [1, True]), RequestError, "integers >= 0"),
+    (lambda: Request("x", [1, 2.0]), RequestError, "integers >= 0"),
     (lambda: Request("", [1]), RequestError, "request_id"),
     (lambda: req("x", stop_token_ids=("eos",)), RequestError, "stop_token_ids"),
     (lambda: req("x", n=40, max_tokens=20), RequestTooLargeError, "needs 15 pages .* the pool has 12"),
