@@ -189,16 +189,21 @@ def _align_kernel(
                        num_pairs, top_k, num_experts, LORA)
 
 
-# Large TK: the same phases over three launches, one program per chunk for the atomics
-# (each chunk counts and scatters through its own row of the [chunks, G_PAD] scratch).
+# Large TK: the same phases over three launches, one program per chunk for the atomics and the
+# padding fill (each chunk counts and scatters through its own row of the [chunks, G_PAD] scratch).
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, counts_ptr, num_pairs, top_k, num_experts,
-                        LORA: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_pairs", "fill_total", "fill_per"])
+def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, counts_ptr, sorted_ptr, num_pairs, fill_total, fill_per,
+                        top_k, num_experts, LORA: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr):
     chunk = tl.program_id(0)
     row = counts_ptr + chunk * G_PAD
     tl.store(row + tl.arange(0, G_PAD), tl.zeros([G_PAD], tl.int32))
+    first = chunk * fill_per  # this chunk's share of the padding fill (the scatter overwrites the pairs' entries)
+    last = tl.minimum(first + fill_per, fill_total)
+    for start in range(first, last, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=offs < last)
     tl.debug_barrier()
     group, valid = _pair_groups(chunk * CHUNK + tl.arange(0, CHUNK), topk_ids_ptr, slots_ptr, flags_ptr,
                                 num_pairs, top_k, num_experts, LORA)
@@ -214,10 +219,9 @@ def _chunk_rows(counts_ptr, c0, num_chunks, CB: tl.constexpr, G_PAD: tl.constexp
     return tl.load(counts_ptr + offs, mask=ok, other=0), offs, ok
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "num_chunks"])
-def _align_plan_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_group_ptr, num_blocks_ptr,
-                       num_pairs, max_blocks, num_chunks, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-                       CHUNK: tl.constexpr, CB: tl.constexpr):
+@triton.jit(do_not_specialize=["max_blocks", "num_chunks"])
+def _align_plan_kernel(counts_ptr, cursor_ptr, block_group_ptr, num_blocks_ptr, max_blocks, num_chunks,
+                       BLOCK_M: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
     # CB chunks' counts at a time: a few loads in flight, not one dependent loop step per chunk
     totals = tl.zeros([G_PAD], tl.int32)
     for c0 in range(0, num_chunks, CB):
@@ -229,7 +233,6 @@ def _align_plan_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_group_ptr, num_
         block, offs, ok = _chunk_rows(counts_ptr, c0, num_chunks, CB, G_PAD)
         tl.store(cursor_ptr + offs, running[None, :] + tl.cumsum(block, 0) - block, mask=ok)
         running += tl.sum(block, 0)
-    _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M, CHUNK)  # the scatter launch fills it after
     _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M, G_PAD, CHUNK)
 
 
@@ -272,10 +275,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         return out
     chunks = cdiv(num_pairs, chunk)
     counts, cursor = torch.empty(2, chunks, g_pad, dtype=torch.int32, device=device)
-    launch(_align_count_kernel, (chunks,), *routing, counts, num_pairs, top_k, num_experts, LORA=lora, **shapes,
-           num_warps=4)
-    launch(_align_plan_kernel, (1,), counts, cursor, out.sorted_pairs, out.block_group, out.num_blocks, num_pairs,
-           blocks, chunks, **tiles, CB=_plan_rows(g_pad), num_warps=8)
+    fill_total = blocks * block_m
+    launch(_align_count_kernel, (chunks,), *routing, counts, out.sorted_pairs, num_pairs, fill_total,
+           cdiv(fill_total, chunks), top_k, num_experts, LORA=lora, **shapes, num_warps=4)
+    launch(_align_plan_kernel, (1,), counts, cursor, out.block_group, out.num_blocks, blocks, chunks, **tiles,
+           CB=_plan_rows(g_pad), num_warps=8)
     launch(_align_scatter_kernel, (chunks,), *routing, cursor, out.sorted_pairs, num_pairs, top_k, num_experts,
            LORA=lora, **shapes, num_warps=4)
     return out
