@@ -3,6 +3,7 @@
     python benchmarks/kernels_moe.py [--out FILE]            # the benchmark (JSON lines)
     python benchmarks/kernels_moe.py --tune [--tokens 1 256]  # tune launch configs, write
                                                              # kernels/configs/moe_<device>.json
+    python benchmarks/kernels_moe.py --align                 # the alignment alone (base, 8 and 16 slots)
 
 Shapes: a GPT-OSS-20B layer (H 2880, I 2880, 32 experts, top-4, rank 32) and a
 Qwen3-30B-A3B layer (H 2048, I 768, 128 experts, top-8, rank 16), bf16, 8 adapters
@@ -50,7 +51,7 @@ from unipage.config import ModelConfig  # noqa: E402
 from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, route_topk  # noqa: E402
 from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
                                             moe_lora_gate_up, moe_lora_meta, plan_moe_lora)
-from unipage.kernels.moe_align import CONFIG_DIR, device_key, shape_key  # noqa: E402
+from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
 from unipage.lora_layout import TargetSpec, build_layout  # noqa: E402
 
 log = logging.getLogger("kernels_moe")
@@ -212,6 +213,44 @@ def _emit(record: dict, out, bandwidth: float | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Alignment alone: the routing-side work every MoE call (base) and every LoRA plan pays
+
+ALIGN_SLOTS = (0, 8, 16)  # 0: the base MoE's alignment by expert; else by (slot, expert), tokens round-robin
+
+
+def align_row(name: str, num_tokens: int, slots: int) -> dict:
+    """`moe_align` timed alone at ``name``'s shape with the tuned tile height of its kind."""
+    shape = SHAPES[name]
+    e, k = shape["experts"], shape["top_k"]
+    logits = torch.randn(num_tokens, e, device=DEVICE)
+    _, topk_ids = route_topk(logits, k, True)
+    extra = {}
+    if slots:
+        block_m = launch_config("lora", shape_key(shape["hidden"], shape["inter"], e, k),
+                                expected_load(topk_ids.numel(), min(num_tokens, slots) * e), device_key())["block_m"]
+        extra = {"token_slots": (torch.arange(num_tokens, device=DEVICE) % slots).int(),
+                 "slot_flags": torch.ones(slots, dtype=torch.int32, device=DEVICE)}
+    else:
+        block_m = base_config(e, shape["hidden"], shape["inter"], topk_ids, None)["block_m"]
+    seconds = time_graph(lambda: moe_align(topk_ids, e, max(block_m, 1), **extra), iters=50)
+    return {"row": "align", "shape": name, "tokens": num_tokens, "slots": slots, "block_m": block_m,
+            "align_us": round(seconds * 1e6, 2)}
+
+
+def run_align(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
+    """One row per shape, token count and `ALIGN_SLOTS` entry (LoRA rows in pair mode, block_m 1, are skipped:
+    that mode has no alignment)."""
+    rows = []
+    for name in shapes:
+        for num_tokens in tokens:
+            for slots in ALIGN_SLOTS:
+                record = align_row(name, num_tokens, slots)
+                if record["block_m"] > 1:
+                    rows.append(_emit(record, out))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # Tuning: coordinate descent over launch-config fields, per shape and token count
 
 BASE_SPACE = [("block_m", [16, 32, 64, 128])] + [
@@ -314,6 +353,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="append JSON lines to this file (default: stdout)")
     parser.add_argument("--tune", action="store_true", help="tune launch configs instead of benchmarking")
+    parser.add_argument("--align", action="store_true", help="time the token-to-group alignment alone")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS),
                         help="token counts; with --tune the tuned stages' entries for a shape are replaced by "
@@ -325,6 +365,9 @@ def main() -> None:
     start = time.time()
     if args.tune:
         log.info("wrote %s", tune(args.shapes, args.tokens, args.stages))
+    elif args.align:
+        with open(args.out, "a") if args.out else open(sys.stdout.fileno(), "w", closefd=False) as out:
+            run_align(out, args.shapes, args.tokens)
     else:
         with open(args.out, "a") if args.out else open(sys.stdout.fileno(), "w", closefd=False) as out:
             run(out, args.shapes, args.tokens)
