@@ -106,7 +106,7 @@ def _groups_of(align: Alignment) -> dict:
     return real
 
 
-@pytest.mark.parametrize("launches", ["one", "three", "many"])
+@pytest.mark.parametrize("launches", ["one", "three", "many", "lanes", "auto"])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 @pytest.mark.parametrize("num_tokens", TOKENS + (300,))
@@ -117,8 +117,10 @@ def test_align_matches_reference(num_tokens, block_m, lora, launches):
     if lora:
         extra = {"token_slots": torch.randint(-1, 3, (num_tokens,), generator=g, dtype=torch.int32),
                  "slot_flags": torch.tensor([1, 0, 1], dtype=torch.int32)}
-    split = {"one": {}, "three": {"chunk": 64, "one_program_max": 0},  # 300 tokens: 10 chunks
-             "many": {"chunk": 16, "one_program_max": 0}}[launches]  # more chunks than the plan loads at once
+    split = {"one": {"one_program_max": 1 << 30}, "three": {"chunk": 64, "one_program_max": 0},  # 300 tokens: 10 chunks
+             "many": {"chunk": 16, "one_program_max": 0},  # more chunks than the plan loads at once
+             "lanes": {"chunk": 256, "one_program_max": 0},  # 300 tokens: 256 of a program's 1024 lanes used
+             "auto": {}}[launches]
     got, want = moe_align(ids, E, block_m, **extra, **split), moe_align_ref(ids, E, block_m, **extra)
     groups = _groups_of(want)
     assert _groups_of(got) == groups
@@ -286,3 +288,20 @@ def test_gpu_compiles_once_across_token_counts():
         fused_moe(x, logits, w_gate_up, w_down, top_k, True, config=config)
         sizes.append(len(_moe_gemm_kernel.device_caches[torch.cuda.current_device()][0]))
     assert sizes[-1] == sizes[0]  # the first call compiled gate/up and down; no length recompiles
+
+
+@pytest.mark.gpu
+def test_gpu_align_compiles_once_across_chunk_sizes():
+    from unipage.kernels.moe_align import _align_count_kernel, _align_scatter_kernel
+
+    def cached():
+        return [len(k.device_caches[torch.cuda.current_device()][0]) for k in (_align_count_kernel, _align_scatter_kernel)]
+
+    sizes = []
+    for num_tokens in (600, 1000, 1500, 3000, 4096):  # top-8: 4800-32768 pairs, 256-1024 per program
+        g = torch.Generator().manual_seed(num_tokens)
+        ids = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(num_tokens)]).int().cuda()
+        got, want = moe_align(ids, 128, 64), moe_align_ref(ids, 128, 64)
+        assert torch.equal(got.num_blocks, want.num_blocks) and torch.equal(got.block_group, want.block_group)
+        sizes.append(cached())
+    assert sizes[-1] == sizes[0]  # the pairs per program are a runtime value: no new compile per size
