@@ -264,12 +264,15 @@ VEC = 1024  # lanes of a three-launch program: its chunk (<= VEC pairs) is a run
 def _launch_split(num_pairs: int, g_pad: int, chunk: int | None, one_program_max: int | None) -> tuple[bool, int]:
     """``(one program?, pairs per program)``.  The one program walks every pair and every group
     serially; three launches cost about 9 us whatever the size.  Measured on an H100 (E 128 / 32,
-    16-1024 tokens, 0, 8 or 16 LoRA slots): one program wins while pairs + groups <= 2560 (2048
-    base pairs: 9.5 against 11.3 us; 512 pairs, 2048 groups: 8.3 against 11.0; 2048 pairs, 1024
-    groups: 13.1 against 10.9), and 16 programs are about best (4096 pairs: 256 each 11.8 us, 1024
-    each 12.8 us)."""
+    16-1024 tokens, 0, 8 or 16 LoRA slots): one program wins while pairs + ``g_pad`` (the groups
+    padded to a power of two) <= 2560 (2048 base pairs: 9.5 against 11.3 us; 512 pairs, 2048
+    groups: 8.3 against 11.0; 2048 pairs, 1024 groups: 13.1 against 10.9), and about 16 programs
+    are best (4096 pairs: 256 each 11.8 us, 1024 each 12.8 us); a program takes 256 to 1024 pairs,
+    so past 16K pairs there are more."""
+    if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
     if one_program_max is None:
-        one = num_pairs + g_pad <= ONE_PROGRAM_WORK
+        one = num_pairs == 0 or num_pairs + g_pad <= ONE_PROGRAM_WORK
     else:
         one = num_pairs <= one_program_max
     if chunk is None:
@@ -286,8 +289,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     ``token_slots`` [T] int32     adapter slot of each token, -1 = none (LoRA grouping only).
     ``slot_flags``  [S] int32     non-zero where the slot has expert LoRA in this layer.
     Without ``token_slots`` the group is the expert; with it, ``slot·E + expert``.
-    Up to ``one_program_max`` pairs run as one launch (``chunk``, a power of two, at a time); more
-    as three launches with one program per ``chunk`` pairs.  Both default to `_launch_split`.
+    One launch walks the pairs ``chunk`` (a power of two) at a time; three launches run one program
+    per ``chunk`` pairs.  ``one_program_max`` pairs at most take one launch; by default
+    `_launch_split` chooses both (one launch while pairs + padded groups <= `ONE_PROGRAM_WORK`).
     """
     _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags)
     num_pairs, top_k, device = topk_ids.numel(), topk_ids.shape[1], topk_ids.device

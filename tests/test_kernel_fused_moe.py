@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from unipage.kernels.fused_moe import (fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
                                        moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
-from unipage.kernels.moe_align import Alignment, launch_config, moe_align, moe_align_ref
+from unipage.kernels.moe_align import Alignment, _launch_split, launch_config, moe_align, moe_align_ref
 
 H, I, E, K = 64, 32, 8, 2
 TOKENS = (1, 7, 40)
@@ -131,6 +131,25 @@ def test_align_matches_reference(num_tokens, block_m, lora, launches):
         if not lora or (slot >= 0 and int(extra["slot_flags"][slot])):
             expected.setdefault(slot * E + e if lora else e, []).append(p)
     assert groups == expected
+
+
+def test_align_defaults_to_three_launches_for_many_pairs():
+    num_tokens = 1300  # 2600 pairs + 8 groups > ONE_PROGRAM_WORK: three launches, 256 pairs per program
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(num_tokens)]).int()
+    assert _launch_split(ids.numel(), E, None, None) == (False, 256)
+    got, want = moe_align(ids, E, 16), moe_align_ref(ids, E, 16)
+    assert torch.equal(got.num_blocks, want.num_blocks) and torch.equal(got.block_group, want.block_group)
+    assert _groups_of(got) == _groups_of(want)
+
+
+def test_align_of_no_pairs_and_bad_chunks():
+    ids = torch.zeros(0, K, dtype=torch.int32)
+    slots = {"token_slots": torch.zeros(0, dtype=torch.int32), "slot_flags": torch.ones(400, dtype=torch.int32)}
+    got = moe_align(ids, E, 16, **slots)  # 3200 groups: more than one program's share, but nothing to align
+    assert int(got.num_blocks) == 0 and (got.block_group == -1).all()
+    with pytest.raises(ValueError, match="power of two"):
+        moe_align(torch.zeros(3, K, dtype=torch.int32), E, 16, chunk=300)
 
 
 def test_align_rejects_bad_arguments():
@@ -298,7 +317,7 @@ def test_gpu_align_compiles_once_across_chunk_sizes():
         return [len(k.device_caches[torch.cuda.current_device()][0]) for k in (_align_count_kernel, _align_scatter_kernel)]
 
     sizes = []
-    for num_tokens in (600, 1000, 1500, 3000, 4096):  # top-8: 4800-32768 pairs, 256-1024 per program
+    for num_tokens in (350, 600, 1000, 3000, 4096):  # top-8: 2800-32768 pairs, three launches of 256-1024
         g = torch.Generator().manual_seed(num_tokens)
         ids = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(num_tokens)]).int().cuda()
         got, want = moe_align(ids, 128, 64), moe_align_ref(ids, 128, 64)
