@@ -218,8 +218,9 @@ def _emit(record: dict, out, bandwidth: float | None = None) -> dict:
 ALIGN_SLOTS = (0, 8, 16)  # 0: the base MoE's alignment by expert; else by (slot, expert), tokens round-robin
 
 
-def align_row(name: str, num_tokens: int, slots: int) -> dict:
-    """`moe_align` timed alone at ``name``'s shape with the tuned tile height of its kind."""
+def align_row(name: str, num_tokens: int, slots: int) -> dict | None:
+    """`moe_align` timed alone at ``name``'s shape with the tuned tile height of its kind; None where that
+    is LoRA pair mode (block_m 1), which has no alignment."""
     shape = SHAPES[name]
     e, k = shape["experts"], shape["top_k"]
     logits = torch.randn(num_tokens, e, device=DEVICE)
@@ -232,20 +233,21 @@ def align_row(name: str, num_tokens: int, slots: int) -> dict:
                  "slot_flags": torch.ones(slots, dtype=torch.int32, device=DEVICE)}
     else:
         block_m = base_config(e, shape["hidden"], shape["inter"], topk_ids, None)["block_m"]
-    seconds = time_graph(lambda: moe_align(topk_ids, e, max(block_m, 1), **extra), iters=50)
+    if block_m <= 1:
+        return None
+    seconds = time_graph(lambda: moe_align(topk_ids, e, block_m, **extra), iters=50)
     return {"row": "align", "shape": name, "tokens": num_tokens, "slots": slots, "block_m": block_m,
             "align_us": round(seconds * 1e6, 2)}
 
 
 def run_align(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
-    """One row per shape, token count and `ALIGN_SLOTS` entry (LoRA rows in pair mode, block_m 1, are skipped:
-    that mode has no alignment)."""
+    """One row per shape, token count and `ALIGN_SLOTS` entry (LoRA pair mode, no alignment, has none)."""
     rows = []
     for name in shapes:
         for num_tokens in tokens:
             for slots in ALIGN_SLOTS:
                 record = align_row(name, num_tokens, slots)
-                if record["block_m"] > 1:
+                if record is not None:
                     rows.append(_emit(record, out))
     return rows
 

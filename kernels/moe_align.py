@@ -207,9 +207,9 @@ def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, counts_ptr, sorted_p
     chunk = tl.program_id(0)
     row = counts_ptr + chunk * G_PAD
     tl.store(row + tl.arange(0, G_PAD), tl.zeros([G_PAD], tl.int32))
-    first = chunk * fill_per  # this chunk's share of the padding fill (the scatter overwrites the pairs' entries)
-    last = tl.minimum(first + fill_per, fill_total)
-    for start in range(first, last, VEC):
+    fill_first = chunk * fill_per  # this chunk's share of the padding fill (the scatter overwrites the pairs' entries)
+    last = tl.minimum(fill_first + fill_per, fill_total)
+    for start in range(fill_first, last, VEC):
         offs = start + tl.arange(0, VEC)
         tl.store(sorted_ptr + offs, tl.zeros([VEC], tl.int32) + num_pairs, mask=offs < last)
     tl.debug_barrier()
