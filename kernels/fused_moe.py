@@ -459,22 +459,22 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
     if lora is not None and lora.activation != activation:
         lora = dataclasses.replace(lora, activation=activation)
     plan = ops.plan(lora, topk_ids, lora_config) if lora is not None and lora.meta.any_lora else None
-    fused = ops.fused and lora_fused.uses_fused(plan)
-    if plan is None or fused:
-        if fused:
+    mode = lora_fused.fused_mode(plan) if ops.fused else ""
+    if plan is None or mode == "all":
+        if mode:
             lora_ops.moe_lora_shrink(plan, x)
         ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation,
-                    lora_plan=plan if fused else None)
-        if fused and not lora_fused.down_shrink_in_epilogue(plan):
+                    lora_plan=plan if mode else None)
+        if mode and not lora_fused.down_shrink_in_epilogue(plan):
             lora_ops.moe_lora_down_shrink(plan, act)
-    else:
+    else:  # the separate gate/up pass (it also leaves down_z for a fused down)
         raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
         ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
                     bias=gate_up_bias, activation=activation)
         ops.lora_gate_up(plan, x, raw, act)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias, lora_plan=plan if fused else None)
-    if plan is not None and not fused:
+    ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias, lora_plan=plan if mode else None)
+    if plan is not None and not mode:
         ops.lora_down(plan, act, y, topk_weights)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 

@@ -303,9 +303,21 @@ def down_delta(acc, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_pt
 # Launch arguments
 
 
-def uses_fused(plan) -> bool:
-    """Whether the plan's launch config takes the fused path (config key ``"fused"``)."""
-    return plan is not None and bool(plan.config.get("fused"))
+FUSED_MODES = {False: "", True: "all", "down": "down"}
+
+
+def fused_mode(plan) -> str:
+    """Which base GEMMs take the plan's LoRA deltas (config key ``"fused"``): ``""`` (false, the
+    default: none, the separate pass `fused_moe_lora`), ``"all"`` (true: both GEMMs) or ``"down"``
+    (``"down"``: the gate/up side runs the separate pass, which leaves ``down_z``; only the down
+    delta is extra K steps of the base down GEMM, so the separate pass's read-modify-write of ``y``
+    is gone)."""
+    if plan is None:
+        return ""
+    value = plan.config.get("fused", False)
+    if type(value) not in (bool, str) or value not in FUSED_MODES:
+        raise ValueError(f'lora config "fused" must be false, true or "down", got {value!r}')
+    return FUSED_MODES[value]
 
 
 def down_shrink_in_epilogue(plan) -> bool:

@@ -172,13 +172,54 @@ def test_raw_and_lora_plan_exclude_each_other():
                     lt.BASE_CONFIG, lora_plan=plan)
 
 
-def test_uses_fused_follows_the_config():
+def test_fused_mode_follows_the_config():
     c = lt._case(3, torch.float32, "uniform")
-    assert moe_lora_fused.uses_fused(plan_moe_lora(c["lora"], c["topk_ids"], FUSED_GROUP))
-    assert not moe_lora_fused.uses_fused(plan_moe_lora(c["lora"], c["topk_ids"], lt.GROUP))
-    assert not moe_lora_fused.uses_fused(None)
+
+    def mode(**extra):
+        return moe_lora_fused.fused_mode(plan_moe_lora(c["lora"], c["topk_ids"], {**lt.GROUP, **extra}))
+
+    assert mode(fused=True) == "all" and mode(fused="down") == "down"
+    assert mode() == "" and mode(fused=False) == "" and moe_lora_fused.fused_mode(None) == ""
+    for bad in ("gate_up", 1, None):
+        with pytest.raises(ValueError, match='"fused"'):
+            mode(fused=bad)
     plan = plan_moe_lora(c["lora"], c["topk_ids"], {**lt.GROUP, "fused": True})
     assert not moe_lora_fused.down_shrink_in_epilogue(plan)  # the default: a pass between the GEMMs
+
+
+def _fused_down(config: dict, lora_k: int = 64, steps: int = 2) -> dict:
+    return {**config, "fused": "down", "lora_k": lora_k, "lora_steps": steps}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mode, mix, num_tokens", [("pair", "uniform", 1), ("pair", "zipf", 7),
+                                                   ("group", "distinct", 40), ("group", "none", 7)])
+def test_fused_down_only(mode, mix, num_tokens, dtype):
+    """``"fused": "down"``: the separate gate/up pass leaves ``down_z``, the base down GEMM adds the delta."""
+    c = lt._case(num_tokens, dtype, mix, seed=20 + num_tokens)
+    config = _fused_down(lt.PAIR if mode == "pair" else lt.GROUP)
+    lt._close(lt._run(fused_experts, c, config), lt._run(fused_experts_ref, c, lt.GROUP), dtype)
+
+
+@pytest.mark.parametrize("lora_k, steps", [(16, 0), (32, 1), (128, 3)])
+def test_fused_down_slots_per_step_and_sparse_slots(lora_k, steps):
+    slots = [("fused", 8)] + [None] * 9 + [("split", 4)] + [None] * 9 + [("up_only", 8), ("fused", 16)]
+    c = lt._case(40, torch.float32, "distinct", seed=16, slots=slots, hidden=96)
+    lt._close(lt._run(fused_experts, c, _fused_down(lt._lora_config(16, split_k=2), lora_k, steps)),
+              lt._loop_moe(c, torch.float32), torch.float32)
+
+
+def test_fused_down_skips_only_the_separate_down(monkeypatch):
+    fused_moe = importlib.import_module("unipage.kernels.fused_moe")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("separate down called")
+
+    monkeypatch.setattr(fused_moe._TRITON, "lora_down", fail)
+    c = lt._case(7, torch.float32, "uniform", seed=4)
+    lt._run(fused_experts, c, _fused_down(lt.GROUP))
+    with pytest.raises(AssertionError, match="separate down"):
+        lt._run(fused_experts, c, lt.GROUP)
 
 
 # --- GPU: real layers in bf16 ---------------------------------------------------------------------
@@ -191,13 +232,14 @@ def test_gpu_fused_bf16(shape, num_tokens):
     from unipage.kernels.fused_moe_lora import MoeLora, lora_config
 
     x, w_gate_up, w_down, topk_weights, topk_ids, lora = lt._gpu_case(shape, num_tokens)
-    config = {**lora_config(lora, topk_ids), "fused": True}
-    got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
     lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
     want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
     base = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids)
     assert ((want - base).norm() / base.norm()).item() > 0.1
-    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+    for mode in (True, "down"):
+        config = {**lora_config(lora, topk_ids), "fused": mode}
+        got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
+        assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2, mode
 
 
 @pytest.mark.gpu
