@@ -255,6 +255,18 @@ def test_pair_mode_splits_of_several_runs(hidden, split_k):
     _close(_run(fused_experts, c, _lora_config(1, split_k=split_k)), _loop_moe(c, torch.float32), torch.float32)
 
 
+@pytest.mark.parametrize("hidden, split_k", [(320, 1), (200, 2), (64, 1)])
+@pytest.mark.parametrize("mix", ["zipf", "distinct"])
+def test_group_shrink_whole_split(hidden, split_k, mix):
+    """``"shrink": {"whole_k": true}``: a group tile loads its whole K split at once (one dot), ragged last
+    split included; ``"maxnreg"`` caps a stage's registers (a launch option the interpreter ignores)."""
+    c = _case(40, torch.float32, mix, seed=9, hidden=hidden)
+    config = _lora_config(16, split_k=split_k)
+    config = {**config, "shrink": {**config["shrink"], "whole_k": True},
+              "gate_up": {**config["gate_up"], "maxnreg": 128}}
+    _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
+
+
 def test_without_lora_tokens_or_layers_equals_base():
     c = _case(7, torch.float32, "none")
     base = fused_experts(c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"], None, BASE_CONFIG)
