@@ -261,7 +261,8 @@ BASE_SPACE = [("block_m", [16, 32, 64, 128])] + [
         ("num_stages", [2, 3, 4, 5]), ("group_m", [1, 8, 16]), ("tma", [False, True]))]
 LORA_SPACE = [("block_m", [1, 16, 32, 64]), ("split_k", [1, 2, 4, 8, 16]), ("shrink.num_warps", [4, 8]),
               ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256]),
-              ("gate_up.num_warps", [4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("down.block_n", [64, 128, 256, 512]),
+              ("gate_up.num_warps", [4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("gate_up.maxnreg", [0, 128]),
+              ("down.block_n", [64, 128, 256, 512]),
               ("down.num_warps", [4, 8]), ("down.num_stages", [1, 2, 3]), ("pdl", [False, True])]
 
 

@@ -354,7 +354,7 @@ def _shrink_kernel(
     R_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     K_TILE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PAGE_SHIFT: tl.constexpr,
     EVEN_K: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    DOWN: tl.constexpr = False, WHOLE_K: tl.constexpr = False,
+    DOWN: tl.constexpr = False,
 ):
     # DOWN (the fused path's down shrink, `moe_lora_down_shrink`): x is act [TK, I] (row = pair),
     # hidden is I, z is down_z [TK, RD_PAD] (SPLIT_K 1), A is down A; down_z is not zeroed.
@@ -391,14 +391,6 @@ def _shrink_kernel(
     if BLOCK_M == 1:  # the whole split at once: one page lookup per 64-run, then one load
         a = load_runs(pool_ptr, pt, a_virt + split * K_PER_SPLIT, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
         acc = _mm(x_run, tl.trans(a), True, DOT_PRECISION)
-    elif WHOLE_K:  # the tile's split at once too: every load issued together, one dot
-        k_left = tl.minimum(K_PER_SPLIT, hidden - split * K_PER_SPLIT)
-        offs_kt = split * K_PER_SPLIT + tl.arange(0, K_TILE)
-        x_rows = tl.where(pair_ok, pairs if DOWN else pairs // top_k, 0).to(tl.int64)
-        x = tl.load(x_ptr + x_rows[:, None] * stride_x + offs_kt[None, :],
-                    mask=pair_ok[:, None] & (tl.arange(0, K_TILE) < k_left)[None, :], other=0.0)
-        a = load_runs(pool_ptr, pt, a_virt + split * K_PER_SPLIT, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
-        acc = _mm(x, tl.trans(a), False, DOT_PRECISION)
     else:
         x_rows = tl.where(pair_ok, pairs if DOWN else pairs // top_k, 0).to(tl.int64)
         acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
@@ -617,7 +609,7 @@ def moe_lora_shrink(plan: MoeLoraPlan, x: torch.Tensor) -> None:
         K_TILE=next_pow2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
         PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=_use_pdl(plan),
-        WHOLE_K=bool(cfg["shrink"].get("whole_k")), **_launch_opts(cfg["shrink"]))
+        **_launch_opts(cfg["shrink"]))
 
 
 def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
