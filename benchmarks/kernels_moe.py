@@ -20,9 +20,11 @@ adapters, random routing.  Per row:
   the LoRA cost as the engine sees it).
 - ``lora_path``: what the tuned "lora" config picks.  "separate": ``lora_us`` times the
   LoRA kernels alone (above).  "fused" (config ``"fused": true``, `moe_lora_fused`: the
-  deltas are extra K steps of the base GEMMs, so they cannot be timed alone): ``lora_us`` =
-  ``moe_lora_us - base_us``, i.e. the plan, the shrink and the GEMMs' extra work.  Both
-  paths are timed in every row (``lora_separate_us``, ``lora_fused_us``, ``moe_lora_*_us``).
+  deltas are extra K steps of the base GEMMs, so they cannot be timed alone) and
+  "fused_down" (``"fused": "down"``: only the down delta so): ``lora_us`` =
+  ``moe_lora_us - base_us``, i.e. the plan, the LoRA kernels and the GEMMs' extra work.
+  Every path is timed in every row (``lora_separate_us``, ``lora_fused_us``,
+  ``lora_fused_down_us``, ``moe_lora_<path>_us``).
 Targets: LoRA <= 15 us at 1 token, <= 3 x floor + 10 us from 16 to 256 tokens,
 <= 0.30 x base everywhere.  One failing row is recorded with its error and the run
 goes on.
@@ -140,29 +142,31 @@ def floor_bytes(s: dict, b: dict) -> int:
     return (groups * weight_elems + act_elems) * b["x"].element_size()
 
 
+PATHS = {False: "separate", True: "fused", "down": "fused_down"}  # lora config "fused" -> the path's name
+
+
 def measure(s: dict, num_tokens: int, bandwidth: float) -> dict:
     b = batch(s, num_tokens)
     k, e = s["top_k"], s["experts"]
     args = (b["x"], b["logits"], s["w_gate_up"], s["w_down"], k, True)
     cfg = lora_config(b["lora"], b["topk_ids"])
-    separate, fused = {**cfg, "fused": False}, {**cfg, "fused": True}
     base_s = time_graph(lambda: fused_moe(*args), iters=20)
-    sep_s = time_graph(lambda: lora_step(s, b, separate), iters=20)
-    moe_sep_s = time_graph(lambda: fused_moe(*args, lora=b["lora"], lora_config=separate), iters=20)
-    moe_fused_s = time_graph(lambda: fused_moe(*args, lora=b["lora"], lora_config=fused), iters=20)
-    fused_s = moe_fused_s - base_s
-    lora_s = fused_s if cfg.get("fused") else sep_s
+    sep_s = time_graph(lambda: lora_step(s, b, {**cfg, "fused": False}), iters=20)
+    moe_s = {name: time_graph(functools.partial(fused_moe, *args, lora=b["lora"], lora_config={**cfg, "fused": mode}),
+                              iters=20) for mode, name in PATHS.items()}
+    path = PATHS[cfg.get("fused", False)]
+    lora_s = sep_s if path == "separate" else moe_s[path] - base_s
     floor_s = floor_bytes(s, b) / bandwidth
     flops = 6 * num_tokens * k * s["hidden"] * s["inter"]
     lora_us, base_us = lora_s * 1e6, base_s * 1e6
     return {
-        "base_us": round(base_us, 2), "base_tflops": round(flops / base_s / 1e12, 1),
-        "lora_path": "fused" if cfg.get("fused") else "separate",
+        "base_us": round(base_us, 2), "base_tflops": round(flops / base_s / 1e12, 1), "lora_path": path,
         "lora_us": round(lora_us, 2), "lora_floor_us": round(floor_s * 1e6, 2),
         "lora_over_floor": round(lora_s / floor_s, 2), "lora_over_base": round(lora_s / base_s, 3),
-        "lora_separate_us": round(sep_s * 1e6, 2), "lora_fused_us": round(fused_s * 1e6, 2),
-        "moe_lora_us": round((moe_fused_s if cfg.get("fused") else moe_sep_s) * 1e6, 2),
-        "moe_lora_separate_us": round(moe_sep_s * 1e6, 2), "moe_lora_fused_us": round(moe_fused_s * 1e6, 2),
+        "lora_separate_us": round(sep_s * 1e6, 2), "lora_fused_us": round((moe_s["fused"] - base_s) * 1e6, 2),
+        "lora_fused_down_us": round((moe_s["fused_down"] - base_s) * 1e6, 2),
+        "moe_lora_us": round(moe_s[path] * 1e6, 2),
+        **{f"moe_lora_{name}_us": round(seconds * 1e6, 2) for name, seconds in moe_s.items()},
         "meets_target": _meets(num_tokens, lora_us, floor_s * 1e6, base_us),
         "base_block_m": base_config(e, s["hidden"], s["inter"], b["topk_ids"], None)["block_m"],
         "lora_block_m": cfg["block_m"], "lora_k": cfg.get("lora_k", 64),
