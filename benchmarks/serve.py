@@ -93,7 +93,7 @@ class Context:
 def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None = None) -> Engine:
     a = ctx.args
     sched = SchedulerConfig(max_model_len=a.prompt + a.output + 1, max_num_batched_tokens=a.max_batched_tokens,
-                            max_num_seqs=a.max_running)
+                            max_num_seqs=a.max_running, prefill_coalesce_steps=a.prefill_coalesce_steps)
     lora = LoRAConfig(max_rank=max(rank, 1), max_adapters_per_batch=a.max_adapters_per_batch,
                       host_cache_bytes=int(a.host_cache_gib * (1 << 30)))
     pool = PoolConfig(num_pages=pool_pages) if pool_pages else None
@@ -360,6 +360,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-adapters-per-batch", type=int, help="LoRAConfig.max_adapters_per_batch")
     p.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one step")
     p.add_argument("--pool-pages", type=int, help="pool size (default: the engine's; c: 8192)")
+    p.add_argument("--prefill-coalesce-steps", type=int, default=0,
+                   help="SchedulerConfig.prefill_coalesce_steps: decode steps admission may wait for adapter loads")
     p.add_argument("--host-cache-gib", type=float, default=8.0, help="host tier (CPU memory) for adapters")
     p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
                    help="b: model shapes")

@@ -30,6 +30,9 @@ class SchedulerConfig:
     lookahead: int = 128  # waiting requests examined for admission per step, >= 1
     max_skips: int = 16  # steps a waiting request may be passed over before it blocks those behind it, >= 0
     prefetch_depth: int = 8  # next waiting requests whose adapters are loaded ahead while pages are free, >= 0
+    prefill_coalesce_steps: int = 0  # steps admission may wait while adapter loads for waiting requests are in
+    #   flight, every running request only decodes and the ready prompts fill less than the step: their
+    #   prefills then share one step instead of one each as loads land (0 = never wait), >= 0
     affinity_max_wait_s: float = 1.0  # affinity: a request waiting this long goes first, in FCFS order, >= 0
     vtc_client: str = "adapter"  # vtc: whose virtual token counter a request charges: adapter or tenant
     vtc_input_weight: float = 1.0  # vtc: counter increment per prompt token computed, > 0
@@ -41,7 +44,7 @@ class SchedulerConfig:
         require(int_at_least(self.max_model_len, 2), "max_model_len", "an integer >= 2", self.max_model_len)
         for name in ("max_num_batched_tokens", "max_num_seqs", "lookahead"):
             require(int_at_least(getattr(self, name), 1), name, "an integer >= 1", getattr(self, name))
-        for name in ("long_prefill_token_threshold", "max_skips", "prefetch_depth"):
+        for name in ("long_prefill_token_threshold", "max_skips", "prefetch_depth", "prefill_coalesce_steps"):
             require(int_at_least(getattr(self, name), 0), name, "an integer >= 0", getattr(self, name))
         require(self.admission in ADMISSION_MODES, "admission", f"one of {list(ADMISSION_MODES)}",
                  self.admission)

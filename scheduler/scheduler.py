@@ -74,6 +74,7 @@ class SchedulerStats:
     finished: int = 0
     aborted: int = 0  # by abort(), early abort or a failed load
     prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+    coalesced: int = 0  # steps whose admission waited for adapter loads (`prefill_coalesce_steps`)
 
 
 class Scheduler:
@@ -99,6 +100,7 @@ class Scheduler:
         self._awaiting: dict[str, dict[str, Request]] = {}  # adapter -> its WAITING_FOR_ADAPTER requests
         self._in_flight: Step | None = None  # the step being run
         self._all_decoding = False  # every running request has exactly one token to compute
+        self._waited = 0  # consecutive steps whose admission waited for adapter loads (`_coalesce`)
         self._seq = 0
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
@@ -179,7 +181,7 @@ class Scheduler:
                           self.config.max_num_batched_tokens)
         self._early_abort(ctx)
         self._schedule_running(step)
-        if not step.out.preempted_ids:  # memory is short this step: admit nothing
+        if not step.out.preempted_ids and not self._coalesce(step):  # (preempted: memory is short, admit nothing)
             self._admission.admit(step, ctx)
         self._admission.prefetch(step, ctx)
         return self._seal(step)
@@ -201,6 +203,36 @@ class Scheduler:
         else:
             self.policy.on_step(step.reqs, result.sampled_token_ids)
         return outputs
+
+    def _coalesce(self, step: Step) -> bool:
+        """Whether admission waits this step (config ``prefill_coalesce_steps``): some waiting request's adapter
+        is not resident yet (its load in flight, or started by this step's prefetch), every running request only
+        decodes (a step without prefill: a CUDA graph's), the prompts that could start now fill less than the
+        step, and fewer than ``prefill_coalesce_steps`` steps in a row have waited.  So prompts whose adapters
+        land a step or two apart start in one prefill step, not one each: a step with prefill has a fixed cost
+        (eager launches) far above a decode step's."""
+        if self._waited >= self.config.prefill_coalesce_steps or not self._all_decoding or not self.running:
+            self._waited = 0
+            return False
+        ready, pending, find = 0, False, self.adapters.find
+        for req in self.requests.values():
+            status = req.status
+            if status is _WAITING_FOR_ADAPTER:
+                pending = True
+            elif status is _WAITING:
+                record = find(req.adapter) if req.adapter is not None else None
+                if record is not None and not (record.resident and record.loaded):
+                    pending = True
+                    continue
+                ready += req.num_tokens - req.num_computed_tokens  # (an unregistered adapter: admission drops it)
+                if ready >= step.budget:
+                    break
+        if not pending or ready >= step.budget:
+            self._waited = 0
+            return False
+        self._waited += 1
+        self.stats.coalesced += 1
+        return True
 
     # -- phase 0: early aborts -----------------------------------------------
     def _early_abort(self, ctx: StepContext) -> None:
