@@ -335,7 +335,10 @@ def calibrate(ctx: Context) -> None:
 
 
 def commit() -> str:
-    """``git describe --always --dirty`` of this checkout ("" outside git)."""
+    """``$UNIPAGE_COMMIT`` if set (a run of an installed build, not of this checkout), else ``git describe
+    --always --dirty`` of this checkout ("" outside git)."""
+    if os.environ.get("UNIPAGE_COMMIT"):
+        return os.environ["UNIPAGE_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         return subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
