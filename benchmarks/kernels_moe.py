@@ -21,7 +21,7 @@ adapters, random routing.  Per row:
 - ``lora_path``: what the tuned "lora" config picks.  "separate": ``lora_us`` times the
   LoRA kernels alone (above).  "fused" (config ``"fused": true``, `moe_lora_fused`: the
   deltas are extra K steps of the base GEMMs, so they cannot be timed alone) and
-  "fused_down" (``"fused": "down"``: only the down delta so): ``lora_us`` =
+  "fused_down" (``"fused": "down"``: the down delta alone is fused): ``lora_us`` =
   ``moe_lora_us - base_us``, i.e. the plan, the LoRA kernels and the GEMMs' extra work.
   Every path is timed in every row (``lora_separate_us``, ``lora_fused_us``,
   ``lora_fused_down_us``, ``moe_lora_<path>_us``).

@@ -130,7 +130,8 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "prompt_tokens": a.prompt, "max_tokens": a.output, "concurrency": work.concurrency,
               "max_running": a.max_running, "pool_pages": engine.config.num_pages, **metrics,
               **drv.decode_summary(rows, batch, ctx.bandwidth), "memory_bytes_per_s": round(ctx.bandwidth),
-              "steps": len(rows), "commit": ctx.commit}
+              "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
+              "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps, "commit": ctx.commit}
     emit(record, ctx.out)
     if a.log_dir:
         write_run_log(ctx, engine, work, timeline, rows, disk, record, warm, names, targets, rank)
@@ -255,7 +256,8 @@ def setup_c(ctx: Context) -> None:
           "output_tokens_per_s": [r["output_tokens_per_s"] for r in medians],
           "ttft_p99_s": [r["ttft_p99_s"] for r in medians],
           "runs_output_tokens_per_s": [[r["output_tokens_per_s"] for r in runs[count]] for count in counts],
-          "largest_over_smallest": round(ratio, 4), "target": 0.95, "commit": ctx.commit}, ctx.out)
+          "largest_over_smallest": round(ratio, 4), "target": 0.95,
+          "prefill_coalesce_steps": a.prefill_coalesce_steps, "commit": ctx.commit}, ctx.out)
 
 
 def run_count(ctx: Context, model_dir, paths: list, key: str, count: int, repeat: int) -> dict:

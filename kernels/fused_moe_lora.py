@@ -634,7 +634,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
 
     ``x`` [T, H] and ``raw`` [TK, 2I] (from `fused_moe.moe_gate_up`) and ``act`` [TK, I]
     (written for LoRA pairs only), all the model dtype.  Also leaves ``act[p] @ A_d.T``
-    in ``plan.down_z`` for `moe_lora_down`.
+    in ``plan.down_z`` for `moe_lora_down` (or the fused down GEMM, config ``"fused": "down"``).
     """
     meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
     _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden), raw=(raw, num_pairs, 2 * meta.inter),

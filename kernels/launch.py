@@ -22,7 +22,7 @@ one entry never stands for two different compiled kernels:
   its value for a ``tl.constexpr`` parameter;
 - a bool: ``(bool, value)`` (so that ``True`` and ``1`` differ, as in Triton);
 - anything else (None, a constexpr value): the value itself;
-- keyword launch options (``num_warps``, ``num_stages``, ``launch_pdl``) and
+- keyword launch options (``num_warps``, ``num_stages``, ``maxnreg``, ``launch_pdl``) and
   the current device.
 
 The traits and the bound arguments of a call come from a *binder* generated

@@ -2,7 +2,8 @@
 
 Admission walks the policy's candidates (at most ``lookahead``) and admits
 each request whose adapter can run now and whose KV fits.  It never waits on
-an adapter: a request is *skipped* when
+an adapter (the scheduler may skip a whole admission for a few steps while
+loads are in flight: ``prefill_coalesce_steps``): a request is *skipped* when
 
 - its adapter would be one too many for ``max_adapters_per_batch`` among the
   running requests (``_SKIP_LIMIT``),

@@ -30,9 +30,10 @@ class SchedulerConfig:
     lookahead: int = 128  # waiting requests examined for admission per step, >= 1
     max_skips: int = 16  # steps a waiting request may be passed over before it blocks those behind it, >= 0
     prefetch_depth: int = 8  # next waiting requests whose adapters are loaded ahead while pages are free, >= 0
-    prefill_coalesce_steps: int = 0  # steps admission may wait while adapter loads for waiting requests are in
-    #   flight, every running request only decodes and the ready prompts fill less than the step: their
-    #   prefills then share one step instead of one each as loads land (0 = never wait), >= 0
+    prefill_coalesce_steps: int = 0  # steps in a row admission may wait while an adapter load for one of the
+    #   next lookahead waiting requests is in flight, every running request only decodes and the ready prompts
+    #   fill less than the step: prompts whose adapters land a step or two apart then share one prefill step
+    #   (0 = never wait; the slo policy's TTFT prediction does not count these waits), >= 0
     affinity_max_wait_s: float = 1.0  # affinity: a request waiting this long goes first, in FCFS order, >= 0
     vtc_client: str = "adapter"  # vtc: whose virtual token counter a request charges: adapter or tenant
     vtc_input_weight: float = 1.0  # vtc: counter increment per prompt token computed, > 0

@@ -18,9 +18,10 @@ Phases:
    unpinned, back to the queue).  Reserve mode never gets that far: its KV
    was reserved at admission.
 2. **admission** (`unipage.scheduler.admission`; skipped in a step that
-   preempted) — waiting requests in the policy's order; a request whose
-   adapter cannot run now is skipped, never waited on, with a starvation
-   bound.
+   preempted, and while ``prefill_coalesce_steps`` lets it wait for adapter
+   loads: `Scheduler._coalesce`) — waiting requests in the policy's order; a
+   request whose adapter cannot run now is skipped, never waited on, with a
+   starvation bound.
 3. **prefetch** (same module) — loads for the adapters of the next waiting
    requests, into free or reclaimable pages only.
 
@@ -33,12 +34,13 @@ one caller of ``memory.adapters.take_effects()`` while it runs.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from unipage.memory import UnifiedMemory
-from unipage.scheduler.admission import Admission, Step
+from unipage.scheduler.admission import Admission, Step, close_iterator
 from unipage.scheduler.config import SchedulerConfig
 from unipage.scheduler.output import RequestOutput, SchedulerOutput, StepResult, make_outputs
 from unipage.scheduler.policies import StepContext, make_policy
@@ -181,7 +183,9 @@ class Scheduler:
                           self.config.max_num_batched_tokens)
         self._early_abort(ctx)
         self._schedule_running(step)
-        if not step.out.preempted_ids and not self._coalesce(step):  # (preempted: memory is short, admit nothing)
+        if step.out.preempted_ids:  # memory is short this step: admit nothing
+            self._waited = 0
+        elif not self._coalesce(step, ctx):
             self._admission.admit(step, ctx)
         self._admission.prefetch(step, ctx)
         return self._seal(step)
@@ -204,35 +208,46 @@ class Scheduler:
             self.policy.on_step(step.reqs, result.sampled_token_ids)
         return outputs
 
-    def _coalesce(self, step: Step) -> bool:
-        """Whether admission waits this step (config ``prefill_coalesce_steps``): some waiting request's adapter
-        is not resident yet (its load in flight, or started by this step's prefetch), every running request only
-        decodes (a step without prefill: a CUDA graph's), the prompts that could start now fill less than the
-        step, and fewer than ``prefill_coalesce_steps`` steps in a row have waited.  So prompts whose adapters
-        land a step or two apart start in one prefill step, not one each: a step with prefill has a fixed cost
-        (eager launches) far above a decode step's."""
-        if self._waited >= self.config.prefill_coalesce_steps or not self._all_decoding or not self.running:
+    def _coalesce(self, step: Step, ctx: StepContext) -> bool:
+        """Whether admission waits this step (config ``prefill_coalesce_steps``): among the requests admission
+        would examine (the policy's first ``lookahead``), an adapter load is in flight, prompts are ready to
+        start but fill less than the step, every running request only decodes (a step without prefill: a CUDA
+        graph's), the batch has room, and fewer than ``prefill_coalesce_steps`` steps in a row have waited.  So
+        prompts whose adapters land a step or two apart start in one prefill step, not one each: a step with
+        prefill has a fixed cost (eager launches) far above a decode step's.  An adapter that is not loading
+        (no pages, no slot) is not waited for."""
+        cfg = self.config
+        if (self._waited >= cfg.prefill_coalesce_steps or not self._all_decoding or not self.running
+                or len(self.running) >= cfg.max_num_seqs or not len(self.policy)):
             self._waited = 0
             return False
-        ready, pending, find = 0, False, self.adapters.find
-        for req in self.requests.values():
-            status = req.status
-            if status is _WAITING_FOR_ADAPTER:
-                pending = True
-            elif status is _WAITING:
-                record = find(req.adapter) if req.adapter is not None else None
-                if record is not None and not (record.resident and record.loaded):
-                    pending = True
-                    continue
-                ready += req.num_tokens - req.num_computed_tokens  # (an unregistered adapter: admission drops it)
-                if ready >= step.budget:
-                    break
-        if not pending or ready >= step.budget:
+        ready, loading = self._ready_and_loading(step.budget, ctx)
+        if not loading or not ready or ready >= step.budget:
             self._waited = 0
             return False
         self._waited += 1
         self.stats.coalesced += 1
         return True
+
+    def _ready_and_loading(self, budget: int, ctx: StepContext) -> tuple[int, bool]:
+        """``(prompt tokens that could start now (counted up to budget), whether an adapter load is in flight)``
+        over the policy's first ``lookahead`` waiting requests (preempted ones included)."""
+        ready, loading, find = 0, False, self.adapters.find
+        candidates = self.policy.candidates(ctx)
+        try:
+            for req in itertools.islice(candidates, self.config.lookahead):
+                if not req.status.is_waiting:
+                    continue
+                record = find(req.adapter) if req.adapter is not None else None
+                if record is None or (record.resident and record.loaded):  # (unregistered: admission drops it)
+                    ready += req.num_tokens - req.num_computed_tokens
+                    if ready >= budget:
+                        break
+                elif record.resident:  # its load is in flight
+                    loading = True
+        finally:
+            close_iterator(candidates)
+        return ready, loading
 
     # -- phase 0: early aborts -----------------------------------------------
     def _early_abort(self, ctx: StepContext) -> None:

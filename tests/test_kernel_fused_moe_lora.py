@@ -255,12 +255,22 @@ def test_pair_mode_splits_of_several_runs(hidden, split_k):
     _close(_run(fused_experts, c, _lora_config(1, split_k=split_k)), _loop_moe(c, torch.float32), torch.float32)
 
 
-def test_stage_register_cap():
-    """A stage's ``"maxnreg"`` is passed as a launch option (the interpreter ignores it; the fast launch path
-    binds it, `launch.check_binding`)."""
+def test_stage_register_cap(monkeypatch):
+    """A stage's ``"maxnreg"`` reaches its launch as a launch option, and only that stage's (the interpreter
+    ignores the cap; `launch.check_binding` accepts it)."""
+    import unipage.kernels.fused_moe_lora as module
+
+    seen, real = {}, module.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen[kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__] = kwargs.get("maxnreg")
+        real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(module, "launch", spy)
     c = _case(40, torch.float32, "zipf", seed=9)
     config = {**GROUP, "gate_up": {**GROUP["gate_up"], "maxnreg": 128}, "down": {**GROUP["down"], "maxnreg": 96}}
     _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
+    assert seen == {"_shrink_kernel": None, "_expand_gate_up_kernel": 128, "_expand_down_kernel": 96}
 
 
 def test_without_lora_tokens_or_layers_equals_base():

@@ -34,7 +34,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_skips=st.integers(0, 3), prefix_caching=st.booleans(), budget=st.sampled_from([4, 12]),
                 seqs=st.sampled_from([1, 4]), lookahead=st.sampled_from([1, 8]), prefetch=st.sampled_from([0, 2]),
                 chunk=st.sampled_from([0, 3]), seed=st.integers(0, 2**16), window=st.sampled_from([0, 0, 3, 6]),
-                coalesce=st.sampled_from([0, 2]))
+                coalesce=st.sampled_from([0, 2]))  # (coalesce last: the replayed examples below leave it 0)
     def setup(self, policy, admission, eviction, max_adapters, max_skips, prefix_caching, budget, seqs, lookahead,
               prefetch, chunk, seed, window, coalesce=0):
         # window > 0: layer 0 slides (its KV in a group of its own, pages half as large: twice as many)
@@ -49,7 +49,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched_config = SchedulerConfig(max_model_len=24, max_num_batched_tokens=budget, max_num_seqs=seqs,
                                        long_prefill_token_threshold=chunk, policy=policy, admission=admission,
                                        max_skips=max_skips, lookahead=lookahead, prefetch_depth=prefetch,
-                                       prefill_coalesce_steps=coalesce, slo_ttft_s=0.5, step_time_s=0.01, affinity_max_wait_s=0.05)
+                                       prefill_coalesce_steps=coalesce, slo_ttft_s=0.5, step_time_s=0.01,
+                                       affinity_max_wait_s=0.05)
         self.sched = Scheduler(memory, sched_config, clock=Clock())
         self.rng = random.Random(seed)
         self.loading: list[str] = []  # loads started and not yet reported
