@@ -397,8 +397,9 @@ def moe_down(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: d
     ``act`` [TK, I]; ``w_down`` [E, H, I]; ``topk_ids`` [T, K] int32; ``topk_weights``
     [T, K] float32; ``align`` as for `moe_gate_up`; ``y`` [TK, H] (written);
     ``bias`` [E, H] (optional, zero if absent).  ``lora_plan``: a plan whose ``down_z`` is filled (by
-    `moe_gate_up`'s fused LoRA and `moe_lora_down_shrink`, or by `moe_lora_gate_up` for ``"fused": "down"``):
-    the LoRA pairs get ``+ down_z[p] @ B_d`` inside the routing weight.
+    `moe_gate_up`'s fused LoRA, with ``"down_shrink": "pass"`` then `moe_lora_down_shrink`; or by
+    `moe_lora_gate_up` for ``"fused": "down"``): the LoRA pairs get ``+ down_z[p] @ B_d`` inside the
+    routing weight.
     """
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)

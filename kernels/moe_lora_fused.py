@@ -36,9 +36,10 @@ without LoRA pairs does no step.  Scaling is folded into B.
 Status (H100, bf16, 8 adapters; benchmarks/results/kernels-moe-fused-sweeps-h100.jsonl):
 exact, but slower than the separate pass at every size measured, so launch configs leave
 it off.  Config ``"fused": "down"`` (`fused_mode`) fuses the down delta alone, after the
-separate gate/up pass: at best 2.5-3.8 % faster than the separate pass (Qwen3-30B-A3B at 256
-and 1024 tokens), slower at 16, 64 and 4096 tokens and on GPT-OSS-20B ("fused-down-sweep"
-rows), and slower at 1024 tokens too once the tuned gate/up expand is capped at 128 registers.
+separate gate/up pass.  In the "fused-down-sweep" rows it is 2.5-3.8 % faster than the separate
+pass in three cases only (Qwen3-30B-A3B 8 x r16 at 256 and 1024 tokens, 16 x r8 at 1024) and
+slower elsewhere (16, 64 and 4096 tokens, 16 x r8 at 256, GPT-OSS-20B); with the gate/up expand
+capped at 128 registers (fec3979's kernels_moe rows) it is slower at 1024 tokens too.
 """
 
 from __future__ import annotations

@@ -182,6 +182,11 @@ class Admission:
             self.sched._await_adapter(req, name)
         return outcome
 
+    def could_run(self, name: str) -> bool:
+        """Whether a request of adapter ``name`` could join this step's batch once its adapter is resident:
+        not draining, and running already or a free slot (`_slot_for`)."""
+        return name != self.draining and (name in self.sched.running_adapters or self._slot_for(name))
+
     def _slot_for(self, name: str) -> bool:
         """May a new adapter join the batch?  A reserved slot goes to its adapter only."""
         free = self.sched.max_adapters - len(self.sched.running_adapters)

@@ -30,10 +30,11 @@ class SchedulerConfig:
     lookahead: int = 128  # waiting requests examined for admission per step, >= 1
     max_skips: int = 16  # steps a waiting request may be passed over before it blocks those behind it, >= 0
     prefetch_depth: int = 8  # next waiting requests whose adapters are loaded ahead while pages are free, >= 0
-    prefill_coalesce_steps: int = 0  # steps in a row admission may wait while an adapter load for one of the
-    #   next lookahead waiting requests is in flight, every running request only decodes and the ready prompts
-    #   fill less than the step: prompts whose adapters land a step or two apart then share one prefill step
-    #   (0 = never wait; the slo policy's TTFT prediction does not count these waits), >= 0
+    prefill_coalesce_steps: int = 0  # steps in a row admission may wait while an adapter load is in flight for
+    #   one of the next lookahead waiting requests, some prompt is ready but the ready ones fill less than the
+    #   step, every running request only decodes and the batch has room: prompts whose adapters land a step or
+    #   two apart then share one prefill step (0 = never wait; the slo policy's TTFT prediction does not count
+    #   these waits; see Scheduler._coalesce), >= 0
     affinity_max_wait_s: float = 1.0  # affinity: a request waiting this long goes first, in FCFS order, >= 0
     vtc_client: str = "adapter"  # vtc: whose virtual token counter a request charges: adapter or tenant
     vtc_input_weight: float = 1.0  # vtc: counter increment per prompt token computed, > 0

@@ -210,12 +210,14 @@ class Scheduler:
 
     def _coalesce(self, step: Step, ctx: StepContext) -> bool:
         """Whether admission waits this step (config ``prefill_coalesce_steps``): among the requests admission
-        would examine (the policy's first ``lookahead``), an adapter load is in flight, prompts are ready to
-        start but fill less than the step, every running request only decodes (a step without prefill: a CUDA
-        graph's), the batch has room, and fewer than ``prefill_coalesce_steps`` steps in a row have waited.  So
-        prompts whose adapters land a step or two apart start in one prefill step, not one each: a step with
-        prefill has a fixed cost (eager launches) far above a decode step's.  An adapter that is not loading
-        (no pages, no slot) is not waited for."""
+        would examine (the policy's first ``lookahead`` candidates), some prompt is ready but the ready ones fill
+        less than the step, an adapter load is in flight for one that could then join the batch, and no adapter
+        admission would start loading is waiting to be requested; every running request only decodes (a step
+        without prefill: a CUDA graph's), the batch has room, and fewer than ``prefill_coalesce_steps`` steps in a
+        row have waited.  So prompts whose adapters land a step or two apart start in one prefill step, not one
+        each: a step with prefill has a fixed cost (eager launches) far above a decode step's.  An adapter that
+        cannot join (no slot, draining) is not waited for.  The ready count follows the policy's candidates (the
+        vtc policy offers one request per client)."""
         cfg = self.config
         if (self._waited >= cfg.prefill_coalesce_steps or not self._all_decoding or not self.running
                 or len(self.running) >= cfg.max_num_seqs or not len(self.policy)):
@@ -230,21 +232,28 @@ class Scheduler:
         return True
 
     def _ready_and_loading(self, budget: int, ctx: StepContext) -> tuple[int, bool]:
-        """``(prompt tokens that could start now (counted up to budget), whether an adapter load is in flight)``
-        over the policy's first ``lookahead`` waiting requests (preempted ones included)."""
-        ready, loading, find = 0, False, self.adapters.find
+        """``(prompt tokens that could start now, whether a load worth waiting for is in flight)`` over the policy's
+        first ``lookahead`` waiting requests (preempted ones included); ``(budget, False)`` as soon as the ready
+        prompts fill ``budget`` or a request's adapter that could join is not resident and not loading (admission
+        must run to request it)."""
+        ready, loading, find, could_run = 0, False, self.adapters.find, self._admission.could_run
         candidates = self.policy.candidates(ctx)
         try:
             for req in itertools.islice(candidates, self.config.lookahead):
                 if not req.status.is_waiting:
                     continue
-                record = find(req.adapter) if req.adapter is not None else None
-                if record is None or (record.resident and record.loaded):  # (unregistered: admission drops it)
+                name = req.adapter
+                record = find(name) if name is not None else None
+                if name is None or (record is not None and record.resident and record.loaded):
                     ready += req.num_tokens - req.num_computed_tokens
                     if ready >= budget:
-                        break
+                        return budget, False
+                elif record is None or not could_run(name):  # unregistered (admission drops it), or no slot
+                    continue
                 elif record.resident:  # its load is in flight
                     loading = True
+                else:
+                    return budget, False
         finally:
             close_iterator(candidates)
         return ready, loading
