@@ -313,9 +313,8 @@ FUSED_MODES = {False: "", True: "all", "down": "down"}
 def fused_mode(plan) -> str:
     """Which base GEMMs take the plan's LoRA deltas (config key ``"fused"``): ``""`` (false, the
     default: none, the separate pass `fused_moe_lora`), ``"all"`` (true: both GEMMs) or ``"down"``
-    (``"down"``: the gate/up side runs the separate pass, which leaves ``down_z``; only the down
-    delta is extra K steps of the base down GEMM, so the separate pass's read-modify-write of ``y``
-    is gone)."""
+    (the gate/up side runs the separate pass, which leaves ``down_z``; only the down delta is extra
+    K steps of the base down GEMM, so the separate pass's read-modify-write of ``y`` is gone)."""
     if plan is None:
         return ""
     value = plan.config.get("fused", False)

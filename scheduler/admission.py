@@ -86,8 +86,54 @@ class Admission:
         self.reserve = self.config.admission == "reserve"
         self.reserved_for: Request | None = None  # starving for an adapter slot: the next free one is its
         self.draining: str | None = None  # running adapter admitting nothing new, so that a slot frees
+        self.waited = 0  # consecutive steps whose admission waited for adapter loads (`waits`)
 
     # -- phase 2 -------------------------------------------------------------
+    def waits(self, step: Step, ctx: StepContext) -> bool:
+        """Whether admission waits this step (config ``prefill_coalesce_steps``): among the requests it would
+        examine (the policy's first ``lookahead`` candidates), some prompt is ready but the ready ones fill less
+        than the step, an adapter load is in flight for one that could then join the batch, and no adapter
+        admission would start loading is waiting to be requested; every running request only decodes (a step
+        without prefill: a CUDA graph's), the batch has room, and fewer than ``prefill_coalesce_steps`` steps in a
+        row have waited.  So prompts whose adapters land a step or two apart start in one prefill step, not one
+        each: a step with prefill has a fixed cost (eager launches) far above a decode step's.  An adapter that
+        cannot join (no slot, draining) is not waited for.  The ready count follows the policy's candidates (the
+        vtc policy offers one request per client)."""
+        sched, cfg = self.sched, self.config
+        if (self.waited < cfg.prefill_coalesce_steps and sched._all_decoding and sched.running
+                and len(sched.running) < cfg.max_num_seqs and len(sched.policy) and self._worth_waiting(step, ctx)):
+            self.waited += 1
+            sched.stats.coalesced += 1
+            return True
+        self.waited = 0
+        return False
+
+    def _worth_waiting(self, step: Step, ctx: StepContext) -> bool:
+        """Over the policy's first ``lookahead`` waiting requests (preempted ones included): some prompt could start
+        now but the ready ones fill less than ``step.budget``, a load worth waiting for is in flight, and no request
+        whose adapter could join is neither resident nor loading (admission must run to request it)."""
+        ready, loading, find = 0, False, self.adapters.find
+        candidates = self.sched.policy.candidates(ctx)
+        try:
+            for req in itertools.islice(candidates, self.config.lookahead):
+                if not req.status.is_waiting:
+                    continue
+                name = req.adapter
+                record = find(name) if name is not None else None
+                if name is None or (record is not None and record.resident and record.loaded):
+                    ready += req.num_tokens - req.num_computed_tokens
+                    if ready >= step.budget:
+                        return False
+                elif record is None or not self.could_run(name):  # unregistered (admission drops it), or no slot
+                    continue
+                elif record.resident:  # its load is in flight
+                    loading = True
+                else:
+                    return False
+        finally:
+            close_iterator(candidates)
+        return loading and ready > 0
+
     def admit(self, step: Step, ctx: StepContext) -> None:
         """Admit waiting requests in the policy's order; skip (never wait on) what cannot run now."""
         sched, cfg = self.sched, self.config

@@ -34,7 +34,7 @@ class SchedulerConfig:
     #   one of the next lookahead waiting requests, some prompt is ready but the ready ones fill less than the
     #   step, every running request only decodes and the batch has room: prompts whose adapters land a step or
     #   two apart then share one prefill step (0 = never wait; the slo policy's TTFT prediction does not count
-    #   these waits; see Scheduler._coalesce), >= 0
+    #   these waits; see Admission.waits), >= 0
     affinity_max_wait_s: float = 1.0  # affinity: a request waiting this long goes first, in FCFS order, >= 0
     vtc_client: str = "adapter"  # vtc: whose virtual token counter a request charges: adapter or tenant
     vtc_input_weight: float = 1.0  # vtc: counter increment per prompt token computed, > 0

@@ -19,7 +19,7 @@ Phases:
    was reserved at admission.
 2. **admission** (`unipage.scheduler.admission`; skipped in a step that
    preempted, and while ``prefill_coalesce_steps`` lets it wait for adapter
-   loads: `Scheduler._coalesce`) — waiting requests in the policy's order; a
+   loads: `Admission.waits`) — waiting requests in the policy's order; a
    request whose adapter cannot run now is skipped, never waited on, with a
    starvation bound.
 3. **prefetch** (same module) — loads for the adapters of the next waiting
@@ -34,13 +34,12 @@ one caller of ``memory.adapters.take_effects()`` while it runs.
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from unipage.memory import UnifiedMemory
-from unipage.scheduler.admission import Admission, Step, close_iterator
+from unipage.scheduler.admission import Admission, Step
 from unipage.scheduler.config import SchedulerConfig
 from unipage.scheduler.output import RequestOutput, SchedulerOutput, StepResult, make_outputs
 from unipage.scheduler.policies import StepContext, make_policy
@@ -102,7 +101,6 @@ class Scheduler:
         self._awaiting: dict[str, dict[str, Request]] = {}  # adapter -> its WAITING_FOR_ADAPTER requests
         self._in_flight: Step | None = None  # the step being run
         self._all_decoding = False  # every running request has exactly one token to compute
-        self._waited = 0  # consecutive steps whose admission waited for adapter loads (`_coalesce`)
         self._seq = 0
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
@@ -184,8 +182,8 @@ class Scheduler:
         self._early_abort(ctx)
         self._schedule_running(step)
         if step.out.preempted_ids:  # memory is short this step: admit nothing
-            self._waited = 0
-        elif not self._coalesce(step, ctx):
+            self._admission.waited = 0
+        elif not self._admission.waits(step, ctx):
             self._admission.admit(step, ctx)
         self._admission.prefetch(step, ctx)
         return self._seal(step)
@@ -207,56 +205,6 @@ class Scheduler:
         else:
             self.policy.on_step(step.reqs, result.sampled_token_ids)
         return outputs
-
-    def _coalesce(self, step: Step, ctx: StepContext) -> bool:
-        """Whether admission waits this step (config ``prefill_coalesce_steps``): among the requests admission
-        would examine (the policy's first ``lookahead`` candidates), some prompt is ready but the ready ones fill
-        less than the step, an adapter load is in flight for one that could then join the batch, and no adapter
-        admission would start loading is waiting to be requested; every running request only decodes (a step
-        without prefill: a CUDA graph's), the batch has room, and fewer than ``prefill_coalesce_steps`` steps in a
-        row have waited.  So prompts whose adapters land a step or two apart start in one prefill step, not one
-        each: a step with prefill has a fixed cost (eager launches) far above a decode step's.  An adapter that
-        cannot join (no slot, draining) is not waited for.  The ready count follows the policy's candidates (the
-        vtc policy offers one request per client)."""
-        cfg = self.config
-        if (self._waited >= cfg.prefill_coalesce_steps or not self._all_decoding or not self.running
-                or len(self.running) >= cfg.max_num_seqs or not len(self.policy)):
-            self._waited = 0
-            return False
-        ready, loading = self._ready_and_loading(step.budget, ctx)
-        if not loading or not ready or ready >= step.budget:
-            self._waited = 0
-            return False
-        self._waited += 1
-        self.stats.coalesced += 1
-        return True
-
-    def _ready_and_loading(self, budget: int, ctx: StepContext) -> tuple[int, bool]:
-        """``(prompt tokens that could start now, whether a load worth waiting for is in flight)`` over the policy's
-        first ``lookahead`` waiting requests (preempted ones included); ``(budget, False)`` as soon as the ready
-        prompts fill ``budget`` or a request's adapter that could join is not resident and not loading (admission
-        must run to request it)."""
-        ready, loading, find, could_run = 0, False, self.adapters.find, self._admission.could_run
-        candidates = self.policy.candidates(ctx)
-        try:
-            for req in itertools.islice(candidates, self.config.lookahead):
-                if not req.status.is_waiting:
-                    continue
-                name = req.adapter
-                record = find(name) if name is not None else None
-                if name is None or (record is not None and record.resident and record.loaded):
-                    ready += req.num_tokens - req.num_computed_tokens
-                    if ready >= budget:
-                        return budget, False
-                elif record is None or not could_run(name):  # unregistered (admission drops it), or no slot
-                    continue
-                elif record.resident:  # its load is in flight
-                    loading = True
-                else:
-                    return budget, False
-        finally:
-            close_iterator(candidates)
-        return ready, loading
 
     # -- phase 0: early aborts -----------------------------------------------
     def _early_abort(self, ctx: StepContext) -> None:
