@@ -69,6 +69,7 @@ from unipage.config import LoRAConfig, ModelConfig, PoolConfig
 from unipage.engine import Engine
 from unipage.models.weights import read_config
 
+GRAPHS = {"all": True, "decode": "decode", "off": False}  # --cuda-graphs -> Engine(cuda_graphs=...)
 DEFAULTS = {  # per setup: flags left unset take these
     "a": {"requests": 48, "concurrency": 16, "prompt": 1600, "output": 600, "adapters": 8, "rank": 32, "max_running": 16,
               "max_adapters_per_batch": 8},
@@ -103,7 +104,7 @@ def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None 
     pool = PoolConfig(num_pages=pool_pages) if pool_pages else None
     drv.log(f"loading {os.path.basename(model_dir)} (dummy weights) on {ctx.device}")
     return Engine(model_dir, device=ctx.device, dtype=a.dtype, pool=pool, lora=lora, scheduler=sched,
-                  load_format="dummy")
+                  load_format="dummy", cuda_graphs=GRAPHS[a.cuda_graphs] if ctx.device.type == "cuda" else None)
 
 
 def free(engine: Engine | None) -> None:
@@ -135,7 +136,8 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "max_running": a.max_running, "pool_pages": engine.config.num_pages, **metrics,
               **drv.decode_summary(rows, batch, ctx.bandwidth), "memory_bytes_per_s": round(ctx.bandwidth),
               "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
-              "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps, "commit": ctx.commit}
+              "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
+              "cuda_graphs": a.cuda_graphs if ctx.device.type == "cuda" else "off", "commit": ctx.commit}
     emit(record, ctx.out)
     if a.log_dir:
         write_run_log(ctx, engine, work, timeline, rows, disk, record, warm, names, targets, rank)
@@ -261,7 +263,8 @@ def setup_c(ctx: Context) -> None:
           "ttft_p99_s": [r["ttft_p99_s"] for r in medians],
           "runs_output_tokens_per_s": [[r["output_tokens_per_s"] for r in runs[count]] for count in counts],
           "largest_over_smallest": round(ratio, 4), "target": 0.95,
-          "prefill_coalesce_steps": a.prefill_coalesce_steps, "commit": ctx.commit}, ctx.out)
+          "prefill_coalesce_steps": a.prefill_coalesce_steps, "cuda_graphs": a.cuda_graphs,
+          "commit": ctx.commit}, ctx.out)
 
 
 def run_count(ctx: Context, model_dir, paths: list, key: str, count: int, repeat: int) -> dict:
@@ -280,6 +283,7 @@ def run_count(ctx: Context, model_dir, paths: list, key: str, count: int, repeat
           "pool_pages": engine.config.num_pages, "pool_holds_adapters": engine.config.num_pages // pages,
           "distinct_adapters_used": len(set(chosen)), "output_tokens_per_s": record["output_tokens_per_s"],
           "ttft_p99_s": record["ttft_p99_s"], "prefill_coalesce_steps": a.prefill_coalesce_steps,
+          "cuda_graphs": a.cuda_graphs,
           "commit": ctx.commit}, ctx.out)
     free(engine)
     return record
@@ -373,6 +377,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-coalesce-steps", type=int,
                    help="SchedulerConfig.prefill_coalesce_steps: decode steps admission may wait for adapter loads "
                         "(default: c 3, others 0)")
+    p.add_argument("--cuda-graphs", choices=sorted(GRAPHS), default="all",
+                   help="CUDA graphs of decode and mixed steps (all), of decode steps only, or none (CUDA only)")
     p.add_argument("--host-cache-gib", type=float, default=8.0, help="host tier (CPU memory) for adapters")
     p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
                    help="b: model shapes")

@@ -226,21 +226,30 @@ def plan_lora_batch(token_slots: torch.Tensor, num_slots: int, group_tokens: int
     (the slot capacity, thousands with many adapters).  ``grouped`` /
     ``block_m`` override the choice (tests, tuning).
     """
-    plan = _load_json()["plan"]
     count = token_slots.numel()
     if group_tokens is None:
         group_tokens = -(-count // max(1, min(count, num_slots)))
     if grouped is None:
-        grouped = group_tokens > plan["gemv_max_group"]
+        grouped = plan_block_m(group_tokens) > 1
     if not grouped:
         return LoraBatch(count, False, 1, token_slots, token_slots)
     if block_m is None:
-        block_m = min(plan["max_block_m"], max(16, next_pow2(group_tokens)))
+        block_m = max(16, plan_block_m(group_tokens))
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     groups = min(num_slots, count) if max_groups is None else min(num_slots, count, max(max_groups, 1))
     order, tiles = _group_tiles(token_slots, num_slots, block_m, groups)
     return LoraBatch(count, True, block_m, order, tiles)
+
+
+def plan_block_m(group_tokens: int) -> int:
+    """The tile height `plan_lora_batch` picks when the largest adapter group has ``group_tokens``
+    tokens: 1 for the GEMV path, else a power of two >= 16.  A plan made with ``group_tokens`` equal
+    to the result picks it again (the CUDA graphs of mixed steps key on it)."""
+    plan = _load_json()["plan"]
+    if group_tokens <= plan["gemv_max_group"]:
+        return 1
+    return min(plan["max_block_m"], max(16, next_pow2(group_tokens)))
 
 
 def _group_tiles(token_slots: torch.Tensor, num_slots: int, block_m: int, groups: int):

@@ -46,7 +46,7 @@ def _shapes(model: DecoderLM) -> list:
 
     layers = [{f.name: shape(v) if isinstance(v := getattr(layer, f.name), torch.Tensor | None) else v
                for f in dataclasses.fields(layer)} for layer in model.layers]
-    return [shape(model.embed), shape(model.lm_head), model.lm_head is model.embed, shape(model.norm), layers]
+    return [shape(model.embed_tokens), shape(model.lm_head), model.lm_head is model.embed_tokens, shape(model.norm), layers]
 
 
 @pytest.mark.parametrize("family", [*EXTRA, "gpt_oss"])

@@ -54,10 +54,19 @@ def test_graphs_match_eager(family):
                 diff = (torch.stack(got.logits[:same]) - torch.stack(want.logits[:same])).abs()
                 scale = torch.stack(want.logits[:same]).abs().mean()
                 assert diff.mean() <= 0.01 * scale, f"{got.adapter}: mean logit difference {diff.mean():.4g}"
-    graphs = graphed.engine.runner.graphs
+    graphs, mixed = graphed.engine.runner.graphs, graphed.engine.runner.mixed
     assert graphs.replays > 0 and graphs.captures <= 4 * len(graphs.buckets)
+    assert mixed.replays > 0 and eager.engine.runner.mixed is None  # the prefill steps replayed pieces
     assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"
     assert graphed.engine.capture_graphs() > 0  # every bucket, both variants, at the current tables
-    captured = graphs.captures
+    captured = graphs.captures, mixed.captures
     _run(graphed, prompts, mixes[3])
-    assert graphs.captures == captured  # nothing left to capture while the tables keep their shape
+    assert (graphs.captures, mixed.captures) == captured  # nothing left to capture while the tables keep their shape
+
+
+def test_decode_only_mode(family):
+    llm = LLM(family.model_dir, device="cuda", dtype="bfloat16", pool=PoolConfig(num_pages=256),
+              scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=8), cuda_graphs="decode")
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.mixed is None
+    with pytest.raises(ValueError, match="cuda_graphs must be one of"):
+        LLM(family.model_dir, device="cuda", cuda_graphs="prefill")

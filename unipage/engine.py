@@ -48,6 +48,7 @@ GPU_POOL_FRACTION = 0.85  # default pool on CUDA: this share of the memory free 
 MAX_LAYER_ELEMS = 2**31 - 1  # the kernels address one layer of the pool with 32-bit element offsets
 LOAD_FORMATS = ("safetensors", "dummy")
 MAX_DENSE_LORA_SLOTS = 4096  # slot capacity given to a dense model's LoRA tables up front (at most)
+GRAPH_MODES = (None, True, False, "decode")  # Engine(cuda_graphs=...)
 STALL_STEPS = 1000  # empty steps in a row with work left and nothing in flight: report a stall
 
 
@@ -74,12 +75,13 @@ class Engine:
     def __init__(self, model_dir: str | os.PathLike, *, device: str | torch.device | None = None,
                  dtype: str | None = None, pool: PoolConfig | None = None, lora: LoRAConfig | None = None,
                  scheduler: SchedulerConfig | None = None, kernels: str | None = None,
-                 load_format: str = "safetensors", cuda_graphs: bool | None = None) -> None:
+                 load_format: str = "safetensors", cuda_graphs: bool | str | None = None) -> None:
         """``load_format``: "safetensors" reads the checkpoint's weights; "dummy" needs only its
         ``config.json`` and draws random weights on the device (benchmarks at real shapes).
-        ``cuda_graphs``: replay captured CUDA graphs for decode steps (default: on with the Triton
-        kernels on CUDA; `unipage.graphs`).  `close` (or a ``with`` block) releases the pool storage's
-        shared memory and reader processes."""
+        ``cuda_graphs``: replay captured CUDA graphs for decode steps (`unipage.graphs`) and, piecewise
+        around the attention, for the other steps (`unipage.mixed_graphs`); ``"decode"``: for decode
+        steps only; False: none.  Default: both with the Triton kernels on CUDA.  `close` (or a ``with``
+        block) releases the pool storage's shared memory and reader processes."""
         self.closed = False
         model_dir = os.fspath(model_dir)
         if load_format not in LOAD_FORMATS:
@@ -129,14 +131,17 @@ class Engine:
         if self.closed:
             raise ClosedError("the engine is closed: no requests or steps after close()")
 
-    def _graph_limits(self, wanted: bool | None) -> GraphLimits | None:
+    def _graph_limits(self, wanted: bool | str | None) -> GraphLimits | None:
+        if wanted not in GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {GRAPH_MODES}, got {wanted!r}")
         triton = self.model.ops.name == "triton"
         if wanted and not triton:
             raise ValueError("cuda_graphs needs the Triton kernels on a CUDA device")
         if not (triton if wanted is None else wanted):
             return None
         sched = self.scheduler.config
-        return GraphLimits(sched.max_num_seqs, sched.max_model_len, self.config.lora.max_adapters_per_batch)
+        mixed = 0 if wanted == "decode" else sched.max_num_batched_tokens
+        return GraphLimits(sched.max_num_seqs, sched.max_model_len, self.config.lora.max_adapters_per_batch, mixed)
 
     def _lora_slots(self) -> int | None:
         """Dense models: LoRA tables sized for every adapter the pool could hold (an adapter takes at least
@@ -147,13 +152,14 @@ class Engine:
         return min(self.config.num_pages, MAX_DENSE_LORA_SLOTS)
 
     def capture_graphs(self) -> int:
-        """Capture the decode CUDA graphs of every batch-size bucket now rather than on first use
-        (a serving start-up step: call it once the adapters in use are resident); returns how many
-        were captured, 0 without graphs.  A later change of the LoRA tables' shape (`LoraTables`)
-        drops them, and they are captured again as batches need them."""
+        """Capture the CUDA graphs of every decode batch-size bucket and mixed-step token bucket now rather
+        than on first use (a serving start-up step: call it once the adapters in use are resident);
+        returns how many graphs (decode) and piece sets (mixed) were captured, 0 without graphs.  A later
+        change of the LoRA tables' shape (`LoraTables`) drops them, and they are captured again as
+        batches need them."""
         self._check_open()
-        graphs = self.runner.graphs
-        return 0 if graphs is None else graphs.capture_all()
+        runner = self.runner
+        return sum(graphs.capture_all() for graphs in (runner.graphs, runner.mixed) if graphs is not None)
 
     # -- adapters ------------------------------------------------------------
     def add_adapter(self, name: str, path: str | os.PathLike) -> None:

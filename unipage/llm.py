@@ -72,11 +72,12 @@ class LLM:
                  device: str | torch.device | None = None, dtype: str | None = None,
                  pool: PoolConfig | None = None, lora: LoRAConfig | None = None,
                  scheduler: SchedulerConfig | None = None, kernels: str | None = None,
-                 load_format: str = "safetensors", cuda_graphs: bool | None = None) -> None:
+                 load_format: str = "safetensors", cuda_graphs: bool | str | None = None) -> None:
         """Load ``model_dir`` (config.json + safetensors) onto ``device`` (default CUDA if present)
         in ``dtype`` (default the checkpoint's); register ``adapters`` {name: PEFT directory}.
         ``load_format="dummy"``: random weights from config.json alone (benchmarks).
-        ``cuda_graphs``: replay CUDA graphs for decode steps (default: on with the Triton kernels).
+        ``cuda_graphs``: replay CUDA graphs of decode and mixed steps; ``"decode"``: of decode steps
+        only (default: both, with the Triton kernels; see `Engine`).
         `close` (or a ``with`` block) releases the engine's shared memory and reader processes."""
         model_dir = os.fspath(model_dir)
         self.engine = Engine(model_dir, device=device, dtype=dtype, pool=pool, lora=lora, scheduler=scheduler,

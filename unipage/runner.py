@@ -15,16 +15,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from unipage.graphs import DecodeGraphs
 from unipage.lora_layout import AdapterLayout
-from unipage.models.decoder import DecoderLM, StepBatch
+from unipage.mixed_graphs import MixedGraphs
+from unipage.models.decoder import DecoderLM
 from unipage.models.lora_tables import LoraTables
 from unipage.sampling import make_generator, sample
 from unipage.scheduler import SamplingParams, SchedulerOutput
 from unipage.staging import StagedUpload
+from unipage.step_inputs import host_batch, upload
 
 
 @dataclass
@@ -43,6 +44,7 @@ class GraphLimits:
     max_seqs: int  # the largest decode batch captured (the scheduler's max_num_seqs)
     max_model_len: int  # sets the block-table width of the graphs
     max_adapters: int  # distinct adapters per step (the LoRA kernels' tile-height hint)
+    max_tokens: int = 0  # mixed steps up to this many tokens replay piecewise graphs (0: they run eagerly)
 
 
 @dataclass
@@ -54,15 +56,19 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: DecoderLM, pool: torch.Tensor, block_tokens: int, device: torch.device,
                  keep_logits: bool = False, graphs: GraphLimits | None = None, lora_slots: int | None = None) -> None:
-        """``graphs``: capture CUDA graphs of decode steps within these limits (None: run eagerly).
+        """``graphs``: capture CUDA graphs of decode steps (and of mixed steps, piecewise) within these limits
+        (None: run eagerly).
         ``lora_slots``: the LoRA tables' slot capacity from the start (None: grown on demand)."""
         self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
         self.lora = LoraTables(model.model, device, slots=lora_slots)
         self.upload = StagedUpload(device)
-        self.graphs = None
+        self.graphs = self.mixed = None
         if graphs is not None:
             self.graphs = DecodeGraphs(model, pool, self.lora, block_tokens, graphs.max_seqs,
                                        -(-graphs.max_model_len // block_tokens), graphs.max_adapters, device)
+        if graphs is not None and graphs.max_tokens:
+            self.mixed = MixedGraphs(model, pool, self.lora, block_tokens, graphs.max_tokens, graphs.max_adapters,
+                                     device)
         self.seqs: dict[str, SeqState] = {}
         self._generators: dict[str, torch.Generator | None] = {}  # of preempted requests, until resumed
         self.keep_logits = keep_logits
@@ -112,7 +118,11 @@ class ModelRunner:
             hidden = self.graphs.run(seqs)
             logits = self.model.logits(hidden if len(samplers) == len(seqs) else hidden[samplers])
         else:
-            logits = self.model.forward(self._batch(out, seqs), self.pool, self.lora, self.block_tokens)
+            host = host_batch(seqs, out.num_scheduled_tokens, self.block_tokens)
+            if self.mixed is not None and self.mixed.accepts(host.num_tokens):
+                logits = self.model.logits(self.mixed.run(host, self.upload))
+            else:
+                logits = self.model.forward(upload(host, self.upload), self.pool, self.lora, self.block_tokens)
         if during is not None:
             during()
         tokens = sample(logits, [seqs[i].sampling for i in samplers], [seqs[i].generator for i in samplers])
@@ -132,48 +142,3 @@ class ModelRunner:
             if end > len(seq.token_ids) or end > len(seq.block_table) * bt:
                 raise RuntimeError(f"request {rid!r}: {n} tokens scheduled at {seq.num_computed} exceed its "
                                    f"{len(seq.token_ids)} tokens or {len(seq.block_table)} KV blocks")
-
-    def _batch(self, out: SchedulerOutput, seqs: list[SeqState]) -> StepBatch:
-        counts = np.asarray(out.num_scheduled_tokens, dtype=np.int64)
-        starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, len(seqs))
-        ends = starts + counts
-        cu = np.zeros(len(seqs) + 1, dtype=np.int32)
-        np.cumsum(counts, out=cu[1:])
-        ids: list[int] = []
-        per_slot: dict[int, int] = {}
-        for seq, start, end, n in zip(seqs, starts.tolist(), ends.tolist(), out.num_scheduled_tokens):
-            ids += seq.token_ids[start:end]
-            if seq.slot >= 0:
-                per_slot[seq.slot] = per_slot.get(seq.slot, 0) + n
-        # each token's position: its row in the step, shifted by where its sequence's new tokens start
-        seq_of = np.repeat(np.arange(len(seqs)), counts)
-        positions = np.arange(int(cu[-1]), dtype=np.int64) + np.repeat(starts - cu[:-1], counts)
-        lengths = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, len(seqs))
-        rows = (cu[1:] - 1)[ends == lengths].astype(np.int64)
-        token_slots = np.repeat(np.fromiter((seq.slot for seq in seqs), np.int32, len(seqs)), counts)
-        tables = _table_matrix([seq.block_table for seq in seqs])
-        arrays = [np.asarray(ids, dtype=np.int64), positions, self._slots(tables, seq_of, positions), tables,
-                  ends.astype(np.int32), cu, token_slots, rows]
-        if seqs[0].window_table is not None:
-            window = _table_matrix([seq.window_table for seq in seqs])
-            arrays += [self._slots(window, seq_of, positions), window]
-        sent = self.upload.send(arrays)
-        window_slots, window_tables = sent[8:] if len(sent) > 8 else (None, None)
-        return StepBatch(
-            input_ids=sent[0], positions=sent[1], slot_mapping=sent[2], block_tables=sent[3], seq_lens=sent[4],
-            cu_seqlens_q=sent[5], max_q_len=max(out.num_scheduled_tokens), token_slots=sent[6],
-            logits_rows=sent[7], any_lora=bool(per_slot), group_tokens=max(per_slot.values(), default=0),
-            active_slots=len(per_slot), window_slot_mapping=window_slots, window_block_tables=window_tables)
-
-    def _slots(self, tables: np.ndarray, seq_of: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Each scheduled token's KV slot (page * block_tokens + row) through its sequence's row of ``tables``."""
-        bt = self.block_tokens
-        return tables[seq_of, positions // bt].astype(np.int64) * bt + positions % bt
-
-
-def _table_matrix(tables: list[list[int]]) -> np.ndarray:
-    """Block tables padded with 0 to the longest: ``[B, W]`` int32."""
-    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-    for row, table in zip(out, tables):
-        row[:len(table)] = table
-    return out

@@ -121,9 +121,9 @@ class DecoderLM:
         freq, self.rope_scale = rope.frequencies(hf, model.head_dim)
         self.inv_freq = freq.to(ckpt.device)
         h, vocab = model.hidden_size, hf["vocab_size"]
-        self.embed = ckpt.get("model.embed_tokens.weight", (vocab, h))
+        self.embed_tokens = ckpt.get("model.embed_tokens.weight", (vocab, h))
         tied = hf.get("tie_word_embeddings", False) or "lm_head.weight" not in ckpt
-        self.lm_head = self.embed if tied else ckpt.get("lm_head.weight", (vocab, h))
+        self.lm_head = self.embed_tokens if tied else ckpt.get("lm_head.weight", (vocab, h))
         self.norm = ckpt.get("model.norm.weight", (h,))
         self.layers = [self._load_layer(ckpt, i) for i in range(model.num_layers)]
 
@@ -183,36 +183,38 @@ class DecoderLM:
         """The final norm's output ``[R, H]`` at ``batch.logits_rows``; writes the step's KV into the pool.
 
         ``pool [L, N, P]`` has one row per layer of a KV group; layer ``i`` uses row ``layer_rows[i]``.
+        The pass is the pieces below in order: `embed`, then per layer `attention_in`, `attend`,
+        `layer_out` (`unipage.mixed_graphs` replays the pieces between the attentions as CUDA graphs).
         """
+        ctx = self.context(batch, lora)
+        h, x = self.embed(batch)
+        for i in range(len(self.layers)):
+            q = self.attention_in(i, x, pool, ctx)
+            attended = self.attend(i, q, pool, batch, block_tokens)
+            h, x = self.layer_out(i, h, attended, pool, ctx, batch.logits_rows)
+        return x
+
+    def context(self, batch: StepBatch, lora: LoraTables | None) -> _Context:
+        """What every layer of the step shares: rope tables, the LoRA tables if a token has an adapter,
+        the dense LoRA plan."""
         if self.model.hybrid_kv and batch.window_block_tables is None:
             raise ValueError("this model mixes full and sliding-window layers: the batch needs window tables")
-        cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.embed.dtype, self.rope_scale)
+        cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.embed_tokens.dtype, self.rope_scale)
         lora_on = batch.any_lora and lora is not None and lora.page_table is not None
         plan = None
         if lora_on and self.ops.plans_lora:
             plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens,
                                    max_groups=batch.active_slots)
-        ctx = _Context(batch, cos, sin, lora if lora_on else None, plan, block_tokens)
-        ops, rows = self.ops, batch.logits_rows
-        h = self.embed[batch.input_ids]
-        x = ops.rms_norm(h, self.layers[0].input_norm, self.eps)
-        # each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed
-        for i, (layer, row) in enumerate(zip(self.layers, self.model.layer_rows)):
-            layer_lora = ctx.lora.layers[i] if ctx.lora is not None else None
-            pool_l = pool[row]
-            h, x = ops.add_rms_norm(h, self._attention(layer, x, pool_l, layer_lora, ctx), layer.post_norm, self.eps)
-            mlp = (self._moe if layer.router is not None else self._mlp)(layer, x, pool_l, layer_lora, ctx)
-            if i + 1 < len(self.layers):
-                h, x = ops.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, self.eps)
-            else:  # the last residual add and the final norm only for the rows sampled
-                x = ops.add_rms_norm(h[rows], mlp[rows], self.norm, self.eps)[1]
-        return x
+        return _Context(batch, cos, sin, lora if lora_on else None, plan)
 
-    def _lora(self, y, x, pool_l, meta, ctx: _Context) -> None:
-        if ctx.lora is not None and meta is not None and meta.max_rank:  # (rank 0: no resident adapter has it)
-            self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
+    def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, x)``: the token embeddings ``[T, H]`` and the first layer's input norm of them."""
+        h = self.embed_tokens[batch.input_ids]
+        return h, self.ops.rms_norm(h, self.layers[0].input_norm, self.eps)
 
-    def _attention(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
+    def attention_in(self, i: int, x: torch.Tensor, pool: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        """Layer ``i`` up to its attention: q ``[T, heads, D]`` (contiguous); the step's K and V written."""
+        layer, pool_l, layer_lora = self._layer(i, pool, ctx)
         m, tokens = self.model, x.shape[0]
         qkv = x @ layer.w_qkv.T
         if layer.b_qkv is not None:
@@ -229,27 +231,56 @@ class DecoderLM:
         if self.family.qk_norm == "head":
             q, k = norm(q, layer.q_norm, self.eps), norm(k, layer.k_norm, self.eps)
         q, k = self.ops.rope(q, k, ctx.cos, ctx.sin)  # new contiguous tensors
-        slot_mapping, tables = _kv_tables(layer, ctx.batch)
+        slot_mapping, _ = _kv_tables(layer, ctx.batch)
         self.ops.write_kv(pool_l, k, v, slot_mapping)  # v: a strided view of qkv, which write_kv takes
-        out = self._attend(q, pool_l, tables, layer, ctx).reshape(tokens, q_width)
+        return q
+
+    def layer_out(self, i: int, h: torch.Tensor, attended: torch.Tensor, pool: torch.Tensor, ctx: _Context,
+                  rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` after its attention (``attended [T, heads, D]``): ``(h, x)``, the residual stream and
+        the next layer's input norm of it.  After the last layer x is the final norm, of ``rows`` only
+        (None: of every row), and h is None."""
+        layer, pool_l, layer_lora = self._layer(i, pool, ctx)
+        out = attended.reshape(attended.shape[0], -1)
         o = out @ layer.w_o.T
         if layer.b_o is not None:
             o = o + layer.b_o
         self._lora(o, out, pool_l, layer_lora and layer_lora.o, ctx)
-        return o
+        # each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed
+        h, x = self.ops.add_rms_norm(h, o, layer.post_norm, self.eps)
+        mlp = (self._moe if layer.router is not None else self._mlp)(layer, x, pool_l, layer_lora, ctx)
+        if i + 1 < len(self.layers):
+            return self.ops.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, self.eps)
+        if rows is not None:  # the last residual add and the final norm only for the rows sampled
+            h, mlp = h[rows], mlp[rows]
+        return None, self.ops.add_rms_norm(h, mlp, self.norm, self.eps)[1]
 
-    def _attend(self, q, pool_l, tables, layer: LayerWeights, ctx: _Context) -> torch.Tensor:
-        b, m = ctx.batch, self.model
+    def _layer(self, i: int, pool: torch.Tensor, ctx: _Context):
+        """Layer ``i``'s weights, its pool row ``[N, P]`` and its LoRA tables (None: no adapter this step)."""
+        return (self.layers[i], pool[self.model.layer_rows[i]],
+                ctx.lora.layers[i] if ctx.lora is not None else None)
+
+    def _lora(self, y, x, pool_l, meta, ctx: _Context) -> None:
+        if ctx.lora is not None and meta is not None and meta.max_rank:  # (rank 0: no resident adapter has it)
+            self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
+
+    def attend(self, i: int, q: torch.Tensor, pool: torch.Tensor, b: StepBatch, block_tokens: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``i``'s paged attention of ``q [T, heads, D]`` over each sequence's context (written to
+        ``out`` if given); reads only ``b``'s block tables, lengths and ``max_q_len``."""
+        layer, m = self.layers[i], self.model
+        pool_l, (_, tables) = pool[m.layer_rows[i]], _kv_tables(layer, b)
         extra = {}
         if layer.sinks is not None:
             extra["sinks"] = layer.sinks
         if layer.window:
             extra["sliding_window"] = layer.window
         if self.ops.attention_decode is not None and b.max_q_len == 1 and q.shape[0] == b.seq_lens.shape[0]:
-            return self.ops.attention_decode(q, pool_l, tables, b.seq_lens, self.scale, ctx.block_tokens,
-                                             m.num_kv_heads, **extra)
+            return self.ops.attention_decode(q, pool_l, tables, b.seq_lens, self.scale, block_tokens,
+                                             m.num_kv_heads, out=out, **extra)
         return self.ops.attention_prefill(q, pool_l, tables, b.cu_seqlens_q, b.seq_lens, self.scale,
-                                          ctx.block_tokens, m.num_kv_heads, max_q_len=b.max_q_len, **extra)
+                                          block_tokens, m.num_kv_heads, max_q_len=b.max_q_len, out=out,
+                                          **extra)
 
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
         gate_up = x @ layer.w_gate_up.T
@@ -288,4 +319,3 @@ class _Context:
     sin: torch.Tensor
     lora: LoraTables | None  # None: no token of the step has an adapter
     plan: object  # LoraBatch of the dense LoRA kernels, or None
-    block_tokens: int
