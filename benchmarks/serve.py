@@ -107,6 +107,11 @@ def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None 
                   load_format="dummy", cuda_graphs=GRAPHS[a.cuda_graphs] if ctx.device.type == "cuda" else None)
 
 
+def graphs_label(ctx: Context) -> str:
+    """The CUDA graphs a run used: --cuda-graphs on CUDA, none elsewhere."""
+    return ctx.args.cuda_graphs if ctx.device.type == "cuda" else "off"
+
+
 def free(engine: Engine | None) -> None:
     del engine
     gc.collect()
@@ -137,7 +142,7 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               **drv.decode_summary(rows, batch, ctx.bandwidth), "memory_bytes_per_s": round(ctx.bandwidth),
               "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
-              "cuda_graphs": a.cuda_graphs if ctx.device.type == "cuda" else "off", "commit": ctx.commit}
+              "cuda_graphs": graphs_label(ctx), "commit": ctx.commit}
     emit(record, ctx.out)
     if a.log_dir:
         write_run_log(ctx, engine, work, timeline, rows, disk, record, warm, names, targets, rank)
@@ -263,7 +268,7 @@ def setup_c(ctx: Context) -> None:
           "ttft_p99_s": [r["ttft_p99_s"] for r in medians],
           "runs_output_tokens_per_s": [[r["output_tokens_per_s"] for r in runs[count]] for count in counts],
           "largest_over_smallest": round(ratio, 4), "target": 0.95,
-          "prefill_coalesce_steps": a.prefill_coalesce_steps, "cuda_graphs": a.cuda_graphs,
+          "prefill_coalesce_steps": a.prefill_coalesce_steps, "cuda_graphs": graphs_label(ctx),
           "commit": ctx.commit}, ctx.out)
 
 
@@ -283,7 +288,7 @@ def run_count(ctx: Context, model_dir, paths: list, key: str, count: int, repeat
           "pool_pages": engine.config.num_pages, "pool_holds_adapters": engine.config.num_pages // pages,
           "distinct_adapters_used": len(set(chosen)), "output_tokens_per_s": record["output_tokens_per_s"],
           "ttft_p99_s": record["ttft_p99_s"], "prefill_coalesce_steps": a.prefill_coalesce_steps,
-          "cuda_graphs": a.cuda_graphs,
+          "cuda_graphs": graphs_label(ctx),
           "commit": ctx.commit}, ctx.out)
     free(engine)
     return record

@@ -45,6 +45,14 @@ def piecewise_llm(family, budget: int) -> LLM:
 def test_pieces_match_transformers(family, budget):
     """48: prompts split into chunks that share steps with decodes (buckets 16, 32, 48); 300: whole prompts."""
     llm, oracle = piecewise_llm(family, budget), es.Oracle(family)
+    runner, steps = llm.engine.runner, []
+    execute = runner.execute
+
+    def counted(out, during=None):
+        steps.append(len(out.req_ids))
+        return execute(out, during)
+
+    runner.execute = counted
     prompts, names = mixed_batch(family, seed=budget, count=6)
     outs = llm.generate(prompts, GREEDY, adapters=names, max_tokens=6, return_logits=True)
     for out in outs:
@@ -52,7 +60,26 @@ def test_pieces_match_transformers(family, budget):
         err = es.generated_logits_error(oracle, out)
         assert err <= TOL, f"{out.adapter}: logits differ by {err}"
     mixed = llm.engine.runner.mixed
-    assert mixed.replays >= 6  # every step (one per generated token at least)
+    assert mixed.replays == sum(1 for n in steps if n) >= 6  # every step that ran a batch went through the pieces
     keys = set(mixed.sets)
     assert any(lora for _, lora, _ in keys) and all(bucket in mixed.buckets for bucket, _, _ in keys)
     assert len({bucket for bucket, _, _ in keys}) > 1  # steps of several token counts, padded to their buckets
+
+
+def test_a_step_with_more_adapters_than_the_grid_runs_eagerly(family):
+    """The pieces' LoRA grid covers `max_adapters_per_batch` adapters; a step with more runs eagerly."""
+    llm = piecewise_llm(family, 300)
+    mixed = llm.engine.runner.mixed
+    mixed.max_adapters = 1
+    prompts, names = mixed_batch(family, seed=3, count=6)
+    outs = llm.generate(prompts, GREEDY, adapters=names, max_tokens=2)
+    assert all(len(out.token_ids) == 2 for out in outs)
+    assert not any(lora for _, lora, _ in mixed.sets)  # the steps with adapters never reached the pieces
+
+
+@pytest.mark.parametrize("value", ["prefill", 1, 0, "True"])
+def test_cuda_graphs_values_are_checked(family, value):
+    with pytest.raises(ValueError, match="cuda_graphs must be None, True, False or 'decode'"):
+        LLM(family.model_dir, device="cpu", pool=PoolConfig(num_pages=64), cuda_graphs=value)
+    with pytest.raises(ValueError, match="needs the Triton kernels"):
+        LLM(family.model_dir, device="cpu", pool=PoolConfig(num_pages=64), cuda_graphs="decode")

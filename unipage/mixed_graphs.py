@@ -24,12 +24,18 @@ so they are uploaded as usual.  Rows past the step's tokens (up to the
 bucket) are padding: token 0 at position 0, no KV write, no adapter; the
 attention never reads them and they never mix with real rows.
 
-A set of pieces is captured per ``(bucket, LoRA on, LoRA tile height)``: the
-dense LoRA plan's tile height follows the step's largest adapter group
-(`plan_block_m`), so the captured plan is the one an eager step would make.
+A set of pieces is captured per ``(bucket, LoRA on, GEMV)``: the dense LoRA
+plan takes the GEMV path when no adapter has more than a couple of tokens in
+the step (as an eager step's plan would, `plan_block_m`), else tiles of the
+bucket's height (an eager step sizes them by its largest adapter group, and
+its launch configs by its token count: only speed and summation order differ).
 Like the decode graphs, the sets are dropped when the LoRA tables'
-generation changes.  With ``capture=False`` the pieces run eagerly on the
-same buffers (CPU tests of the padding and the split).
+generation changes.  A step runs eagerly instead (`run` returns None) when it
+has more distinct adapters than the graphs' LoRA grid covers, or when its set
+could not be captured for lack of device memory.  Steps are graphed up to
+`MAX_TOKENS` tokens (larger ones are busy enough on the GPU to run eagerly).
+With ``capture=False`` the pieces run eagerly on the same buffers (CPU tests
+of the padding and the split).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+
+import logging
 
 import torch
 
@@ -46,7 +54,10 @@ from unipage.models.lora_tables import LoraTables
 from unipage.staging import StagedUpload
 from unipage.step_inputs import HostBatch
 
+log = logging.getLogger(__name__)
+
 WARMUP_RUNS = 2  # eager runs of the pieces before a capture (compile every kernel variant)
+MAX_TOKENS = 4096  # the largest step graphed (a budget above it leaves the larger steps eager)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -65,12 +76,14 @@ class _Pieces:
 
 
 class MixedGraphs:
-    """Piecewise CUDA graphs of mixed steps up to ``max_tokens`` tokens; `run` replays a step."""
+    """Piecewise CUDA graphs of mixed steps up to ``max_tokens`` tokens (at most `MAX_TOKENS`); `run`
+    replays a step."""
 
     def __init__(self, model: DecoderLM, pool: torch.Tensor, lora: LoraTables, block_tokens: int,
                  max_tokens: int, max_adapters: int, device: torch.device, capture: bool = True) -> None:
         self.model, self.pool, self.lora, self.block_tokens = model, pool, lora, block_tokens
-        self.buckets, self.max_adapters, self.device = token_buckets(max_tokens), max_adapters, device
+        self.buckets = token_buckets(min(max_tokens, MAX_TOKENS))
+        self.max_adapters, self.device = max_adapters, device
         self.capture = capture
         m, rows, dtype = model.model, self.buckets[-1], model.embed_tokens.dtype
         self.groups = 2 if m.hybrid_kv else 1
@@ -85,7 +98,7 @@ class MixedGraphs:
         self.attended = torch.zeros_like(self.q)  # the attention's output
         self.hidden = torch.zeros_like(self.h)  # the final norm of every row
         self._unused = torch.zeros(1, 1, dtype=torch.int32, device=device)  # attention-only fields of a piece
-        self.sets: dict[tuple[int, bool, int], _Pieces] = {}
+        self.sets: dict[tuple[int, bool, bool], _Pieces | None] = {}  # None: could not be captured
         self.generation = -1  # the LoRA tables' generation the sets were made with
         self.replays = self.captures = 0  # counters, for tests and benchmarks
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
@@ -94,17 +107,23 @@ class MixedGraphs:
     def accepts(self, tokens: int) -> bool:
         return 0 < tokens <= self.buckets[-1]
 
-    def run(self, host: HostBatch, staged: StagedUpload) -> torch.Tensor:
-        """The final norm's output ``[R, H]`` at ``host.rows``; writes the step's KV into the pool."""
+    @torch.inference_mode()
+    def run(self, host: HostBatch, staged: StagedUpload) -> torch.Tensor | None:
+        """The final norm's output ``[R, H]`` at ``host.rows``; writes the step's KV into the pool.  None: the
+        step must run eagerly (more adapters than the LoRA grid covers, or its set could not be captured)."""
         if self.lora.generation != self.generation:
             self._drop()
+        if host.active_slots > self.max_adapters:
+            return None
         tokens = host.num_tokens
         bucket = next(b for b in self.buckets if b >= tokens)
         lora = self.lora.page_table is not None and host.active_slots > 0
-        key = (bucket, lora, plan_block_m(host.group_tokens) if lora else 0)
-        pieces = self.sets.get(key)
+        key = (bucket, lora, lora and plan_block_m(host.group_tokens) == 1)
+        if key not in self.sets:
+            self.sets[key] = self._make(*key)
+        pieces = self.sets[key]
         if pieces is None:
-            pieces = self.sets[key] = self._make(*key)
+            return None
         self._fill(host, bucket)
         batch = self._attention_batch(host, staged)
         q, attended = self.q[:tokens], self.attended[:tokens]
@@ -116,16 +135,16 @@ class MixedGraphs:
         return self.hidden[batch.logits_rows]
 
     def capture_all(self) -> int:
-        """Make the sets of every bucket now (largest first), with and without the LoRA kernels where
-        adapters are resident (the tile height of a group filling the bucket); returns how many."""
+        """Make the sets of every bucket now (largest first): without the LoRA kernels, and where adapters
+        are resident with them on both plan paths; returns how many were made."""
         self.lora.refresh()
         if self.lora.generation != self.generation:
             self._drop()
         before = len(self.sets)
         for bucket in reversed(self.buckets):
-            keys = [(bucket, False, 0)]
+            keys = [(bucket, False, False)]
             if self.lora.page_table is not None:
-                keys.append((bucket, True, plan_block_m(bucket)))
+                keys += [(bucket, True, False), (bucket, True, True)]
             for key in keys:
                 if key not in self.sets:
                     self.sets[key] = self._make(*key)
@@ -168,9 +187,11 @@ class MixedGraphs:
             window_slot_mapping=self.dev64[3, :n] if self.groups > 1 else None,
             window_block_tables=sent[4] if self.groups > 1 else None)
 
-    def _piece_batch(self, bucket: int, lora: bool, block_m: int) -> StepBatch:
-        """The static inputs of a bucket's pieces (the attention-only fields are placeholders)."""
+    def _piece_batch(self, bucket: int, lora: bool, gemv: bool) -> StepBatch:
+        """The static inputs of a bucket's pieces (the attention-only fields are placeholders); the LoRA
+        plan's tile height hint is 1 on the GEMV path, else the bucket's."""
         hybrid = self.groups > 1
+        block_m = 1 if gemv else plan_block_m(bucket)
         return StepBatch(
             input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
             block_tables=self._unused, seq_lens=self._unused[0], cu_seqlens_q=self._unused[0], max_q_len=0,
@@ -180,17 +201,28 @@ class MixedGraphs:
             window_block_tables=self._unused if hybrid else None)
 
     # -- pieces --------------------------------------------------------------
-    def _make(self, bucket: int, lora: bool, block_m: int) -> _Pieces:
-        """The pieces of one key: captured graphs (warmed up on padding inputs), or the eager pieces."""
+    def _make(self, bucket: int, lora: bool, gemv: bool) -> _Pieces | None:
+        """The pieces of one key: captured graphs (warmed up on padding inputs), or the eager pieces;
+        None if the device has no memory left for them."""
         if self._copied is not None:
             self._copied.synchronize()
         self._pad(0, bucket)  # a capture reads padding: no KV write, no adapter
         pieces = _Pieces([])
-        batch = self._piece_batch(bucket, lora, block_m)
+        batch = self._piece_batch(bucket, lora, gemv)
         steps = self._pieces(batch, self.lora if lora else None, pieces.state)
         if not self.capture:
             pieces.runs = steps
             return pieces
+        try:
+            self._capture(steps, pieces)
+        except torch.OutOfMemoryError as err:
+            log.warning("mixed steps of %d tokens (LoRA %s) run eagerly: capturing their graphs ran out of "
+                        "device memory (%s)", bucket, lora, err)
+            return None
+        self.captures += 1
+        return pieces
+
+    def _capture(self, steps: list[Callable[[], None]], pieces: _Pieces) -> None:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -204,8 +236,6 @@ class MixedGraphs:
             with torch.cuda.graph(graph, pool=self.mempool):
                 step()
             pieces.runs.append(graph.replay)
-        self.captures += 1
-        return pieces
 
     def _pieces(self, batch: StepBatch, lora: LoraTables | None, state: dict) -> list[Callable[[], None]]:
         model, pool, n = self.model, self.pool, batch.input_ids.shape[0]

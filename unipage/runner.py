@@ -119,8 +119,11 @@ class ModelRunner:
             logits = self.model.logits(hidden if len(samplers) == len(seqs) else hidden[samplers])
         else:
             host = host_batch(seqs, out.num_scheduled_tokens, self.block_tokens)
+            hidden = None
             if self.mixed is not None and self.mixed.accepts(host.num_tokens):
-                logits = self.model.logits(self.mixed.run(host, self.upload))
+                hidden = self.mixed.run(host, self.upload)  # None: this step runs eagerly
+            if hidden is not None:
+                logits = self.model.logits(hidden)
             else:
                 logits = self.model.forward(upload(host, self.upload), self.pool, self.lora, self.block_tokens)
         if during is not None:

@@ -60,7 +60,8 @@ FAMILIES = {
 
 @dataclass
 class StepBatch:
-    """The tensors of one step, built once by the model runner and shared by every layer."""
+    """The tensors of one step, built once by the model runner and shared by every layer (the pieces of the
+    mixed-step graphs get placeholders for the fields only the attention reads)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -236,7 +237,7 @@ class DecoderLM:
         return q
 
     def layer_out(self, i: int, h: torch.Tensor, attended: torch.Tensor, pool: torch.Tensor, ctx: _Context,
-                  rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Layer ``i`` after its attention (``attended [T, heads, D]``): ``(h, x)``, the residual stream and
         the next layer's input norm of it.  After the last layer x is the final norm, of ``rows`` only
         (None: of every row), and h is None."""
@@ -267,7 +268,8 @@ class DecoderLM:
     def attend(self, i: int, q: torch.Tensor, pool: torch.Tensor, b: StepBatch, block_tokens: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i``'s paged attention of ``q [T, heads, D]`` over each sequence's context (written to
-        ``out`` if given); reads only ``b``'s block tables, lengths and ``max_q_len``."""
+        ``out`` if given); reads only ``b``'s block tables (the window's too), lengths, ``cu_seqlens_q`` and
+        ``max_q_len``."""
         layer, m = self.layers[i], self.model
         pool_l, (_, tables) = pool[m.layer_rows[i]], _kv_tables(layer, b)
         extra = {}
