@@ -28,12 +28,26 @@ per bucket would pin hundreds of MB).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from unipage.models.decoder import DecoderLM, StepBatch
 from unipage.models.lora_tables import LoraTables
 
 WARMUP_RUNS = 2  # eager runs before a capture (compile every kernel variant the graph needs)
+
+
+def warm_up(run: Callable[[], object], device: torch.device) -> None:
+    """``run`` `WARMUP_RUNS` times on a side stream, ordered after and before the current stream's work: the
+    eager runs before a capture (kernels compiled, allocations made outside the graph's pool)."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            run()
+    current.wait_stream(side)
 
 
 def bucket_sizes(max_seqs: int) -> list[int]:
@@ -157,13 +171,7 @@ class DecodeGraphs:
     def _capture(self, bucket: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self._batch(bucket, lora)
         lora = self.lora if batch.any_lora else None
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self.model.hidden_states(batch, self.pool, lora, self.block_tokens)
-        current.wait_stream(side)
+        warm_up(lambda: self.model.hidden_states(batch, self.pool, lora, self.block_tokens), self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             hidden = self.model.hidden_states(batch, self.pool, lora, self.block_tokens)

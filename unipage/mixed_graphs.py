@@ -48,6 +48,7 @@ import logging
 
 import torch
 
+from unipage.graphs import warm_up
 from unipage.kernels import plan_block_m
 from unipage.models.decoder import DecoderLM, StepBatch
 from unipage.models.lora_tables import LoraTables
@@ -56,7 +57,6 @@ from unipage.step_inputs import HostBatch
 
 log = logging.getLogger(__name__)
 
-WARMUP_RUNS = 2  # eager runs of the pieces before a capture (compile every kernel variant)
 MAX_TOKENS = 4096  # the largest step graphed (a budget above it leaves the larger steps eager)
 
 
@@ -223,14 +223,11 @@ class MixedGraphs:
         return pieces
 
     def _capture(self, steps: list[Callable[[], None]], pieces: _Pieces) -> None:
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                for step in steps:
-                    step()
-        current.wait_stream(side)
+        def all_pieces() -> None:
+            for step in steps:
+                step()
+
+        warm_up(all_pieces, self.device)
         for step in steps:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.mempool):
