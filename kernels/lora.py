@@ -332,7 +332,8 @@ def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype, device) -> No
 
 
 def check_inputs(y, x, pool, page_table, token_slots, meta: DenseLoraMeta) -> None:
-    """Validate the arguments of `lora_shrink_expand` (shared by the reference); raise ValueError."""
+    """Validate the arguments of `lora_shrink_expand` (shared by the reference; ``y`` None for
+    `lora_shrink`); raise ValueError."""
     if not isinstance(pool, torch.Tensor) or pool.dim() != 2:
         _fail("pool", "one layer of the pool, [N, P]", getattr(pool, "shape", type(pool).__name__))
     page = pool.shape[1]
@@ -342,7 +343,8 @@ def check_inputs(y, x, pool, page_table, token_slots, meta: DenseLoraMeta) -> No
         _fail("pool", "contiguous with a power-of-two page_elems >= 64", (tuple(pool.shape), pool.stride()))
     count, dev = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None, pool.device
     _check_tensor("x", x, (None, meta.d_in), pool.dtype, dev)
-    _check_tensor("y", y, (count, meta.out_cols), pool.dtype, dev)
+    if y is not None:  # (lora_shrink has no y)
+        _check_tensor("y", y, (count, meta.out_cols), pool.dtype, dev)
     _check_tensor("token_slots", token_slots, (count,), torch.int32, dev)
     _check_tensor("page_table", page_table, (meta.num_slots, None), torch.int32, dev)
     if page_table.shape[1] * page < meta.buffer_elems:
@@ -370,26 +372,80 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, pag
     config: launch-config overrides (tile sizes, Split-K, warps); default from configs/lora_dense.json.
     contiguous: read each slot's buffer as contiguous from its first page (no per-run
         translation) — only for benchmarking against unpaged weights.
+
+    The same as `lora_shrink` then `lora_expand` with ``dependent=True``.
     """
     check_inputs(y, x, pool, page_table, token_slots, meta)
-    if x.shape[0] == 0 or meta.max_rank == 0:
-        return y
+    return _expand(y, _shrink(x, pool, page_table, token_slots, meta, batch, config, contiguous), scale, True)
+
+
+@dataclass(frozen=True)
+class LoraShrink:
+    """What `lora_shrink` hands to `lora_expand`: the Split-K partials of ``h`` and the launch they came from
+    (None: nothing to add — no token or no rank)."""
+
+    part: torch.Tensor | None  # [split_k, T, J*RB] fp32
+    plan: _Plan | None
+    args: tuple  # the pool, table and batch arguments both kernels take
+    meta: DenseLoraMeta
+    num_tokens: int
+    dtype: torch.dtype  # the pool's, which y must have
+
+
+def lora_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, token_slots: torch.Tensor,
+                meta: DenseLoraMeta, *, batch: LoraBatch | None = None, config: dict | None = None,
+                contiguous: bool = False) -> LoraShrink:
+    """The shrink half of `lora_shrink_expand` (same arguments but ``y`` and ``scale``): launches the kernel
+    that writes the Split-K partials of ``h = x @ A.T`` and returns them for `lora_expand`.
+
+    It reads only ``x``, the pool and the tables, so it may run on another stream while ``y`` is being
+    computed (the model overlaps it with the base projection); the partials are allocated on the
+    current stream before the launch.
+    """
+    check_inputs(None, x, pool, page_table, token_slots, meta)
+    return _shrink(x, pool, page_table, token_slots, meta, batch, config, contiguous)
+
+
+def _shrink(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBatch | None, config: dict | None,
+            contiguous: bool) -> LoraShrink:
+    count = x.shape[0]
+    if count == 0 or meta.max_rank == 0:
+        return LoraShrink(None, None, (), meta, count, pool.dtype)
     if batch is None:
         batch = plan_lora_batch(token_slots, meta.num_slots)
-    if batch.num_tokens != x.shape[0]:
-        _fail("batch.num_tokens", f"T = {x.shape[0]}", batch.num_tokens)
+    if batch.num_tokens != count:
+        _fail("batch.num_tokens", f"T = {count}", batch.num_tokens)
     plan = _cached_plan(x, pool, meta, batch, config, contiguous)
-    args = [pool, page_table, page_table.stride(0), token_slots,
+    args = (pool, page_table, page_table.stride(0), token_slots,
             batch.tiles if batch.grouped else token_slots,
-            batch.token_order if batch.grouped else token_slots, meta.rank]
-    count = x.shape[0]
+            batch.token_order if batch.grouped else token_slots, meta.rank)
     part = torch.empty(plan.split_k, count, meta.num_slices * meta.rank_block, dtype=torch.float32, device=x.device)
     launch(_shrink_kernel, plan.shrink_grid,
         x, x.stride(0), *args, meta.a_offset, part, count, meta.d_in, round_up(meta.d_in), plan.k_per_split,
         **plan.shrink_options)
+    return LoraShrink(part, plan, args, meta, count, pool.dtype)
+
+
+def lora_expand(y: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1.0, dependent: bool = False) -> torch.Tensor:
+    """The expand half of `lora_shrink_expand`: ``y += scale * round(sum of the partials) @ B`` (returns y).
+
+    dependent: launch as a programmatic dependent of the shrink (Hopper+, when the plan allows it) —
+        only when the shrink was the last launch on this stream; otherwise a plain launch, which
+        waits for whatever came before it (the base projection that wrote ``y``, a stream join).
+    """
+    if not isinstance(shrunk, LoraShrink):
+        _fail("shrunk", "what lora_shrink returned", type(shrunk).__name__)
+    _check_tensor("y", y, (shrunk.num_tokens, shrunk.meta.out_cols), shrunk.dtype, shrunk.meta.rank.device)
+    return _expand(y, shrunk, scale, dependent)
+
+
+def _expand(y, shrunk: LoraShrink, scale: float, dependent: bool) -> torch.Tensor:
+    if shrunk.plan is None:
+        return y
+    plan, meta = shrunk.plan, shrunk.meta
     launch(_expand_kernel, plan.expand_grid,
-        y, y.stride(0), *args, meta.b_offset, part, meta.col_tile_table(plan.block_n), count, plan.split_k,
-        float(scale), **plan.expand_options)
+        y, y.stride(0), *shrunk.args, meta.b_offset, shrunk.part, meta.col_tile_table(plan.block_n),
+        shrunk.num_tokens, plan.split_k, float(scale), **(plan.expand_options if dependent else plan.expand_solo))
     return y
 
 
@@ -405,7 +461,8 @@ class _Plan:
     shrink_grid: tuple[int, int, int]
     shrink_options: dict  # constexprs and launch options
     expand_grid: tuple[int, int]
-    expand_options: dict
+    expand_options: dict  # as a programmatic dependent of the shrink where the plan uses PDL
+    expand_solo: dict  # as a plain launch
 
 
 def _cached_plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, contiguous: bool) -> _Plan:
@@ -445,8 +502,9 @@ def _plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, c
                   EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), USE_PDL=pdl, **consts,
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
                   **({"launch_pdl": True} if pdl else {}))
+    solo = {k: v for k, v in expand.items() if k != "launch_pdl"} | {"USE_PDL": False}
     return _Plan(split_k, k_per_split, block_n, (batch.num_row_tiles, split_k, row_blocks), shrink,
-                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand)
+                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo)
 
 
 def _use_pdl(cfg: dict, device: torch.device) -> bool:

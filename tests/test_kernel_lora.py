@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from unipage.kernels import lora_meta
-from unipage.kernels.lora import lora_shrink_expand, lora_shrink_expand_ref
+from unipage.kernels.lora import lora_expand, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
 from unipage.kernels.lora_meta import (
     dense_lora_meta,
     launch_config,
@@ -335,6 +335,30 @@ def test_launch_config_uses_tuned_bucket(monkeypatch):
         assert launch_config(meta, plan_lora_batch(slots, 5), torch.float32, torch.device("cpu"))["block_n"] == 64
     finally:
         lora_meta._tuned.cache_clear()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_shrink_then_expand_halves_equal_the_whole(grouped):
+    """`lora_shrink` + `lora_expand` (plain launch) give bit for bit what `lora_shrink_expand` gives; the
+    partials carry over even when other work runs between the halves (here another target's shrink)."""
+    world = build_world()
+    slots = token_mix("zipf", 33, [0, 1, 3, 4], torch.Generator().manual_seed(5))
+    batch = plan_lora_batch(slots, len(SLOTS), grouped=grouped)
+    meta, y0, y_ref, y_whole = run_both(world, slots, batch=batch)
+    x = torch.randn(33, meta.d_in, generator=torch.Generator().manual_seed(1))  # run_both's x (same seed)
+    args = (world.pool[0], world.page_table, slots, meta)
+    shrunk = lora_shrink(x, *args, batch=batch)
+    other = lora_shrink(x.flip(0), *args, batch=batch)  # a second shrink in between must not disturb it
+    y = lora_expand(y0.clone(), shrunk)
+    assert torch.equal(y, y_whole)
+    assert not torch.equal(lora_expand(y0.clone(), other), y)
+    assert_close(y, y_ref, y0)
+    with pytest.raises(ValueError, match="y must be of shape"):
+        lora_expand(y0[:, :64], shrunk)
+    with pytest.raises(ValueError, match="what lora_shrink returned"):
+        lora_expand(y0.clone(), None)
+    empty = lora_shrink(x[:0], world.pool[0], world.page_table, slots[:0], meta)
+    assert lora_expand(y0[:0], empty).shape == (0, meta.out_cols)
 
 
 # ------------------------------------------------------------ launcher checks

@@ -24,6 +24,7 @@ and B from the unified pool's pages.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,11 @@ from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
 from unipage.models.ops import Ops
 from unipage.models.weights import Checkpoint
+
+
+# Run each dense LoRA shrink on a side stream beside its base projection (CUDA, Triton kernels); "0" runs
+# them in line, for A/B runs.
+LORA_OVERLAP = os.environ.get("UNIPAGE_LORA_OVERLAP", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,7 @@ class DecoderLM:
         self.lm_head = self.embed_tokens if tied else ckpt.get("lm_head.weight", (vocab, h))
         self.norm = ckpt.get("model.norm.weight", (h,))
         self.layers = [self._load_layer(ckpt, i) for i in range(model.num_layers)]
+        self._side = None  # `_side_stream`, made at first use
 
     # -- weights ---------------------------------------------------------
     def _load_layer(self, ckpt: Checkpoint, i: int) -> LayerWeights:
@@ -217,10 +224,7 @@ class DecoderLM:
         """Layer ``i`` up to its attention: q ``[T, heads, D]`` (contiguous); the step's K and V written."""
         layer, pool_l, layer_lora = self._layer(i, pool, ctx)
         m, tokens = self.model, x.shape[0]
-        qkv = x @ layer.w_qkv.T
-        if layer.b_qkv is not None:
-            qkv = qkv + layer.b_qkv
-        self._lora(qkv, x, pool_l, layer_lora and layer_lora.qkv, ctx)
+        qkv = self._project(x, layer.w_qkv, layer.b_qkv, pool_l, layer_lora and layer_lora.qkv, ctx)
         q_width, kv_width = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         norm = self.ops.rms_norm
@@ -243,10 +247,7 @@ class DecoderLM:
         (None: of every row), and h is None."""
         layer, pool_l, layer_lora = self._layer(i, pool, ctx)
         out = attended.reshape(attended.shape[0], -1)
-        o = out @ layer.w_o.T
-        if layer.b_o is not None:
-            o = o + layer.b_o
-        self._lora(o, out, pool_l, layer_lora and layer_lora.o, ctx)
+        o = self._project(out, layer.w_o, layer.b_o, pool_l, layer_lora and layer_lora.o, ctx)
         # each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed
         h, x = self.ops.add_rms_norm(h, o, layer.post_norm, self.eps)
         mlp = (self._moe if layer.router is not None else self._mlp)(layer, x, pool_l, layer_lora, ctx)
@@ -261,9 +262,37 @@ class DecoderLM:
         return (self.layers[i], pool[self.model.layer_rows[i]],
                 ctx.lora.layers[i] if ctx.lora is not None else None)
 
-    def _lora(self, y, x, pool_l, meta, ctx: _Context) -> None:
-        if ctx.lora is not None and meta is not None and meta.max_rank:  # (rank 0: no resident adapter has it)
+    def _project(self, x, w, bias, pool_l, meta, ctx: _Context) -> torch.Tensor:
+        """``x @ w.T (+ bias)`` plus the LoRA delta of ``meta``'s targets (None: the layer has no LoRA
+        for them).  On a side stream the LoRA shrink reads ``x`` while the base projection runs: at decode
+        the projection's GEMM leaves SMs free, and the shrink no longer sits between it and the expand."""
+        lora = ctx.lora is not None and meta is not None and meta.max_rank  # (rank 0: no resident adapter has it)
+        side = self._side_stream(x.device) if lora else None
+        shrunk = None
+        if side is not None:
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)  # x is ready, and so is every earlier expand: the partials' memory,
+            with torch.cuda.stream(side):  # allocated on the side stream, is free to reuse from here on
+                shrunk = self.ops.lora_shrink(x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
+                                              batch=ctx.plan)
+        y = x @ w.T
+        if bias is not None:
+            y = y + bias
+        if shrunk is not None:
+            main.wait_stream(side)
+            return self.ops.lora_expand(y, shrunk)
+        if lora:
             self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
+        return y
+
+    def _side_stream(self, device: torch.device):
+        """The stream the LoRA shrinks run on beside the base projections; None: run them in line (the
+        torch references, CPU, or ``UNIPAGE_LORA_OVERLAP=0``)."""
+        if self.ops.lora_shrink is None or device.type != "cuda" or not LORA_OVERLAP:
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        return self._side
 
     def attend(self, i: int, q: torch.Tensor, pool: torch.Tensor, b: StepBatch, block_tokens: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,12 +314,9 @@ class DecoderLM:
                                           **extra)
 
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
-        gate_up = x @ layer.w_gate_up.T
-        self._lora(gate_up, x, pool_l, layer_lora and layer_lora.gate_up, ctx)
+        gate_up = self._project(x, layer.w_gate_up, None, pool_l, layer_lora and layer_lora.gate_up, ctx)
         act = self.ops.silu_mul(gate_up)
-        down = act @ layer.w_down.T
-        self._lora(down, act, pool_l, layer_lora and layer_lora.down, ctx)
-        return down
+        return self._project(act, layer.w_down, None, pool_l, layer_lora and layer_lora.down, ctx)
 
     def _moe(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
         logits = x @ layer.router.T
