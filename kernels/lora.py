@@ -390,6 +390,7 @@ class LoraShrink:
     meta: DenseLoraMeta
     num_tokens: int
     dtype: torch.dtype  # the pool's, which y must have
+    batch: LoraBatch | None
 
 
 def lora_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, token_slots: torch.Tensor,
@@ -410,7 +411,7 @@ def _shrink(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBa
             contiguous: bool) -> LoraShrink:
     count = x.shape[0]
     if count == 0 or meta.max_rank == 0:
-        return LoraShrink(None, None, (), meta, count, pool.dtype)
+        return LoraShrink(None, None, (), meta, count, pool.dtype, None)
     if batch is None:
         batch = plan_lora_batch(token_slots, meta.num_slots)
     if batch.num_tokens != count:
@@ -423,7 +424,7 @@ def _shrink(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBa
     launch(_shrink_kernel, plan.shrink_grid,
         x, x.stride(0), *args, meta.a_offset, part, count, meta.d_in, round_up(meta.d_in), plan.k_per_split,
         **plan.shrink_options)
-    return LoraShrink(part, plan, args, meta, count, pool.dtype)
+    return LoraShrink(part, plan, args, meta, count, pool.dtype, batch)
 
 
 def lora_expand(y: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1.0, dependent: bool = False) -> torch.Tensor:
@@ -533,6 +534,34 @@ def lora_shrink_expand_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor,
         rows = torch.tensor([t for t, s in enumerate(slots) if s == slot], device=x.device)
         _slot_delta(y, x[rows].float(), rows, pool, page_table[slot].long(), meta, slot, scale)
     return y
+
+
+@dataclass(frozen=True)
+class LoraShrinkRef:
+    """`lora_shrink_ref`'s result: the inputs, for `lora_expand_ref` (the reference does the whole product)."""
+
+    x: torch.Tensor
+    pool: torch.Tensor
+    page_table: torch.Tensor
+    token_slots: torch.Tensor
+    meta: DenseLoraMeta
+
+
+def lora_shrink_ref(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, token_slots: torch.Tensor,
+                    meta: DenseLoraMeta, *, batch: LoraBatch | None = None, config: dict | None = None,
+                    contiguous: bool = False) -> LoraShrinkRef:
+    """Torch reference of `lora_shrink` (same signature): checks and keeps the inputs."""
+    check_inputs(None, x, pool, page_table, token_slots, meta)
+    return LoraShrinkRef(x, pool, page_table, token_slots, meta)
+
+
+def lora_expand_ref(y: torch.Tensor, shrunk: LoraShrinkRef, *, scale: float = 1.0,
+                    dependent: bool = False) -> torch.Tensor:
+    """Torch reference of `lora_expand` (same signature; ``shrunk`` from `lora_shrink_ref`)."""
+    if not isinstance(shrunk, LoraShrinkRef):
+        _fail("shrunk", "what lora_shrink_ref returned", type(shrunk).__name__)
+    return lora_shrink_expand_ref(y, shrunk.x, shrunk.pool, shrunk.page_table, shrunk.token_slots, shrunk.meta,
+                                  scale=scale)
 
 
 def _slot_delta(y, x_rows, rows, pool, table, meta: DenseLoraMeta, slot: int, scale: float) -> None:

@@ -96,24 +96,3 @@ def test_chunked_mixed_steps_match_eager(family):
             diff = (torch.stack(a.logits[:same]) - torch.stack(b.logits[:same])).abs()
             assert diff.mean() <= 0.01 * torch.stack(b.logits[:same]).abs().mean()
     assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"
-
-
-def test_lora_shrinks_on_a_side_stream_change_nothing(family, monkeypatch):
-    """The dense LoRA shrinks beside the base projections (the default on CUDA) give the same tokens and
-    logits, bit for bit, as in line (``UNIPAGE_LORA_OVERLAP=0``), captured in graphs and eager."""
-    from unipage.models import decoder
-
-    rng = random.Random(3)
-    choices = [*family.adapters, None]
-    prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(3, 40))] for _ in range(SEQS)]
-    names = [rng.choice(choices) for _ in range(SEQS)]
-    for graphs in (True, False):
-        runs = []
-        for overlap in (True, False):
-            monkeypatch.setattr(decoder, "LORA_OVERLAP", overlap)
-            with _llm(family, graphs) as llm:
-                runs.append(_run(llm, prompts, names))
-                assert (llm.engine.model._side is not None) == overlap
-        for a, b in zip(*runs):
-            assert a.token_ids == b.token_ids, (graphs, a.adapter)
-            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), (graphs, a.adapter)

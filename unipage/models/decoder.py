@@ -24,7 +24,6 @@ and B from the unified pool's pages.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +36,6 @@ from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
 from unipage.models.ops import Ops
 from unipage.models.weights import Checkpoint
-
-
-# Run each dense LoRA shrink on a side stream beside its base projection (CUDA, Triton kernels); "0" runs
-# them in line, for A/B runs.
-LORA_OVERLAP = os.environ.get("UNIPAGE_LORA_OVERLAP", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -133,7 +127,6 @@ class DecoderLM:
         self.lm_head = self.embed_tokens if tied else ckpt.get("lm_head.weight", (vocab, h))
         self.norm = ckpt.get("model.norm.weight", (h,))
         self.layers = [self._load_layer(ckpt, i) for i in range(model.num_layers)]
-        self._side = None  # `_side_stream`, made at first use
 
     # -- weights ---------------------------------------------------------
     def _load_layer(self, ckpt: Checkpoint, i: int) -> LayerWeights:
@@ -264,35 +257,17 @@ class DecoderLM:
 
     def _project(self, x, w, bias, pool_l, meta, ctx: _Context) -> torch.Tensor:
         """``x @ w.T (+ bias)`` plus the LoRA delta of ``meta``'s targets (None: the layer has no LoRA
-        for them).  On a side stream the LoRA shrink reads ``x`` while the base projection runs: at decode
-        the projection's GEMM leaves SMs free, and the shrink no longer sits between it and the expand."""
-        lora = ctx.lora is not None and meta is not None and meta.max_rank  # (rank 0: no resident adapter has it)
-        side = self._side_stream(x.device) if lora else None
-        shrunk = None
-        if side is not None:
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)  # x is ready, and so is every earlier expand: the partials' memory,
-            with torch.cuda.stream(side):  # allocated on the side stream, is free to reuse from here on
-                shrunk = self.ops.lora_shrink(x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
-                                              batch=ctx.plan)
+        for them)."""
         y = x @ w.T
         if bias is not None:
             y = y + bias
-        if shrunk is not None:
-            main.wait_stream(side)
-            return self.ops.lora_expand(y, shrunk)
-        if lora:
+        if self._has_lora(meta, ctx):
             self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
         return y
 
-    def _side_stream(self, device: torch.device):
-        """The stream the LoRA shrinks run on beside the base projections; None: run them in line (the
-        torch references, CPU, or ``UNIPAGE_LORA_OVERLAP=0``)."""
-        if self.ops.lora_shrink is None or device.type != "cuda" or not LORA_OVERLAP:
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
-        return self._side
+    @staticmethod
+    def _has_lora(meta, ctx: _Context) -> bool:
+        return ctx.lora is not None and meta is not None and meta.max_rank > 0  # (0: no resident adapter has it)
 
     def attend(self, i: int, q: torch.Tensor, pool: torch.Tensor, b: StepBatch, block_tokens: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,8 +289,13 @@ class DecoderLM:
                                           **extra)
 
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
-        gate_up = self._project(x, layer.w_gate_up, None, pool_l, layer_lora and layer_lora.gate_up, ctx)
-        act = self.ops.silu_mul(gate_up)
+        meta = layer_lora and layer_lora.gate_up
+        gate_up = x @ layer.w_gate_up.T
+        if self._has_lora(meta, ctx):  # the expand fused with the activation: gate_up is not written back
+            shrunk = self.ops.lora_shrink(x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
+            act = self.ops.lora_silu_mul(gate_up, shrunk)
+        else:
+            act = self.ops.silu_mul(gate_up)
         return self._project(act, layer.w_down, None, pool_l, layer_lora and layer_lora.down, ctx)
 
     def _moe(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
