@@ -38,7 +38,8 @@ from unipage.kernels.lora import (
     lora_expand_ref,
 )
 
-BLOCK_N = 128  # columns of I per program
+# (columns of I, warps) per program, by tile height (1: the GEMV path)
+CONFIGS = {1: (128, 4), 16: (128, 4), 32: (128, 4), 64: (128, 4)}
 
 
 @triton.jit
@@ -135,13 +136,15 @@ def _check(gate_up: torch.Tensor, shrunk: LoraShrink) -> int:
     return meta.slice_cols[0]
 
 
-def lora_silu_mul(gate_up: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1.0) -> torch.Tensor:
+def lora_silu_mul(gate_up: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1.0,
+                  config: dict | None = None) -> torch.Tensor:
     """``silu(gate) · up`` of ``gate_up [T, 2I]`` plus its LoRA delta: ``silu_mul(lora_expand(gate_up,
     shrunk, scale=scale))`` without changing ``gate_up``; returns a new contiguous ``[T, I]``.
 
     shrunk: `lora_shrink`'s result for the gate/up pair (slices 0 and 1 of equal width I), launched
     right before this call on the same stream (this kernel is its programmatic dependent).  A rank
     block above 64 takes the two kernels instead.
+    config: ``{"block_n": columns of I per program (a multiple of 64), "warps": n}`` overrides `CONFIGS`.
     """
     inter = _check(gate_up, shrunk)
     plan, meta, batch = shrunk.plan, shrunk.meta, shrunk.batch
@@ -151,11 +154,15 @@ def lora_silu_mul(gate_up: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1
     consts = plan.expand_options
     rows = batch.num_row_tiles + (cdiv(batch.num_tokens, batch.block_m) if batch.grouped else 0)
     pdl = consts["USE_PDL"]
-    launch(_expand_silu_kernel, (rows, cdiv(inter, BLOCK_N)),
+    block_n, warps = CONFIGS[min(batch.block_m, max(CONFIGS))]
+    block_n, warps = (config or {}).get("block_n", block_n), (config or {}).get("warps", warps)
+    if block_n < 64 or block_n % 64:
+        _fail("config block_n", "a multiple of 64", block_n)
+    launch(_expand_silu_kernel, (rows, cdiv(inter, block_n)),
            gate_up, gate_up.stride(0), out, *shrunk.args, meta.b_offset, shrunk.part,
            shrunk.num_tokens, batch.num_row_tiles, inter, plan.split_k, float(scale),
-           RB=meta.rank_block, SPLITS=consts["SPLITS"], BM=batch.block_m, BN=BLOCK_N, GROUPED=batch.grouped,
-           PAGED=consts["PAGED"], LOG2_P=consts["LOG2_P"], FP32=consts["FP32"], USE_PDL=pdl, num_warps=4,
+           RB=meta.rank_block, SPLITS=consts["SPLITS"], BM=batch.block_m, BN=block_n, GROUPED=batch.grouped,
+           PAGED=consts["PAGED"], LOG2_P=consts["LOG2_P"], FP32=consts["FP32"], USE_PDL=pdl, num_warps=warps,
            **({"launch_pdl": True} if pdl else {}))
     return out
 
