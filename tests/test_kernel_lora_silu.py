@@ -27,10 +27,11 @@ def run(world, slots, grouped, seed=1, scale=1.0, config=None):
     batch = plan_lora_batch(slots, len(world.layouts), grouped=grouped)
     before = gate_up.clone()
     shrunk = lora_shrink(x, *args, batch=batch, config=config)
-    out = lora_silu_mul(gate_up, shrunk, scale=scale)
-    assert torch.equal(gate_up, before)  # not written back
-    ref = lora_silu_mul_ref(gate_up, lora_shrink_ref(x, *args), scale=scale)
-    unfused = silu_mul(lora_expand(gate_up.clone(), shrunk, scale=scale))
+    out = lora_silu_mul(gate_up, shrunk, scale=scale, config=config)
+    if (config or {}).get("fused", True) and batch.block_m <= 16 and meta.rank_block <= 64:
+        assert torch.equal(gate_up, before)  # the fused kernel does not write it back
+    ref = lora_silu_mul_ref(before.clone(), lora_shrink_ref(x, *args), scale=scale)
+    unfused = silu_mul(lora_expand(before.clone(), shrunk, scale=scale))
     return before, out, ref, unfused
 
 
@@ -62,6 +63,24 @@ def test_uneven_width_split_k_and_no_adapter_tiles(grouped):
     slots = token_mix("uniform", 40, USED, torch.Generator().manual_seed(2), none_frac=0.6)
     config = {"block_k": 64, "split_k": 3, "rows": 16}
     check(slots, *run(world, slots, grouped, config=config))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_tall_tiles_take_the_two_kernels_unless_fused_is_asked(fused):
+    """Tiles of 64 tokens: the two kernels by default (gate_up then holds the delta), or the fused one."""
+    world = build_world(slots=SLOTS, seed=5)
+    slots = token_mix("skewed", 90, USED, torch.Generator().manual_seed(4))
+    meta = dense_lora_meta(world.layouts, 0, GU, model=world.model)
+    x, gate_up = torch.randn(90, meta.d_in), torch.randn(90, meta.out_cols)
+    args = (world.pool[0], world.page_table, slots, meta)
+    batch = plan_lora_batch(slots, len(SLOTS), grouped=True, block_m=64)
+    before = gate_up.clone()
+    out = lora_silu_mul(gate_up, lora_shrink(x, *args, batch=batch), config={"fused": fused})
+    assert torch.equal(gate_up, before) == fused
+    ref = lora_silu_mul_ref(before, lora_shrink_ref(x, *args))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    none = slots < 0
+    assert torch.equal(out[none], silu_mul(gate_up if fused else before)[none])
 
 
 def test_rank_above_64_takes_the_two_kernels():
@@ -121,7 +140,7 @@ def test_gpu_llama8b_gate_up_bf16(count):
     for grouped in (False, True):
         batch = plan_lora_batch(slots, 16, group_tokens=-(-count // 16), max_groups=16, grouped=grouped)
         shrunk = lora_shrink(x, pool, table, slots, meta, batch=batch)
-        got = lora_silu_mul(gate_up, shrunk)
+        got = lora_silu_mul(gate_up.clone(), shrunk)
         unfused = silu_mul(lora_expand(gate_up.clone(), lora_shrink(x, pool, table, slots, meta, batch=batch)))
         torch.testing.assert_close(got.float(), unfused.float(), rtol=1e-2, atol=1e-2)
         err = (got.float() - want).norm() / want.norm()
