@@ -145,12 +145,12 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "cuda_graphs": graphs_label(ctx), "commit": ctx.commit}
     emit(record, ctx.out)
     if a.log_dir:
-        write_run_log(ctx, engine, work, timeline, rows, disk, record, warm, names, targets, rank)
+        write_run_log(ctx, engine, work, timeline, rows, disk, record, warm, names, targets, rank, steps)
     return record
 
 
 def write_run_log(ctx: Context, engine: Engine, work, timeline, rows, disk, record, warm, names, targets,
-                  rank) -> None:
+                  rank, steps: drv.StepLog) -> None:
     """Everything `serve_calib` needs to fit and replay this run, as one JSON file."""
     index = {n: i for i, n in enumerate(names)}
     cfg = engine.config
@@ -168,6 +168,7 @@ def write_run_log(ctx: Context, engine: Engine, work, timeline, rows, disk, reco
                         "input": [len(p) for p in work.prompts], "output": list(work.outputs),
                         "submit": timeline.submit.tolist(), "first": timeline.first.tolist(),
                         "finish": timeline.finish.tolist(), "tokens": timeline.tokens.tolist()},
+           "loads": {**steps.loads, "adapter": [index.get(x, -1) for x in steps.loads["adapter"]]},
            "read_workers": engine.storage.read_workers,
            "columns": list(drv.COLUMNS), "steps": rows.tolist(), "h2d_bytes_per_s": ctx.h2d,
            "memory_bytes_per_s": ctx.bandwidth, "disk_bytes": disk.bytes, "disk_seconds": disk.seconds,

@@ -77,15 +77,19 @@ class StepLog:
         self.model = model
         self.moe_layers = sum(map(model.is_moe_layer, range(model.num_layers)))
         self.rows: list[list[float]] = []
+        self.loads: dict[str, list] = {"adapter": [], "issued": [], "ready": [], "from_host": []}
+        self._issued: dict[str, int] = {}  # adapter -> its entry in `loads` while its load is in flight
+        self.start = time.perf_counter()  # `drive` sets it to its first submission: the times' origin
         self._seen = None  # (SchedulerOutput, contexts, adapters) of the step in flight
         self._launched: float | None = None  # when the step in flight performed its adapter effects
 
     def __enter__(self) -> Self:
         sched, engine = self.engine.scheduler, self.engine
-        schedule, perform = sched.schedule, engine._perform
+        schedule, perform, update = sched.schedule, engine._perform, sched.update
 
         def schedule_and_note():
             out = schedule()
+            self._note_loads(out.adapter_loads)
             reqs = sched.requests
             self._seen = (out, [reqs[r].num_computed_tokens for r in out.req_ids],
                           [reqs[r].adapter for r in out.req_ids])
@@ -96,13 +100,30 @@ class StepLog:
                 self._launched = time.perf_counter()
             return perform(effects)
 
-        sched.schedule = schedule_and_note
+        def update_and_note(result):
+            now = time.perf_counter() - self.start
+            for name in result.loads_done:
+                if name in self._issued:
+                    self.loads["ready"][self._issued.pop(name)] = now
+            return update(result)
+
+        sched.schedule, sched.update = schedule_and_note, update_and_note
         engine._perform = perform_and_note
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.engine.scheduler.schedule  # back to the classes' methods
+        del self.engine.scheduler.schedule, self.engine.scheduler.update  # back to the classes' methods
         del self.engine._perform
+
+    def _note_loads(self, loads) -> None:
+        """Each load the scheduler starts (in any schedule, one that runs no batch too): when, and from where;
+        its ready time (NaN until the engine reports it done) comes with the update that reports it."""
+        now = time.perf_counter() - self.start
+        for effect in loads:
+            self._issued[effect.name] = len(self.loads["adapter"])
+            for key, value in (("adapter", effect.name), ("issued", now), ("ready", float("nan")),
+                               ("from_host", bool(effect.from_host))):
+                self.loads[key].append(value)
 
     def step(self) -> list:
         """``engine.step()``, timed; a row is kept when the step ran a batch."""
@@ -173,6 +194,8 @@ def drive(engine, work: Workload, steps: StepLog | None = None, progress_s: floa
     index = {f"{work.name}-{i}": i for i in range(n)}
     t0 = time.perf_counter()
     nxt, done, last_note = 0, 0, t0
+    if steps is not None:
+        steps.start = t0
 
     def add(i: int, now: float) -> None:
         engine.add_request(Request(f"{work.name}-{i}", work.prompts[i], work.adapters[i], GREEDY,

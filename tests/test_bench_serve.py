@@ -194,6 +194,22 @@ def test_run_logs_record_each_steps_launch_time_and_the_fit_uses_them(runs):
     assert "step gap" in profile.source and profile.step_gap_s > 0  # the driver's work between steps
 
 
+def test_run_logs_record_each_adapter_load_from_start_to_ready(runs):
+    """Setup c at 6 adapters in a 10-page pool loads adapters during the run: each load's start, ready time
+    (after it), adapter and tier; at least the loads of the steps that ran a batch."""
+    _, log_files, _ = runs
+    path = next(p for p in log_files if p.endswith(f"-{COUNTS[1]}.json"))
+    with open(path) as f:
+        log = json.load(f)
+    loads, rows = log["loads"], serve_calib.step_rows(log)
+    n = len(loads["adapter"])
+    assert n >= rows[:, serve.drv.COLUMNS.index("loads")].sum() > 0
+    assert all(len(loads[k]) == n for k in ("issued", "ready", "from_host"))
+    issued, ready = np.asarray(loads["issued"]), np.asarray(loads["ready"])
+    assert np.isfinite(ready).all() and (ready >= issued).all() and (issued >= 0).all()
+    assert set(loads["adapter"]) <= set(range(len(log["adapter_names"])))
+
+
 def test_fit_launch_recovers_planted_terms_and_skips_rows_without_one():
     rng = np.random.default_rng(1)
     col = {name: i for i, name in enumerate(serve.drv.COLUMNS)}
