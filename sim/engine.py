@@ -13,7 +13,9 @@ library's own objects.  Events are the arrivals, the end of each step and the
 completion of each adapter load.  While the engine runs a step, arrivals and
 load completions wait for the step's end (as in a real engine loop); a file
 read that finishes before the step's forward pass is launched starts its copy
-then (the engine polls there), so that copy can end within the step; when a
+then (the engine polls there), so that copy can end within the step; one that
+finishes later starts its copy at the step's end, and the same poll reports
+it done if it ends within that poll's host work (``load_s`` a copy); when a
 step has nothing to compute, the clock jumps to the next arrival or load
 completion instead of spinning.
 
@@ -165,11 +167,13 @@ class LoadQueue:
         self.bytes_h2d += nbytes
         heapq.heappush(self.heap, (self.h2d_free, self.seq, load.name))
 
-    def poll(self, now: float) -> None:
-        """Start the copies of the reads finished by ``now``."""
-        reads = self.reads
+    def poll(self, now: float) -> int:
+        """Start the copies of the reads finished by ``now``; returns how many."""
+        reads, started = self.reads, 0
         while reads and reads[0][0] <= now:
             self._copy(heapq.heappop(reads)[2], now)
+            started += 1
+        return started
 
     def next_done(self) -> float:
         """The next read or copy to finish (what an idle engine waits for)."""
@@ -375,9 +379,11 @@ class Simulation:
             if now > w0 and start < w1:
                 area += in_system * (min(now, w1) - max(start, w0))
             clock.now = now
-            done = loads.pop_done(now) if loads.heap else _NONE  # before the poll: a copy it starts is not done
-            if loads.reads:
-                loads.poll(now)
+            # The engine's end-of-step poll starts the copies of the reads finished by now, then reports every
+            # copy complete: one of its own is when the copy takes less than the poll's host work after it
+            # (load_s a copy; a small adapter's pages cross in microseconds).
+            copies = loads.poll(now) if loads.reads else 0
+            done = loads.pop_done(now + self.cost.p.load_s * copies) if loads.heap else _NONE
             outputs = sched.update(StepResult(sampled, done))
             before = released
             if loop is not None and released < n:
