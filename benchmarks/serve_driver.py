@@ -77,7 +77,7 @@ class StepLog:
         self.model = model
         self.moe_layers = sum(map(model.is_moe_layer, range(model.num_layers)))
         self.rows: list[list[float]] = []
-        self.loads: dict[str, list] = {"adapter": [], "issued": [], "ready": [], "from_host": []}
+        self.loads: dict[str, list] = {"adapter": [], "issued": [], "ready": [], "from_host": [], "failed": []}
         self._issued: dict[str, int] = {}  # adapter -> its entry in `loads` while its load is in flight
         self.start = time.perf_counter()  # `drive` sets it to its first submission: the times' origin
         self._seen = None  # (SchedulerOutput, contexts, adapters) of the step in flight
@@ -105,6 +105,9 @@ class StepLog:
             for name in result.loads_done:
                 if name in self._issued:
                     self.loads["ready"][self._issued.pop(name)] = now
+            for name in result.loads_failed:  # its ready time stays NaN
+                if name in self._issued:
+                    self.loads["failed"][self._issued.pop(name)] = True
             return update(result)
 
         sched.schedule, sched.update = schedule_and_note, update_and_note
@@ -117,12 +120,13 @@ class StepLog:
 
     def _note_loads(self, loads) -> None:
         """Each load the scheduler starts (in any schedule, one that runs no batch too): when, and from where;
-        its ready time (NaN until the engine reports it done) comes with the update that reports it."""
+        its ready time (NaN until the engine reports it done; NaN for good if it failed) comes with the
+        update that reports it."""
         now = time.perf_counter() - self.start
         for effect in loads:
             self._issued[effect.name] = len(self.loads["adapter"])
             for key, value in (("adapter", effect.name), ("issued", now), ("ready", float("nan")),
-                               ("from_host", bool(effect.from_host))):
+                               ("from_host", bool(effect.from_host)), ("failed", False)):
                 self.loads[key].append(value)
 
     def step(self) -> list:

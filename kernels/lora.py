@@ -399,9 +399,7 @@ def lora_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, t
     """The shrink half of `lora_shrink_expand` (same arguments but ``y`` and ``scale``): launches the kernel
     that writes the Split-K partials of ``h = x @ A.T`` and returns them for `lora_expand`.
 
-    It reads only ``x``, the pool and the tables, so it may run on another stream while ``y`` is being
-    computed (the model overlaps it with the base projection); the partials are allocated on the
-    current stream before the launch.
+    The partials are allocated on the current stream; `lora_expand` (or `lora_silu_mul`) reads them.
     """
     check_inputs(None, x, pool, page_table, token_slots, meta)
     return _shrink(x, pool, page_table, token_slots, meta, batch, config, contiguous)
@@ -431,8 +429,8 @@ def lora_expand(y: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1.0, depe
     """The expand half of `lora_shrink_expand`: ``y += scale * round(sum of the partials) @ B`` (returns y).
 
     dependent: launch as a programmatic dependent of the shrink (Hopper+, when the plan allows it) —
-        only when the shrink was the last launch on this stream; otherwise a plain launch, which
-        waits for whatever came before it (the base projection that wrote ``y``, a stream join).
+        only when the shrink was the last launch on this stream and whatever wrote ``y`` came before
+        the shrink (the GEMV path reads ``y`` before it waits); otherwise a plain launch.
     """
     if not isinstance(shrunk, LoraShrink):
         _fail("shrunk", "what lora_shrink returned", type(shrunk).__name__)

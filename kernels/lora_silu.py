@@ -10,7 +10,7 @@ Math — with ``h`` the shrink's result for gate (slice 0) and up (slice 1) of t
 
 which is ``silu_mul(lora_expand(gate_up, shrunk))`` without writing the LoRA-added ``gate_up`` back and
 reading it again, and one launch fewer: at a decode step of 16 tokens with 16 adapters of Llama-3.1-8B,
-10.5 against 16.2 us a layer with the shrink (H100).
+17.9 against 23.4 us a layer with the shrink (H100, `benchmarks/results/kernels-lora-silu-h100.jsonl`).
 
 Programs ``(row tile, column tile of I)``.  Row tiles are the `LoraBatch`'s: one token (GEMV path) or
 ``block_m`` tokens of one adapter (grouped path).  The grouped path's tiles cover only tokens with an
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels.common import cdiv, finish_early, gdc_wait, load_runs
-from unipage.kernels.elementwise import DTYPES, silu_mul, silu_mul_ref
+from unipage.kernels.elementwise import silu_mul, silu_mul_ref
 from unipage.kernels.launch import launch
 from unipage.kernels.lora import (
     LoraShrink,
@@ -38,10 +38,11 @@ from unipage.kernels.lora import (
     lora_expand_ref,
 )
 
-# (columns of I, warps) per program, by tile height (1: the GEMV path).  Taller tiles take the two kernels:
-# measured on the H100 (Llama-3.1-8B gate/up, r16, 16 adapters, shrink included), fused against two
-# kernels: 16 tokens (GEMV) 10.5 against 16.2 us, 64 and 256 tokens (tiles of 16) 18.7 / 29.4 against
-# 19.4 / 31.8 us, but 1,024 and 4,096 tokens (tiles of 64) at best 107 / 334 against 92 / 329 us.
+# (columns of I, warps) per program at rank block 16, by tile height (1: the GEMV path); a larger rank
+# block takes proportionally fewer columns.  Taller tiles take the two kernels: measured on the H100
+# (`benchmarks/kernels_lora_silu.py`: Llama-3.1-8B gate/up, r16, 16 adapters, shrink included), fused
+# against two kernels: 16 tokens (GEMV) 17.9 against 23.4 us, 64 and 256 tokens (tiles of 16) 25.5 / 36.0
+# against 26.2 / 37.2 us, but 1,024 and 4,096 tokens (tiles of 64) 140 / 439 against 96 / 331 us.
 CONFIGS = {1: (512, 4), 16: (128, 4)}
 
 
@@ -73,8 +74,8 @@ def _rows(pid, num_tokens, num_tiles, token_slots_ptr, tiles_ptr, order_ptr, BM:
     if GROUPED:
         if pid < num_tiles:
             slot, tok, m_ok = _row_tile(pid, token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
-            m_ok = m_ok & (tok * 0 + slot >= 0)  # a padding tile's range may hold other tiles' tokens (vector
-            # form: the interpreter rejects a bool scalar in a mask)
+            m_ok = m_ok & (tok * 0 + slot >= 0)  # a padding tile writes nothing (its range is empty with
+            # the current planner; vector form: the interpreter rejects a bool scalar in a mask)
         else:  # a tile of the tokens without adapter, in token order
             tok = ((pid - num_tiles) * BM + tl.arange(0, BM)).to(tl.int64)
             in_range = tok < num_tokens
@@ -134,8 +135,6 @@ def _check(gate_up: torch.Tensor, shrunk: LoraShrink) -> int:
     meta = shrunk.meta
     _check_pair(meta)
     _check_tensor("gate_up", gate_up, (shrunk.num_tokens, meta.out_cols), shrunk.dtype, meta.rank.device)
-    if gate_up.dtype not in DTYPES:
-        _fail("gate_up.dtype", f"one of {DTYPES}", gate_up.dtype)
     return meta.slice_cols[0]
 
 
@@ -146,8 +145,11 @@ def lora_silu_mul(gate_up: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1
     kernel leaves it as it was, the two kernels add the delta into it.
 
     shrunk: `lora_shrink`'s result for the gate/up pair (slices 0 and 1 of equal width I), launched
-    right before this call on the same stream (this kernel is its programmatic dependent).  Tiles
-    taller than `CONFIGS` has and rank blocks above 64 take the two kernels.
+    right before this call on the same stream, after whatever wrote ``gate_up`` (this kernel is the
+    shrink's programmatic dependent and may read ``gate_up`` before the shrink ends).  Its plan must
+    cover every adapter token (`plan_lora_batch`'s ``max_groups`` at least the step's adapters): rows of
+    tokens it drops are left unwritten.  Tiles taller than `CONFIGS` has and rank blocks above 64 take
+    the two kernels.
     config: ``{"block_n": columns of I per program (a multiple of 64), "warps": n, "fused": bool}``
         overrides `CONFIGS` and the choice of kernels (``fused`` True: the fused one, rank <= 64).
     """
@@ -157,12 +159,13 @@ def lora_silu_mul(gate_up: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1
         return silu_mul(gate_up)
     fused = config.get("fused", batch.block_m in CONFIGS) and meta.rank_block <= 64
     if not fused:
-        return silu_mul(lora_expand(gate_up, shrunk, scale=scale))
+        return silu_mul(lora_expand(gate_up, shrunk, scale=scale, dependent=True))
     out = torch.empty(shrunk.num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     consts = plan.expand_options
     rows = batch.num_row_tiles + (cdiv(batch.num_tokens, batch.block_m) if batch.grouped else 0)
     pdl = consts["USE_PDL"]
     block_n, warps = CONFIGS.get(batch.block_m, CONFIGS[16])
+    block_n = max(64, block_n * 16 // meta.rank_block)  # the B tiles' registers grow with the rank block
     block_n, warps = config.get("block_n", block_n), config.get("warps", warps)
     if block_n < 64 or block_n % 64:
         _fail("config block_n", "a multiple of 64", block_n)

@@ -184,10 +184,15 @@ class LoadQueue:
         return bool(self.heap or self.reads)
 
     def pop_done(self, now: float) -> list[str]:
-        heap, done = self.heap, []
-        while heap and heap[0][0] <= now:
-            done.append(heapq.heappop(heap)[2])
-        return done
+        return self.pop_by(now)[0]
+
+    def pop_by(self, horizon: float) -> tuple[list[str], float]:
+        """The copies complete by ``horizon``, and when the last of them completed (-inf: none)."""
+        heap, done, last = self.heap, [], -INF
+        while heap and heap[0][0] <= horizon:
+            last, _, name = heapq.heappop(heap)
+            done.append(name)
+        return done, last
 
 
 @dataclass(frozen=True)
@@ -376,14 +381,18 @@ class Simulation:
                 else:  # idle until the next arrival or load completion
                     now = max(now, wake)
                     stalls = 0
+            # The engine's end-of-step poll starts the copies of the reads finished by now, then queries every
+            # copy's event after that host work (load_s a copy, charged to the step that started the load): a
+            # copy that ended by then, one of its own too (a small adapter's pages cross in microseconds), is
+            # reported now, and the step ends when the last one reported did, if that is later.
+            copies = loads.poll(now) if loads.reads else 0
+            done = _NONE
+            if loads.heap:
+                done, last = loads.pop_by(now + self.cost.p.load_s * copies)
+                now = max(now, last)
             if now > w0 and start < w1:
                 area += in_system * (min(now, w1) - max(start, w0))
             clock.now = now
-            # The engine's end-of-step poll starts the copies of the reads finished by now, then reports every
-            # copy complete: one of its own is when the copy takes less than the poll's host work after it
-            # (load_s a copy; a small adapter's pages cross in microseconds).
-            copies = loads.poll(now) if loads.reads else 0
-            done = loads.pop_done(now + self.cost.p.load_s * copies) if loads.heap else _NONE
             outputs = sched.update(StepResult(sampled, done))
             before = released
             if loop is not None and released < n:

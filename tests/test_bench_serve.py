@@ -204,8 +204,9 @@ def test_run_logs_record_each_adapter_load_from_start_to_ready(runs):
     loads, rows = log["loads"], serve_calib.step_rows(log)
     n = len(loads["adapter"])
     assert n >= rows[:, serve.drv.COLUMNS.index("loads")].sum() > 0
-    assert all(len(loads[k]) == n for k in ("issued", "ready", "from_host"))
+    assert all(len(loads[k]) == n for k in ("issued", "ready", "from_host", "failed"))
     issued, ready = np.asarray(loads["issued"]), np.asarray(loads["ready"])
+    assert not any(loads["failed"])  # (a failed load keeps a NaN ready time)
     assert np.isfinite(ready).all() and (ready >= issued).all() and (issued >= 0).all()
     assert set(loads["adapter"]) <= set(range(len(log["adapter_names"])))
 

@@ -178,16 +178,18 @@ def test_a_read_done_mid_step_is_copied_after_the_step(tmp_path):
     assert result.first_token.tolist() == pytest.approx([0.091, 0.129], abs=1e-12)
 
 
-@pytest.mark.parametrize("copy_s, second", [(0.0005, 0.109), (0.001, 0.109), (0.0015, 0.1105)])
-def test_a_copy_shorter_than_the_polls_host_work_is_reported_by_that_poll(tmp_path, copy_s, second):
-    """The scenario above with a copy of ``copy_s``.  The engine's end-of-step poll starts the copy, then
-    reports the copies complete: its own too when it takes at most the poll's host work after it (load_s
-    1 ms).  Then r1's prefill runs at once (0.091-0.109); a longer one is reported when it ends, the engine
-    having nothing else to run (0.0925 + 0.018)."""
+@pytest.mark.parametrize("copy_s", [0.0005, 0.001, 0.0015, 0.02])
+def test_a_copy_shorter_than_the_polls_host_work_is_reported_by_that_poll(tmp_path, copy_s):
+    """The scenario above with a copy of ``copy_s`` from 0.091.  The engine's end-of-step poll starts the
+    copy, then reports the copies complete after its host work (load_s 1 ms): its own too when it takes at
+    most that, and r1's prefill (18 ms) starts when it ends; a longer one is reported when it ends, the
+    engine having nothing else to run.  Either way: 0.091 + copy_s + 0.018, never before the copy ends.  r0's
+    token comes with the update after the poll: at 0.091 + copy_s when the poll reported the copy."""
     trace = Trace(np.array([0.0, 0.0]), np.array([-1, 0], dtype=np.int32), np.array([80, 8], dtype=np.int32),
                   np.array([1, 1], dtype=np.int32), np.zeros(2, dtype=np.int32), ["a0", "a1"], [8, 8], ["t0"])
     result = _hand_run(tmp_path, {"load_s": 0.001, "h2d_bytes_per_s": 65536 / copy_s}, trace)
-    assert result.first_token.tolist() == pytest.approx([0.091, second], abs=1e-12)
+    first = 0.091 + (copy_s if copy_s <= 0.001 else 0.0)
+    assert result.first_token.tolist() == pytest.approx([first, 0.091 + copy_s + 0.018], abs=1e-12)
 
 
 @pytest.mark.parametrize("launch_base_s, launch_token_s, second", [

@@ -33,12 +33,12 @@ class Ops:
     silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up
 
 
-TORCH = Ops("torch", K.lora_shrink_expand_ref, K.lora_shrink_ref, K.lora_silu_mul_ref, K.write_kv_ref, K.paged_attention_prefill_ref, None,
-            K.route_topk_ref, K.fused_experts_ref, plans_lora=False, rms_norm=K.rms_norm_ref,
-            add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref, silu_mul=K.silu_mul_ref)
+TORCH = Ops("torch", K.lora_shrink_expand_ref, K.lora_shrink_ref, K.lora_silu_mul_ref, K.write_kv_ref,
+            K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref, plans_lora=False,
+            rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref, silu_mul=K.silu_mul_ref)
 TRITON = Ops("triton", K.lora_shrink_expand, K.lora_shrink, K.lora_silu_mul, K.write_kv, K.paged_attention_prefill,
-             K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True, rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm,
-             rope=K.rope_qk, silu_mul=K.silu_mul)
+             K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True, rms_norm=K.rms_norm,
+             add_rms_norm=K.add_rms_norm, rope=K.rope_qk, silu_mul=K.silu_mul)
 
 
 def ops_for(device: torch.device, kernels: str | None = None) -> Ops:
