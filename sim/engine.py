@@ -15,7 +15,8 @@ load completions wait for the step's end (as in a real engine loop); a file
 read that finishes before the step's forward pass is launched starts its copy
 then (the engine polls there), so that copy can end within the step; one that
 finishes later starts its copy at the step's end, and the same poll reports
-it done if it ends within that poll's host work (``load_s`` a copy); when a
+it done if it ends within that poll's host work (``load_s`` a copy; the step
+then ends when the copy does); when a
 step has nothing to compute, the clock jumps to the next arrival or load
 completion instead of spinning.
 
