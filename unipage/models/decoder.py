@@ -291,7 +291,7 @@ class DecoderLM:
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
         meta = layer_lora and layer_lora.gate_up
         gate_up = x @ layer.w_gate_up.T
-        if self._has_lora(meta, ctx):  # the expand fused with the activation: gate_up is not written back
+        if self._has_lora(meta, ctx):  # the LoRA expand and the activation in one kernel where that is faster
             shrunk = self.ops.lora_shrink(x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
             act = self.ops.lora_silu_mul(gate_up, shrunk)
         else:
