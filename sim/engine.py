@@ -134,8 +134,8 @@ class LoadQueue:
     """Adapter loads in flight: file reads on ``workers`` parallel readers, then a FIFO host-to-device queue.
 
     As in the engine's step loop, a finished read's copy starts only at a poll (`poll`: once a step's forward
-    pass is launched, at the end of the step, or at once when nothing runs), and `pop_done` reports the
-    copies complete by then.
+    pass is launched, at the end of the step, or at once when nothing runs), and `end_step` reports the
+    copies complete by the end of the step's last poll.
     """
 
     def __init__(self, page_bytes: int, h2d_bytes_per_s: float, disk_bytes_per_s: float, workers: int = 1) -> None:
@@ -184,16 +184,18 @@ class LoadQueue:
     def in_flight(self) -> bool:
         return bool(self.heap or self.reads)
 
-    def pop_done(self, now: float) -> list[str]:
-        return self.pop_by(now)[0]
-
-    def pop_by(self, horizon: float) -> tuple[list[str], float]:
-        """The copies complete by ``horizon``, and when the last of them completed (-inf: none)."""
-        heap, done, last = self.heap, [], -INF
+    def end_step(self, now: float, host_s: float) -> tuple[list[str], float]:
+        """The engine's end-of-step poll at ``now``: it starts the copies of the reads finished by then, then
+        queries every copy's event after that host work (``host_s`` a copy it starts).  A copy that ended by
+        then, one of its own too (a small adapter's pages cross in microseconds), is reported: returns those
+        adapters and when the step ends — when the last one reported did, if that is after ``now``."""
+        copies = self.poll(now) if self.reads else 0
+        heap, done, horizon = self.heap, [], now + host_s * copies
         while heap and heap[0][0] <= horizon:
-            last, _, name = heapq.heappop(heap)
+            ended, _, name = heapq.heappop(heap)
             done.append(name)
-        return done, last
+            now = max(now, ended)
+        return done, now
 
 
 @dataclass(frozen=True)
@@ -382,15 +384,9 @@ class Simulation:
                 else:  # idle until the next arrival or load completion
                     now = max(now, wake)
                     stalls = 0
-            # The engine's end-of-step poll starts the copies of the reads finished by now, then queries every
-            # copy's event after that host work (load_s a copy, charged to the step that started the load): a
-            # copy that ended by then, one of its own too (a small adapter's pages cross in microseconds), is
-            # reported now, and the step ends when the last one reported did, if that is later.
-            copies = loads.poll(now) if loads.reads else 0
             done = _NONE
-            if loads.heap:
-                done, last = loads.pop_by(now + self.cost.p.load_s * copies)
-                now = max(now, last)
+            if loads.in_flight:  # (load_s a copy: its host work is charged to the step that started the load)
+                done, now = loads.end_step(now, self.cost.p.load_s)
             if now > w0 and start < w1:
                 area += in_system * (min(now, w1) - max(start, w0))
             clock.now = now
