@@ -373,17 +373,7 @@ class Simulation:
                 stalls = 0
             else:
                 sampled = _NONE
-                for load in started:
-                    loads.start(load, now, now)
-                wake = min(arrival[nxt] if nxt < n else INF, loads.next_done())
-                if out.preempted_ids or wake == INF:  # nothing to wait for: schedule again at once
-                    stalls += 1
-                    if stalls > MAX_STALLS and not out.preempted_ids:
-                        raise SimulationError(f"t={now:.6f}s: the scheduler scheduled nothing {stalls} times with "
-                                              f"{len(sched.requests)} live requests and no event to wait for")
-                else:  # idle until the next arrival or load completion
-                    now = max(now, wake)
-                    stalls = 0
+                now, stalls = self._idle(out, started, now, arrival[nxt] if nxt < n else INF, stalls)
             done = _NONE
             if loads.in_flight:  # (load_s a copy: its host work is charged to the step that started the load)
                 done, now = loads.end_step(now, self.cost.p.load_s)
@@ -412,6 +402,22 @@ class Simulation:
                          dataclasses.asdict(self.memory.adapters.stats), dataclasses.asdict(sched.stats),
                          dict(self.memory.reclaimer.evictions), samples,
                          {"window": (w0, w1), "area": area}, time.perf_counter() - wall)
+
+    def _idle(self, out: SchedulerOutput, started: list, now: float, next_arrival: float,
+              stalls: int) -> tuple[float, int]:
+        """A step with nothing to compute: its loads start at once, and the clock jumps to the next arrival
+        or load completion; with nothing to wait for, the scheduler runs again at once.  Returns the clock
+        and the count of such steps in a row."""
+        for load in started:
+            self.loads.start(load, now, now)
+        wake = min(next_arrival, self.loads.next_done())
+        if out.preempted_ids or wake == INF:
+            stalls += 1
+            if stalls > MAX_STALLS and not out.preempted_ids:
+                raise SimulationError(f"t={now:.6f}s: the scheduler scheduled nothing {stalls} times with "
+                                      f"{len(self.sched.requests)} live requests and no event to wait for")
+            return now, stalls
+        return max(now, wake), 0
 
     def _gap_area(self, outputs: list, arrived: int, start: float, end: float, w0: float, w1: float) -> float:
         """Request-seconds in the measurement window during a step gap: the live requests less those that
