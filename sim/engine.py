@@ -11,10 +11,11 @@ Only time is simulated: `Scheduler`, `UnifiedMemory` (pool, reclaimer, KV
 manager, adapter manager) and the eviction and scheduling policies are the
 library's own objects.  Events are the arrivals, the end of each step and the
 completion of each adapter load.  While the engine runs a step, arrivals and
-load completions wait for the step's end (as in a real engine loop); a file
-read that finishes before the step's forward pass is launched starts its copy
-then (the engine polls there), so that copy can end within the step; one that
-finishes later starts its copy at the step's end, and the same poll reports
+load completions wait for the step's end (as in a real engine loop); a step's
+loads start once its forward pass is launched (file reads, or copies from the
+host tier); a read that finishes before a step's forward pass is launched
+starts its copy then (the engine polls there), so that copy can end within the
+step; one that finishes later starts its copy at the step's end, and the same poll reports
 it done if it ends within that poll's host work (``load_s`` a copy; the step
 then ends when the copy does); when a
 step has nothing to compute, the clock jumps to the next arrival or load
@@ -148,14 +149,14 @@ class LoadQueue:
         self.bytes_h2d = self.bytes_disk = 0
         self.loads = self.from_host = 0
 
-    def start(self, load: LoadAdapter, now: float, launch: float) -> None:
-        """Queue ``load`` of a step starting at ``now`` whose forward pass is launched at ``launch``: its file
-        read from ``now``, or (from the host tier) its copy from ``launch`` (the engine performs loads then)."""
+    def start(self, load: LoadAdapter, now: float) -> None:
+        """Queue ``load`` at ``now`` (the engine performs a step's loads once its forward pass is launched):
+        its file read, or (from the host tier) its copy."""
         self.loads += 1
         self.from_host += load.from_host
         self.seq += 1
         if load.from_host:
-            self._copy(load, launch)
+            self._copy(load, now)
             return
         done = max(heapq.heappop(self.readers), now) + load.info.file_bytes / self.disk
         heapq.heappush(self.readers, done)
@@ -358,11 +359,11 @@ class Simulation:
             if out.req_ids:
                 dt, sampled = self._run_batch(out)
                 dt += self.cost.p.load_s * len(started)
-                # As in the engine: reads start before the forward pass is launched; once it is, the
-                # host-tier copies start and a poll starts the copies of the reads finished by then.
+                # As in the engine: once the forward pass is launched, the reads and the host-tier
+                # copies start, and a poll starts the copies of the reads finished by then.
                 launch = now + min(self.cost.launch_s(out), dt)
                 for load in started:
-                    loads.start(load, now, launch)
+                    loads.start(load, launch)
                 if loads.reads:
                     loads.poll(launch)
                 now += dt
@@ -409,7 +410,7 @@ class Simulation:
         or load completion; with nothing to wait for, the scheduler runs again at once.  Returns the clock
         and the count of such steps in a row."""
         for load in started:
-            self.loads.start(load, now, now)
+            self.loads.start(load, now)
         wake = min(next_arrival, self.loads.next_done())
         if out.preempted_ids or wake == INF:
             stalls += 1

@@ -193,21 +193,40 @@ def test_a_copy_shorter_than_the_polls_host_work_is_reported_by_that_poll(tmp_pa
 
 
 @pytest.mark.parametrize("launch_base_s, launch_token_s, second", [
-    (0.0, 0.0, 0.129),  # no launch time: polled at the step's end, as above
-    (0.04, 0.0, 0.129),  # launched before the read ends: the copy waits for the step's end
-    (0.06, 0.0, 0.109),  # launched after: the copy runs 0.06-0.08, done within the step
-    (0.0, 0.00075, 0.109),  # 80 tokens * 0.75 ms: launched at 0.06
-    (1.0, 0.0, 0.129),  # a launch time past the step's end means its end
+    (0.0, 0.0, 0.129),  # no launch time: as above
+    (0.04, 0.0, 0.129),  # the read runs 0.04-0.09, within the step: copied at its end, as above
+    (0.06, 0.0, 0.148),  # the read runs 0.06-0.11, past the step's end: copied 0.11-0.13
+    (0.0, 0.00075, 0.148),  # 80 tokens * 0.75 ms: launched at 0.06, as the row above
+    (1.0, 0.0, 0.179),  # a launch time past the step's end means its end: read 0.091-0.141
 ])
-def test_a_read_done_before_the_launch_is_copied_within_the_step(tmp_path, launch_base_s, launch_token_s, second):
-    """As in the engine, reads are polled once the step's forward pass is launched: the same scenario as
-    above, with the launch ``launch_base_s + launch_token_s * 80`` into the step.  A read that ended by
-    then has its copy done within the step, and r1's prefill runs one step sooner (0.091-0.109)."""
+def test_a_steps_reads_start_once_its_forward_pass_is_launched(tmp_path, launch_base_s, launch_token_s, second):
+    """As in the engine, a step's file reads are submitted once its forward pass is launched, ``launch_base_s
+    + launch_token_s * 80`` into the step (0.091 long, as above): the read ends 50 ms after the launch, its
+    copy (20 ms) starts at the first poll after that, and r1's prefill (18 ms) follows the copy."""
     trace = Trace(np.array([0.0, 0.0]), np.array([-1, 0], dtype=np.int32), np.array([80, 8], dtype=np.int32),
                   np.array([1, 1], dtype=np.int32), np.zeros(2, dtype=np.int32), ["a0", "a1"], [8, 8], ["t0"])
     result = _hand_run(tmp_path, {"load_s": 0.001, "launch_base_s": launch_base_s,
                                   "launch_token_s": launch_token_s}, trace)
     assert result.first_token.tolist() == pytest.approx([0.091, second], abs=1e-12)
+
+
+@pytest.mark.parametrize("launch_base_s, launch_token_s, second", [
+    (0.005, 0.0005, 0.1345),  # polled at step 2's launch (0.0965): copy 0.0965-0.1165
+    (0.0, 0.0, 0.133),  # no launch time: the read (0-0.05) is copied at step 1's end, 0.091-0.111
+])
+def test_a_read_done_before_a_later_steps_launch_is_copied_within_that_step(tmp_path, launch_base_s,
+                                                                            launch_token_s, second):
+    """r0 (base model, 80 prompt tokens, 3 out) prefills 0-0.091 and decodes 0.091-0.103, 0.103-0.115; a0's
+    read is submitted at step 1's launch (0.005 + 80 * 0.0005 = 0.045) and ends at 0.095, after step 1.
+    Step 2's launch (0.091 + 0.0055) polls it, so its copy ends at 0.1165, within step 3; nothing else
+    runs after 0.115, so r1's prefill starts when the copy ends.  Polled only at step ends, it would
+    start at step 2's end (0.103) and r1's first token come at 0.141."""
+    trace = Trace(np.array([0.0, 0.0]), np.array([-1, 0], dtype=np.int32), np.array([80, 8], dtype=np.int32),
+                  np.array([3, 1], dtype=np.int32), np.zeros(2, dtype=np.int32), ["a0", "a1"], [8, 8], ["t0"])
+    result = _hand_run(tmp_path, {"load_s": 0.001, "launch_base_s": launch_base_s,
+                                  "launch_token_s": launch_token_s}, trace)
+    assert result.first_token.tolist() == pytest.approx([0.091, second], abs=1e-12)
+    assert result.finish[0] == pytest.approx(0.115, abs=1e-12)
 
 
 def test_a_closed_loop_releases_a_request_at_each_finish(tmp_path):

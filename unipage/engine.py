@@ -3,10 +3,10 @@
     step():  out = scheduler.schedule()
              runner drops finished / aborted / preempted requests
              runner adds new requests and grows block tables
-             storage starts the file reads of out.adapter_effects' loads
              result = runner.execute(out)               # forward + sampling; once the forward is
-                 launched: perform out.adapter_effects in order (storage starts page copies;
-                 runner updates slot tables, sent to the device at the next step)
+                 launched: storage starts the file reads of out.adapter_effects' loads, then
+                 performs the effects in order (storage starts page copies; runner updates
+                 slot tables, sent to the device at the next step)
              scheduler.update(StepResult(result.sampled, loads done, loads failed))
 
 On CUDA an adapter's page copy runs on a side stream; the engine reports the
@@ -196,14 +196,13 @@ class Engine:
         The adapter effects are performed while the GPU runs the step's forward pass (``execute``'s
         ``during``): no request of this batch reads an adapter being loaded or evicted now, and the pages
         a load writes were free when the step was scheduled, so no kernel of this step touches them
-        either.  Their host work (staging, copy launches, slot tables) then overlaps the GPU; the file
-        reads, which touch no device state, start before the forward pass is launched.
+        either.  Their host work (submitting file reads, staging, copy launches, slot tables) then
+        overlaps the GPU instead of delaying the forward pass's launch.
         """
         self._check_open()
         out = self.scheduler.schedule()
         self.runner.drop(out)
         self.runner.admit(out)
-        self.storage.start_reads(out.adapter_effects)  # file reads touch no device state: start them now
         self.storage.mark_step()  # the page copies started from here on need not wait for this step
 
         performed = False
@@ -211,6 +210,7 @@ class Engine:
         def during() -> None:
             nonlocal performed
             performed = True
+            self.storage.start_reads(out.adapter_effects)  # before the copies of host copies: reads take longest
             self._perform(out.adapter_effects)
             self._poll_loads()  # reads finished: start their page copies
 

@@ -205,8 +205,8 @@ class PoolStorage:
 
     def start_reads(self, effects) -> None:
         """Submit now the file reads of the loads among ``effects`` that `apply` would submit (CUDA: a load
-        with no host copy).  Reading touches no device state, so the engine starts the reads before a step's
-        forward pass and performs the rest of the effects while it runs.  A load of an adapter that
+        with no host copy).  A read takes longest of a load's parts, so the engine submits the reads first,
+        once a step's forward pass is launched, and then performs the effects.  A load of an adapter that
         ``effects`` also evict is left to `apply`."""
         self._check_open()
         if self._reader is None:
