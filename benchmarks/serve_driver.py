@@ -76,7 +76,8 @@ class StepLog:
         model = engine.config.model
         self.model = model
         self.moe_layers = sum(map(model.is_moe_layer, range(model.num_layers)))
-        self.rows: list[list[float]] = []
+        self.rows: list[list[float]] = []  # filled when the block ends (`__exit__`)
+        self._taken: list[tuple] = []  # per step that ran a batch: what its row is made of
         self.loads: dict[str, list] = {"adapter": [], "issued": [], "ready": [], "from_host": [], "failed": []}
         self._issued: dict[str, int] = {}  # adapter -> its entry in `loads` while its load is in flight
         self.start = time.perf_counter()  # `drive` sets it to its first submission: the times' origin
@@ -117,6 +118,8 @@ class StepLog:
     def __exit__(self, *exc) -> None:
         del self.engine.scheduler.schedule, self.engine.scheduler.update  # back to the classes' methods
         del self.engine._perform
+        self.rows += [self._row(*taken) for taken in self._taken]
+        self._taken.clear()
 
     def _note_loads(self, loads) -> None:
         """Each load the scheduler starts (in any schedule, one that runs no batch too): when, and from where;
@@ -130,7 +133,8 @@ class StepLog:
                 self.loads[key].append(value)
 
     def step(self) -> list:
-        """``engine.step()``, timed; a row is kept when the step ran a batch."""
+        """``engine.step()``, timed; a row is kept when the step ran a batch (made when the block ends, so
+        that making it adds nothing to the serving loop's time between steps)."""
         self._launched = None
         start = time.perf_counter()
         outputs = self.engine.step()
@@ -138,11 +142,11 @@ class StepLog:
         out, contexts, adapters = self._seen
         if out.req_ids:
             launch = self._launched - start if self._launched is not None else float("nan")
-            self.rows.append(self._row(out, contexts, adapters, seconds) + [launch])
+            self._taken.append((out, contexts, adapters, seconds, launch))
         return outputs
 
-    def _row(self, out, contexts: list[int], adapters: list, seconds: float) -> list[float]:
-        """The columns up to ``floor_kv``."""
+    def _row(self, out, contexts: list[int], adapters: list, seconds: float, launch: float) -> list[float]:
+        """The step's row of `COLUMNS`."""
         counts, total = out.num_scheduled_tokens, out.total_num_scheduled_tokens
         decode = counts.count(1)
         per_adapter: dict[str, int] = {}
@@ -158,8 +162,8 @@ class StepLog:
                len(loads), sum(1 for e in loads if not e.from_host), seconds]
         if decode == len(counts):
             floor = self.floor.bytes(contexts, list(per_adapter.values()))
-            return row + [floor["weights"], floor["lora"], floor["kv"]]
-        return row + [0.0, 0.0, 0.0]
+            return row + [floor["weights"], floor["lora"], floor["kv"], launch]
+        return row + [0.0, 0.0, 0.0, launch]
 
 
 class DiskLog:
