@@ -472,7 +472,7 @@ def inspect_adapter(path, model: ModelConfig, lora: LoRAConfig) -> AdapterInfo:
 # ---------------------------------------------------------------- tensors
 
 
-def _read_verified(info: AdapterInfo) -> dict[str, torch.Tensor]:
+def read_verified(info: AdapterInfo) -> dict[str, torch.Tensor]:
     """All tensors of the adapter, after checking the files still hash to ``info.digest``."""
     config_bytes = _read_bytes(os.path.join(info.path, CONFIG_FILE))
     data = _read_bytes(os.path.join(info.path, WEIGHTS_FILE))
@@ -528,7 +528,7 @@ def load_adapter_weights(info: AdapterInfo, model: ModelConfig) -> dict:
     Shapes are those of ``build_layout(model, info.layers)``: A ``[R, d_in]``,
     each B slice ``[r, ncols]`` (rank-major: PEFT's ``lora_B`` transposed).
     """
-    tensors = _read_verified(info)
+    tensors = read_verified(info)
     parts: dict[tuple, dict[int, tuple]] = {}
     for module in info.modules:
         a, b = _module_tensors(module, tensors, model)
