@@ -56,17 +56,13 @@ def test_dense_adapters_pack_as_the_general_path_does(tmp_path, kwargs, file_dty
     assert torch.equal(_bits(packed), _bits(general))
 
 
-def test_a_target_laid_out_differently_per_layer_takes_the_general_path(tmp_path):
-    """q_proj of rank 4 in layer 0 and 8 in layer 1: its blocks (and those after it) differ by layer."""
-    adapter = pf.dense_adapter(tmp_path / "a", r=4, rank_pattern={"model.layers.1.self_attn.q_proj": 8})
-    fast, general, info, layout = _both(adapter, torch.bfloat16)
-    assert fast is None
-    assert torch.equal(_bits(read_and_pack(info, layout, adapter.model, PAGE_ELEMS, torch.bfloat16)),
-                       _bits(general))
-
-
-def test_expert_adapters_take_the_general_path(tmp_path):
-    adapter = pf.fused_moe_adapter(tmp_path / "a", r=2)
+@pytest.mark.parametrize("make", [
+    # q_proj of rank 4 in layer 0 and 8 in layer 1: its blocks (and those after it) differ by layer
+    lambda path: pf.dense_adapter(path, r=4, rank_pattern={"model.layers.1.self_attn.q_proj": 8}),
+    lambda path: pf.fused_moe_adapter(path, r=2),  # experts
+], ids=["ranks-differ-by-layer", "experts"])
+def test_other_adapters_take_the_general_path(tmp_path, make):
+    adapter = make(tmp_path / "a")
     fast, general, info, layout = _both(adapter, torch.bfloat16)
     assert fast is None
     assert torch.equal(_bits(read_and_pack(info, layout, adapter.model, PAGE_ELEMS, torch.bfloat16)),
