@@ -8,8 +8,8 @@ over every step of the runs of one model, steps that start adapter loads
 included: the step loop's host work per load is the ``load_s`` term (the file
 reads themselves run in reader processes, as the simulator's ``read_workers``
 readers at ``disk_bytes_per_s``, the measured read-and-pack rate of one).
-The steps' launch times (seconds until the engine polls its reads, once the
-forward pass is launched) are fitted as ``launch_base_s + launch_token_s *
+The steps' launch times (seconds until the engine submits and polls its reads,
+once the forward pass is launched) are fitted as ``launch_base_s + launch_token_s *
 scheduled tokens`` the same way, over the runs whose logs record them (older
 logs do not: without any, both stay 0 and reads are polled at the step's end
 only, as before the term).

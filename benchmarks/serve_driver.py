@@ -12,9 +12,10 @@ from the step's `SchedulerOutput` and the scheduler's requests just after
 ``schedule()`` (the engine's ``schedule`` is wrapped for the run), so a fit
 of measured step times gives the coefficients of a `CostProfile`.  They hold
 the step's launch time too: seconds from the step's start until the engine
-performs its adapter effects and polls its file reads, once the forward pass
-is launched (the engine's ``_perform`` is wrapped for the run); a fit of those
-gives the profile's ``launch_*`` terms (when in a step a read's copy starts).
+submits its file reads (then performs its adapter effects and polls its
+reads), once the forward pass is launched (the storage's ``start_reads`` is
+wrapped for the run); a fit of those gives the profile's ``launch_*`` terms
+(when in a step its reads start, and a finished read's copy).
 """
 
 from __future__ import annotations
@@ -81,25 +82,26 @@ class StepLog:
         self.loads: dict[str, list] = {"adapter": [], "issued": [], "ready": [], "from_host": [], "failed": []}
         self._issued: dict[str, int] = {}  # adapter -> its entry in `loads` while its load is in flight
         self.start = time.perf_counter()  # `drive` sets it to its first submission: the times' origin
-        self._seen = None  # (SchedulerOutput, contexts, adapters) of the step in flight
-        self._launched: float | None = None  # when the step in flight performed its adapter effects
+        self._seen = None  # (counts, total, loads, contexts, adapters) of the step in flight
+        self._launched: float | None = None  # when the step in flight submitted its file reads
 
     def __enter__(self) -> Self:
         sched, engine = self.engine.scheduler, self.engine
-        schedule, perform, update = sched.schedule, engine._perform, sched.update
+        schedule, start_reads, update = sched.schedule, engine.storage.start_reads, sched.update
 
         def schedule_and_note():
             out = schedule()
-            self._note_loads(out.adapter_loads)
+            loads = out.adapter_loads
+            self._note_loads(loads)
             reqs = sched.requests
-            self._seen = (out, [reqs[r].num_computed_tokens for r in out.req_ids],
-                          [reqs[r].adapter for r in out.req_ids])
+            self._seen = (out.num_scheduled_tokens, out.total_num_scheduled_tokens, loads,
+                          [reqs[r].num_computed_tokens for r in out.req_ids], [reqs[r].adapter for r in out.req_ids])
             return out
 
-        def perform_and_note(effects):  # the engine performs them, then polls its reads, once launched
+        def start_reads_and_note(effects):  # once the forward pass is launched, first of the step's effects
             if self._launched is None:
                 self._launched = time.perf_counter()
-            return perform(effects)
+            return start_reads(effects)
 
         def update_and_note(result):
             now = time.perf_counter() - self.start
@@ -112,13 +114,14 @@ class StepLog:
             return update(result)
 
         sched.schedule, sched.update = schedule_and_note, update_and_note
-        engine._perform = perform_and_note
+        engine.storage.start_reads = start_reads_and_note
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         del self.engine.scheduler.schedule, self.engine.scheduler.update  # back to the classes' methods
-        del self.engine._perform
-        self.rows += [self._row(*taken) for taken in self._taken]
+        del self.engine.storage.start_reads
+        if exc_type is None:  # (a run that raised keeps no rows: its error is what matters)
+            self.rows += [self._row(*taken) for taken in self._taken]
         self._taken.clear()
 
     def _note_loads(self, loads) -> None:
@@ -139,15 +142,15 @@ class StepLog:
         start = time.perf_counter()
         outputs = self.engine.step()
         seconds = time.perf_counter() - start
-        out, contexts, adapters = self._seen
-        if out.req_ids:
+        counts, total, loads, contexts, adapters = self._seen
+        if counts:
             launch = self._launched - start if self._launched is not None else float("nan")
-            self._taken.append((out, contexts, adapters, seconds, launch))
+            self._taken.append((counts, total, loads, contexts, adapters, seconds, launch))
         return outputs
 
-    def _row(self, out, contexts: list[int], adapters: list, seconds: float, launch: float) -> list[float]:
+    def _row(self, counts: list[int], total: int, loads: list, contexts: list[int], adapters: list,
+             seconds: float, launch: float) -> list[float]:
         """The step's row of `COLUMNS`."""
-        counts, total = out.num_scheduled_tokens, out.total_num_scheduled_tokens
         decode = counts.count(1)
         per_adapter: dict[str, int] = {}
         for name, n in zip(adapters, counts):
@@ -155,7 +158,6 @@ class StepLog:
                 per_adapter[name] = per_adapter.get(name, 0) + n
         ranks = self.ranks
         moe, touched = self.moe_layers, experts_touched
-        loads = out.adapter_loads
         row = [total - decode, decode, sum(contexts), len(per_adapter), sum(ranks[a] for a in per_adapter),
                sum(ranks[a] * n for a, n in per_adapter.items()), moe * touched(self.model, total),
                moe * sum(ranks[a] * touched(self.model, n) for a, n in per_adapter.items()),

@@ -111,7 +111,8 @@ class StepCost:
         return t
 
     def launch_s(self, out: SchedulerOutput) -> float:
-        """Seconds from the step's start until its forward pass is launched (when the engine polls reads)."""
+        """Seconds from the step's start until its forward pass is launched (when the engine submits and polls
+        its reads)."""
         p = self.p
         return p.launch_base_s + p.launch_token_s * out.total_num_scheduled_tokens
 

@@ -21,7 +21,7 @@ submitting the requests that arrive)::
 
     gap = step_gap_s                                      added after each such step
 
-When in the step the engine polls its file reads (host time, not added to the step)::
+When in the step the engine submits and polls its file reads (host time, not added to the step)::
 
     launch_s = launch_base_s + launch_token_s * scheduled tokens   from the step's start until its
                                                                    forward pass is launched (capped at step_s)
@@ -60,7 +60,7 @@ from unipage.sim.errors import SimInputError
 
 _COEFFICIENTS = ("step_base_s", "prefill_token_s", "decode_token_s", "kv_token_read_s", "adapter_s",
                  "adapter_rank_s", "lora_token_rank_s", "expert_s", "lora_expert_rank_s", "load_s", "eager_step_s")
-_LAUNCH_COEFFICIENTS = ("launch_base_s", "launch_token_s")  # when in a step the engine polls its reads
+_LAUNCH_COEFFICIENTS = ("launch_base_s", "launch_token_s")  # when in a step the engine submits and polls its reads
 _GAP_COEFFICIENTS = ("step_gap_s",)  # the serving loop's host time between steps
 
 

@@ -7,8 +7,8 @@ writes each module on its own: some ten small tensor operations per module,
 64 modules for rank-4 attention LoRA on a 16-layer model, whose fixed costs
 make up most of the read.  An adapter whose modules are all dense (no
 experts) and whose every target sits at the same place of its layer's row in
-every layer it appears in (a uniform model: one pool row per layer) is packed
-here instead with a few operations per target: its layers' A and B matrices
+every layer it appears in, those layers' rows being consecutive pool rows (as
+in a model with one KV group: a row per layer), is packed here instead with a few operations per target: its layers' A and B matrices
 stacked, B transposed and scaled at once, each written into the page buffer
 as one strided copy.  The result is the general path's, bit for bit (the same
 element-wise fp32 arithmetic and casts); anything else returns None, and the
@@ -84,5 +84,7 @@ def _stacked(modules: list[LoraModule], tensors: dict, model: ModelConfig) -> tu
 
 def _write(buf: torch.Tensor, rows: slice, block: Block, values: torch.Tensor) -> None:
     """Copy ``values`` ``[G, block.rows, block.cols]`` into ``block`` of the rows ``rows`` (cast in the copy)."""
+    if tuple(values.shape[1:]) != (block.rows, block.cols):  # no broadcasting into the block
+        raise ValueError(f"expected [G, {block.rows}, {block.cols}] for the block, got {tuple(values.shape)}")
     span = buf[rows, block.offset:block.offset + block.size].view(-1, block.rows, block.stride)
     span[:, :, :block.cols].copy_(values)

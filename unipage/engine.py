@@ -209,8 +209,8 @@ class Engine:
 
         def during() -> None:
             nonlocal performed
-            performed = True
             self.storage.start_reads(out.adapter_effects)  # before the copies of host copies: reads take longest
+            performed = True  # (if submitting raised, `_abandon` performs the effects, reads included)
             self._perform(out.adapter_effects)
             self._poll_loads()  # reads finished: start their page copies
 
