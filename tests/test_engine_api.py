@@ -127,21 +127,24 @@ def test_adapter_effects_run_once_the_forward_pass_is_launched(moe, monkeypatch)
     engine.memory.check()
 
 
-def test_a_failed_step_leaves_the_engine_usable(moe, monkeypatch):
-    """The forward pass raises once: the step raises, its adapter effects are still performed, its requests
-    are preempted, and the next steps finish every request with the tokens of a run without the fault."""
+@pytest.mark.parametrize("where", ["forward", "start_reads"])
+def test_a_failed_step_leaves_the_engine_usable(moe, monkeypatch, where):
+    """The forward pass (or, once it is launched, the submission of the step's file reads) raises once: the
+    step raises, its adapter effects are still performed, its requests are preempted, and the next steps
+    finish every request with the tokens of a run without the fault."""
     def run(fail_at):
         engine = Engine(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=512))
         engine.add_adapter("a", moe.adapters["expert-r8"])
-        calls, forward = [0], engine.model.forward
+        target = engine.model if where == "forward" else engine.storage
+        calls, original = [0], getattr(target, where)
 
         def flaky(*args, **kwargs):
             calls[0] += 1
             if calls[0] == fail_at:
                 raise RuntimeError("injected fault")
-            return forward(*args, **kwargs)
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(engine.model, "forward", flaky)
+        monkeypatch.setattr(target, where, flaky)
         for i in range(3):
             engine.add_request(Request(f"r{i}", [1 + i, 2, 3, 4], adapter="a" if i != 1 else None, sampling=GREEDY,
                                        max_tokens=5))
@@ -161,7 +164,7 @@ def test_a_failed_step_leaves_the_engine_usable(moe, monkeypatch):
         return tokens, faults
 
     clean, none = run(fail_at=0)
-    faulty, one = run(fail_at=3)
+    faulty, one = run(fail_at=1 if where == "start_reads" else 3)  # start_reads: the step that loads "a"
     assert (none, one) == (0, 1) and faulty == clean and all(len(t) == 5 for t in clean.values())
 
 
