@@ -65,8 +65,8 @@ MAX_RESENDS = 3  # dead workers a read may go through unstarted before it fails
 
 
 def read_and_pack(info, layout, model, page_elems: int, dtype: torch.dtype) -> torch.Tensor:
-    """The adapter's files packed into a host page buffer ``[L, n, P]`` of ``dtype`` (a dense adapter of a
-    uniform model a target at a time: `unipage.dense_pack`)."""
+    """The adapter's files packed into a host page buffer ``[L, n, P]`` of ``dtype`` (a dense adapter whose
+    targets lie alike in every layer a target at a time: `unipage.dense_pack`)."""
     from unipage.adapter_pack import pack_adapter
     from unipage.dense_pack import pack_dense
     from unipage.peft_io import load_adapter_weights

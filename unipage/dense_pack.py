@@ -8,9 +8,9 @@ writes each module on its own: some ten small tensor operations per module,
 make up most of the read.  An adapter whose modules are all dense (no
 experts) and whose every target sits at the same place of its layer's row in
 every layer it appears in, those layers' rows being consecutive pool rows (as
-in a model with one KV group: a row per layer), is packed here instead with a few operations per target: its layers' A and B matrices
-stacked, B transposed and scaled at once, each written into the page buffer
-as one strided copy.  The result is the general path's, bit for bit (the same
+in a model with one KV group: a row per layer), is packed here instead with a
+few operations per target: its layers' A and B matrices stacked, B transposed
+and scaled at once, each written into the page buffer as one strided copy.  The result is the general path's, bit for bit (the same
 element-wise fp32 arithmetic and casts); anything else returns None, and the
 general path packs it.
 
