@@ -15,11 +15,11 @@ load completions wait for the step's end (as in a real engine loop); a step's
 loads start once its forward pass is launched (file reads, or copies from the
 host tier); a read that finishes before a step's forward pass is launched
 starts its copy then (the engine polls there), so that copy can end within the
-step; one that finishes later starts its copy at the step's end, and the same poll reports
-it done if it ends within that poll's host work (``load_s`` a copy; the step
-then ends when the copy does); when a
-step has nothing to compute, the clock jumps to the next arrival or load
-completion instead of spinning.
+step; one that finishes later starts its copy at the step's end, and the same
+poll reports it done if it ends within that poll's host work (``load_s`` a
+copy; the step then ends when the copy does); when a step has nothing to
+compute, the clock jumps to the next arrival or load completion instead of
+spinning.
 
 Per step the simulator does O(scheduled requests) work (the context length
 each reads, and whether it samples); tokens are not generated one by one
