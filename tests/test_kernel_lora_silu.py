@@ -14,6 +14,7 @@ GU = ("gate_proj", "up_proj")
 SLOTS = [{"gate_proj": 8, "up_proj": 8}, {"gate_proj": 4, "up_proj": 16}, None, {"up_proj": 8},
          {"gate_proj": 16}]
 USED = [0, 1, 3, 4]
+SILU_KEYS = ("block_n", "chunk", "warps", "fused")  # lora_silu_mul's config keys (the rest: the shrink's)
 
 
 def run(world, slots, grouped, seed=1, scale=1.0, config=None):
@@ -26,9 +27,10 @@ def run(world, slots, grouped, seed=1, scale=1.0, config=None):
     args = (world.pool[0], world.page_table, slots, meta)
     batch = plan_lora_batch(slots, len(world.layouts), grouped=grouped)
     before = gate_up.clone()
-    shrunk = lora_shrink(x, *args, batch=batch, config=config)
+    shrink_config = {k: v for k, v in (config or {}).items() if k not in SILU_KEYS}
+    shrunk = lora_shrink(x, *args, batch=batch, config=shrink_config)
     out = lora_silu_mul(gate_up, shrunk, scale=scale, config=config)
-    if (config or {}).get("fused", True) and batch.block_m <= 16 and meta.rank_block <= 64:
+    if (config or {}).get("fused", True) and meta.rank_block <= 64:
         assert torch.equal(gate_up, before)  # the fused kernel does not write it back
     ref = lora_silu_mul_ref(before.clone(), lora_shrink_ref(x, *args), scale=scale)
     unfused = silu_mul(lora_expand(before.clone(), shrunk, scale=scale))
@@ -65,9 +67,29 @@ def test_uneven_width_split_k_and_no_adapter_tiles(grouped):
     check(slots, *run(world, slots, grouped, config=config))
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_tall_tiles_take_the_two_kernels_unless_fused_is_asked(fused):
-    """Tiles of 64 tokens: the two kernels by default (gate_up then holds the delta), or the fused one."""
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("block_n,chunk", [(128, 64), (256, 64), (192, 64)])
+def test_columns_in_steps_match_the_reference(grouped, block_n, chunk):
+    """Programs of several column steps (h summed once, B and gate/up streamed): I = 200, so the last
+    program's steps run past the end, and a 192-column program ends mid-way through I."""
+    world = build_world(slots=SLOTS, d_in=160, inter=200, seed=6)
+    slots = token_mix("skewed", 37, USED, torch.Generator().manual_seed(8), none_frac=0.3)
+    config = {"block_k": 64, "split_k": 2, "block_n": block_n, "chunk": chunk, "fused": True}
+    check(slots, *run(world, slots, grouped, scale=0.5, config=config))
+
+
+def test_bad_column_steps_are_refused():
+    world = build_world(slots=SLOTS, seed=2)
+    slots = token_mix("uniform", 9, USED, torch.Generator().manual_seed(1))
+    for config in ({"block_n": 128, "chunk": 96}, {"block_n": 192, "chunk": 128}, {"block_n": 128, "chunk": 32}):
+        with pytest.raises(ValueError, match="chunk a power of two"):
+            run(world, slots, True, config={**config, "fused": True})
+
+
+@pytest.mark.parametrize("fused", [False, True, None])
+def test_tall_tiles_fused_by_default_or_the_two_kernels_if_asked(fused):
+    """Tiles of 64 tokens: the fused kernel by default (column steps), or the two kernels with ``fused``
+    False (gate_up then holds the delta)."""
     world = build_world(slots=SLOTS, seed=5)
     slots = token_mix("skewed", 90, USED, torch.Generator().manual_seed(4))
     meta = dense_lora_meta(world.layouts, 0, GU, model=world.model)
@@ -75,12 +97,12 @@ def test_tall_tiles_take_the_two_kernels_unless_fused_is_asked(fused):
     args = (world.pool[0], world.page_table, slots, meta)
     batch = plan_lora_batch(slots, len(SLOTS), grouped=True, block_m=64)
     before = gate_up.clone()
-    out = lora_silu_mul(gate_up, lora_shrink(x, *args, batch=batch), config={"fused": fused})
-    assert torch.equal(gate_up, before) == fused
+    out = lora_silu_mul(gate_up, lora_shrink(x, *args, batch=batch), config={} if fused is None else {"fused": fused})
+    assert torch.equal(gate_up, before) == (fused is not False)
     ref = lora_silu_mul_ref(before, lora_shrink_ref(x, *args))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     none = slots < 0
-    assert torch.equal(out[none], silu_mul(gate_up if fused else before)[none])
+    assert torch.equal(out[none], silu_mul(before)[none])
 
 
 def test_rank_above_64_takes_the_two_kernels():
