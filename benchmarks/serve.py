@@ -228,17 +228,23 @@ def setup_b(ctx: Context) -> None:
         results = {}
         for label, per_request in (("base", [None] * a.requests),
                                    ("lora", [names[i % len(names)] for i in range(a.requests)])):
+            if label not in a.b_runs:
+                continue
             work = drv.make_workload(f"b-{key}-{label}", a.requests, a.prompt, a.output, per_request, a.requests,
                                      engine.vocab_size, a.seed)
             results[label] = measure(ctx, engine, work, setup="b", key=key, targets="all", rank=a.rank,
                                      names=names if label == "lora" else [])
-        ratio = results["lora"]["output_tokens_per_s"] / results["base"]["output_tokens_per_s"]
-        emit({"bench": "serve", "row": "b-ratio", "model": key, "adapters": a.adapters, "rank": a.rank,
-              "requests": a.requests, "lora_output_tokens_per_s": results["lora"]["output_tokens_per_s"],
-              "base_output_tokens_per_s": results["base"]["output_tokens_per_s"],
-              "lora_over_base": round(ratio, 4), "target": 0.90, "commit": ctx.commit}, ctx.out)
+        if len(results) == 2:  # (--b-runs may ask for one of the pair)
+            emit_b_ratio(ctx, key, results)
         free(engine)
         engine = None
+
+
+def emit_b_ratio(ctx: Context, key: str, results: dict) -> None:
+    a, lora, base = ctx.args, results["lora"]["output_tokens_per_s"], results["base"]["output_tokens_per_s"]
+    emit({"bench": "serve", "row": "b-ratio", "model": key, "adapters": a.adapters, "rank": a.rank,
+          "requests": a.requests, "lora_output_tokens_per_s": lora, "base_output_tokens_per_s": base,
+          "lora_over_base": round(lora / base, 4), "target": 0.90, "commit": ctx.commit}, ctx.out)
 
 
 def zipf_choice(count: int, n: int, s: float, seed: int) -> list[int]:
@@ -388,6 +394,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--host-cache-gib", type=float, default=8.0, help="host tier (CPU memory) for adapters")
     p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
                    help="b: model shapes")
+    p.add_argument("--b-runs", nargs="+", default=["base", "lora"], choices=["base", "lora"],
+                   help="b: which of the pair to run (the ratio row needs both)")
     p.add_argument("--counts", nargs="+", type=int, default=[5, 50, 500, 5000], help="c: registered adapters")
     p.add_argument("--zipf", type=float, default=1.0, help="c: popularity exponent")
     p.add_argument("--repeats", type=int, help="c: runs of every count, interleaved; the medians are compared")

@@ -67,6 +67,14 @@ def test_setup_b_compares_lora_with_the_base_model(runs):
                                                     rel=1e-3)
 
 
+def test_setup_b_runs_one_of_the_pair_when_asked(tmp_path):
+    out = tmp_path / "out.jsonl"
+    serve.main(["--setup", "b", "--models", "llama3-8b", "--requests", "2", "--adapters", "2", "--rank", "2",
+                "--max-running", "2", "--b-runs", "lora", *SMALL, "--out", str(out), "--workdir", str(tmp_path)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["row"], r["label"]) for r in records] == [("b", "b-llama3-8b-tiny-lora")]  # no ratio row
+
+
 def test_setup_c_scales_the_adapter_count_past_the_pool(runs):
     records = runs[0]
     counts = records["c-count"]
