@@ -30,10 +30,16 @@ On Hopper+ the expand is a programmatic dependent launch of the shrink
 (config ``"pdl"``, default on): its programs start and read their tile
 metadata (on the GEMV path also their B tile and ``y``) while the shrink
 finishes, and wait (``gdc_wait``) only before reading the partials.  Reading
-``y`` early is safe because the shrink is a plain launch (whatever wrote ``y``
-has finished before it starts) and nothing writes ``y`` between the two
-launches.  A program with no work waits too before it exits, so the expand
-never completes before the shrink.
+``y`` early is safe because the shrink starts its dependents only once
+whatever wrote ``y`` has finished (a plain shrink starts after it; an early
+one, below, triggers them after waiting for it) and nothing writes ``y``
+between the two launches.  A program with no work waits too before it exits,
+so the expand never completes before the shrink.
+
+``early=True`` makes the shrink itself a programmatic dependent of the kernel
+before it (in the engine: the base projection ``x @ W.T``): its programs read
+their tile, rank, A offsets and page translations while that kernel drains,
+then wait for it before reading ``x``.
 
 GEMV path: a row tile is one token (decode).  Grouped path: a row tile is
 ``block_m`` tokens of one adapter, gathered through ``token_order``, and the
@@ -173,18 +179,20 @@ def _shrink_kernel(
     num_tokens, d_in, a_stride, k_per_split,
     J: tl.constexpr, RB: tl.constexpr, ROWS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     GROUPED: tl.constexpr, EVEN_K: tl.constexpr, PAGED: tl.constexpr, LOG2_P: tl.constexpr,
-    FP32: tl.constexpr, USE_PDL: tl.constexpr, HOIST: tl.constexpr,
+    FP32: tl.constexpr, USE_PDL: tl.constexpr, HOIST: tl.constexpr, WAIT_PRIOR: tl.constexpr,
 ):
-    if USE_PDL:
+    if USE_PDL and not WAIT_PRIOR:
         gdc_launch_dependents()  # the expand may start its prologue now
     slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
     if slot < 0:
+        finish_early(WAIT_PRIOR)
         return
     row = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # stacked row: slice * RB + i
     piece, i = row // RB, row % RB
     piece_ok = piece < J
     rank = tl.load(rank_ptr + slot * J + piece, mask=piece_ok, other=0)
     if tl.max(rank, 0) == 0:
+        finish_early(WAIT_PRIOR)
         return  # no slice of this block exists for the slot; expand skips it too
     row_ok = i < rank
     row_virt = tl.load(a_off_ptr + slot * J + piece, mask=piece_ok, other=0) + i * a_stride
@@ -195,6 +203,10 @@ def _shrink_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, d_in)
     if HOIST:  # the split's K range of a row spans at most two pages: translate them once
         edge, base_lo, base_hi = _page_pair(table, row_virt + k_lo, row_virt + k_hi, row_ok, LOG2_P, PAGED)
+    if WAIT_PRIOR:  # launched early: everything above overlapped the kernel before, which wrote x
+        gdc_wait()
+        if USE_PDL:
+            gdc_launch_dependents()  # only now: the expand reads what that kernel wrote (y) before it waits
     acc = tl.zeros((BM, ROWS), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         for r in tl.static_range(BK // 64):
@@ -358,7 +370,8 @@ def check_inputs(y, x, pool, page_table, token_slots, meta: DenseLoraMeta) -> No
 
 def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
                        token_slots: torch.Tensor, meta: DenseLoraMeta, *, batch: LoraBatch | None = None,
-                       scale: float = 1.0, config: dict | None = None, contiguous: bool = False) -> torch.Tensor:
+                       scale: float = 1.0, config: dict | None = None, contiguous: bool = False,
+                       early: bool = False) -> torch.Tensor:
     """``y[t, slice j] += scale * round(x[t] @ A[s, j].T) @ B[s, j]`` for ``s = token_slots[t] >= 0``.
 
     y: ``[T, C]`` model dtype, updated in place and returned (row stride free, columns contiguous).
@@ -372,11 +385,13 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, pag
     config: launch-config overrides (tile sizes, Split-K, warps); default from configs/lora_dense.json.
     contiguous: read each slot's buffer as contiguous from its first page (no per-run
         translation) — only for benchmarking against unpaged weights.
+    early: see `lora_shrink`.
 
     The same as `lora_shrink` then `lora_expand` with ``dependent=True``.
     """
     check_inputs(y, x, pool, page_table, token_slots, meta)
-    return _expand(y, _shrink(x, pool, page_table, token_slots, meta, batch, config, contiguous), scale, True)
+    shrunk = _shrink(x, pool, page_table, token_slots, meta, batch, config, contiguous, early)
+    return _expand(y, shrunk, scale, True)
 
 
 @dataclass(frozen=True)
@@ -395,18 +410,24 @@ class LoraShrink:
 
 def lora_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, token_slots: torch.Tensor,
                 meta: DenseLoraMeta, *, batch: LoraBatch | None = None, config: dict | None = None,
-                contiguous: bool = False) -> LoraShrink:
+                contiguous: bool = False, early: bool = False) -> LoraShrink:
     """The shrink half of `lora_shrink_expand` (same arguments but ``y`` and ``scale``): launches the kernel
     that writes the Split-K partials of ``h = x @ A.T`` and returns them for `lora_expand`.
 
+    early: launch it as a programmatic dependent of the kernel before it on the stream (Hopper+, when
+        the plan uses PDL): its programs start while that kernel finishes, read the batch plan, the
+        metadata and the page table, and wait for it before reading ``x``.  Only when the kernel before
+        writes none of those (the engine: the base projection ``x @ W.T`` of the same ``x``, or a bias
+        added to its result) and the ones before it have finished writing them (they run before a plain
+        launch).
     The partials are allocated on the current stream; `lora_expand` (or `lora_silu_mul`) reads them.
     """
     check_inputs(None, x, pool, page_table, token_slots, meta)
-    return _shrink(x, pool, page_table, token_slots, meta, batch, config, contiguous)
+    return _shrink(x, pool, page_table, token_slots, meta, batch, config, contiguous, early)
 
 
 def _shrink(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBatch | None, config: dict | None,
-            contiguous: bool) -> LoraShrink:
+            contiguous: bool, early: bool = False) -> LoraShrink:
     count = x.shape[0]
     if count == 0 or meta.max_rank == 0:
         return LoraShrink(None, None, (), meta, count, pool.dtype, None)
@@ -421,7 +442,7 @@ def _shrink(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBa
     part = torch.empty(plan.split_k, count, meta.num_slices * meta.rank_block, dtype=torch.float32, device=x.device)
     launch(_shrink_kernel, plan.shrink_grid,
         x, x.stride(0), *args, meta.a_offset, part, count, meta.d_in, round_up(meta.d_in), plan.k_per_split,
-        **plan.shrink_options)
+        **(plan.shrink_early if early else plan.shrink_options))
     return LoraShrink(part, plan, args, meta, count, pool.dtype, batch)
 
 
@@ -459,6 +480,7 @@ class _Plan:
     block_n: int
     shrink_grid: tuple[int, int, int]
     shrink_options: dict  # constexprs and launch options
+    shrink_early: dict  # as a programmatic dependent of the kernel before it where the plan uses PDL
     expand_grid: tuple[int, int]
     expand_options: dict  # as a programmatic dependent of the shrink where the plan uses PDL
     expand_solo: dict  # as a plain launch
@@ -491,7 +513,9 @@ def _plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, c
     block_k, split_k, k_per_split = split_k_plan(meta.d_in, block_k, batch.num_row_tiles * row_blocks, cfg,
                                                  x.device)
     shrink = dict(ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=pdl,
-                  HOIST=k_per_split <= pool.shape[1], **consts, num_warps=cfg["shrink_warps"], num_stages=stages)
+                  HOIST=k_per_split <= pool.shape[1], **consts, num_warps=cfg["shrink_warps"], num_stages=stages,
+                  WAIT_PRIOR=False)
+    early = shrink | ({"WAIT_PRIOR": True, "launch_pdl": True} if pdl and cfg.get("early", True) else {})
     # expand
     block_n = cfg["block_n"]
     if block_n < RUN or block_n % RUN:
@@ -502,7 +526,7 @@ def _plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, c
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
                   **({"launch_pdl": True} if pdl else {}))
     solo = {k: v for k, v in expand.items() if k != "launch_pdl"} | {"USE_PDL": False}
-    return _Plan(split_k, k_per_split, block_n, (batch.num_row_tiles, split_k, row_blocks), shrink,
+    return _Plan(split_k, k_per_split, block_n, (batch.num_row_tiles, split_k, row_blocks), shrink, early,
                  (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo)
 
 
@@ -517,9 +541,9 @@ def _use_pdl(cfg: dict, device: torch.device) -> bool:
 def lora_shrink_expand_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
                            token_slots: torch.Tensor, meta: DenseLoraMeta, *, batch: LoraBatch | None = None,
                            scale: float = 1.0, config: dict | None = None,
-                           contiguous: bool = False) -> torch.Tensor:
+                           contiguous: bool = False, early: bool = False) -> torch.Tensor:
     """Torch reference of `lora_shrink_expand`, same signature and math; reads through the page
-    table like the kernels (``batch``, ``config`` and ``contiguous`` only shape the launch there).
+    table like the kernels (``batch``, ``config``, ``contiguous`` and ``early`` only shape the launch there).
 
     Used by the engine on CPU and as the test oracle.  Syncs with the device (reads ``token_slots``).
     """
@@ -547,7 +571,7 @@ class LoraShrinkRef:
 
 def lora_shrink_ref(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, token_slots: torch.Tensor,
                     meta: DenseLoraMeta, *, batch: LoraBatch | None = None, config: dict | None = None,
-                    contiguous: bool = False) -> LoraShrinkRef:
+                    contiguous: bool = False, early: bool = False) -> LoraShrinkRef:
     """Torch reference of `lora_shrink` (same signature): checks and keeps the inputs."""
     check_inputs(None, x, pool, page_table, token_slots, meta)
     return LoraShrinkRef(x, pool, page_table, token_slots, meta)

@@ -352,6 +352,8 @@ def test_shrink_then_expand_halves_equal_the_whole(grouped):
     other = lora_shrink(x.flip(0), *args, batch=batch)  # a second shrink in between must not disturb it
     y = lora_expand(y0.clone(), shrunk)
     assert torch.equal(y, y_whole)
+    early = lora_shrink_expand(y0.clone(), x, *args, batch=batch, early=True)  # (a plain launch on a CPU)
+    assert torch.equal(early, y_whole)
     assert not torch.equal(lora_expand(y0.clone(), other), y)
     assert_close(y, y_ref, y0)
     with pytest.raises(ValueError, match="y must be of shape"):
@@ -431,6 +433,35 @@ def test_gpu_llama8b_qkv_bf16_matches_fp32_reference(count):
         err = (delta - delta_ref).norm() / delta_ref.norm()
         assert err <= 1e-2, (grouped, err.item())
         assert torch.equal(y[3::7], y0[3::7])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [16, 256, 4096])
+def test_gpu_early_shrink_after_the_kernels_that_write_x_and_y_equals_the_plain_launch(count):
+    """An early shrink (a programmatic dependent of the kernel before it) right after the kernels that
+    write ``x`` and ``y`` gives bit for bit what a plain one gives, on both paths, for the expand and for
+    `lora_silu_mul` (both read ``y`` / gate_up before they wait); a slice no token's adapter has included."""
+    world = llama8b_world()
+    meta = dense_lora_meta(world.layouts, 0, QKV, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(count)
+    slots = (torch.arange(count, dtype=torch.int32) % 16).cuda()
+    slots[5::9] = -1
+    x0 = torch.randn(count, 4096, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(6144, 4096, device="cuda", generator=gen) * 0.02).bfloat16()
+    for grouped in (False, True):
+        batch = plan_lora_batch(slots, 16, grouped=grouped)
+        outs = []
+        for early in (False, True):
+            x = x0 * 1.0  # written by the launch two before the shrink
+            y = x @ w.T  # and y by the one right before it
+            outs.append(lora_shrink_expand(y, x, world.pool[0], world.page_table, slots, meta, batch=batch,
+                                           early=early))
+            x = x0 * 1.0
+            gate_up = x @ w.T
+            shrunk = lora_shrink(x, world.pool[0], world.page_table, slots, meta, batch=batch, early=early)
+            outs.append(lora_expand(gate_up, shrunk, dependent=True))
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3]), grouped
 
 
 @pytest.mark.gpu

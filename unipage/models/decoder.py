@@ -262,7 +262,8 @@ class DecoderLM:
         if bias is not None:
             y = y + bias
         if self._has_lora(meta, ctx):
-            self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
+            self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan,
+                          early=True)  # (the shrink may start while the projection above drains)
         return y
 
     @staticmethod
@@ -292,7 +293,8 @@ class DecoderLM:
         meta = layer_lora and layer_lora.gate_up
         gate_up = x @ layer.w_gate_up.T
         if self._has_lora(meta, ctx):  # the LoRA expand and the activation in one kernel where that is faster
-            shrunk = self.ops.lora_shrink(x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan)
+            shrunk = self.ops.lora_shrink(x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan,
+                                          early=True)
             act = self.ops.lora_silu_mul(gate_up, shrunk)
         else:
             act = self.ops.silu_mul(gate_up)

@@ -1,0 +1,179 @@
+"""Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
+
+    python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 256] [--prefill 4 1024] [--out FILE]
+
+Builds the engine on ``--shape`` (random weights at its real shape) with
+``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
+the base model and for the adapters round-robin: ``--running`` requests with
+short prompts reach steady decode, ``--steps`` decode steps are profiled
+(CUDA graphs, as served), then ``--prefill`` prompts (count, tokens) join
+and the step that prefills them beside the decodes is profiled.  Per window
+(decode, mixed) one record: wall and device time per step, and the device
+time per step of every kernel name, with the LoRA run's excess over the base
+run per layer (``lora_extra_us_per_layer``), largest first.  Kernel times
+come from ``torch.profiler`` (CUPTI), graph replays included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serve_models as sm
+from timing import emit
+from unipage.scheduler import Request, SamplingParams, SchedulerConfig
+
+from unipage.config import LoRAConfig, ModelConfig
+from unipage.kernels import lora_meta
+from unipage.engine import Engine
+from unipage.models.weights import read_config
+
+GREEDY = SamplingParams(temperature=0)
+NAME_CHARS = 60  # kernel names are cut to this many characters (templated names run to pages)
+
+
+def build(args, root: str) -> tuple[Engine, list[str]]:
+    model_dir = sm.write_model_dir(root, args.shape, False, args.layers)
+    model = ModelConfig.from_hf(read_config(model_dir), "bfloat16")
+    paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.adapters, args.rank, "all")
+    max_len = max(args.prompt + args.timed_steps + args.steps + 72, args.prefill[1] + 8)
+    engine = Engine(model_dir, device="cuda", dtype="bfloat16",
+                    lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.adapters),
+                    scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
+                                              max_num_batched_tokens=args.budget), load_format="dummy")
+    names = [f"a{i}" for i in range(len(paths))]
+    for name, path in zip(names, paths):
+        engine.add_adapter(name, path)
+    return engine, names
+
+
+def kernel_times(prof) -> dict[str, float]:
+    """Device microseconds by (cut) kernel name over the profiled region."""
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None)
+        if device_us is None:
+            device_us = event.cuda_time_total
+        if device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.key[:NAME_CHARS]] += device_us
+    return times
+
+
+def profiled(engine: Engine, steps: int) -> tuple[float, dict[str, float], set[str]]:
+    """Wall seconds per step, device us per step by kernel, and the requests that finished, over ``steps``
+    engine steps under the profiler."""
+    torch.cuda.synchronize()
+    finished: set[str] = set()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            finished.update(out[0] for out in engine.step() if out[2] is not None)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    return wall, {k: v / steps for k, v in kernel_times(prof).items()}, finished
+
+
+def timed(engine: Engine, steps: int) -> float:
+    """The median wall seconds of ``steps`` engine steps, each synchronised (no profiler)."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
+    """One run (base or LoRA): ``{"decode_ms": median step, "decode": (wall s/step, {kernel: us/step}),
+    "mixed": (...)}``."""
+    rng, vocab = random.Random(0), min(engine.vocab_size, 30000)
+    prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
+    for i in range(args.running):
+        engine.add_request(Request(f"{tag}-d{i}", prompt(args.prompt), adapters[i % len(adapters)], GREEDY,
+                                   max_tokens=args.timed_steps + args.steps + 64))
+    started: set[str] = set()
+    while len(started) < args.running:  # adapters loaded, every prompt prefilled
+        started.update(out[0] for out in engine.step())
+    for _ in range(args.warmup_steps):  # the decode graph of the full batch captured and replayed
+        engine.step()
+    out = {"decode_ms": timed(engine, args.timed_steps) * 1e3, "decode": profiled(engine, args.steps)[:2]}
+    count, tokens = args.prefill
+    for rep in range(2):  # the first mixed step of this shape captures its graphs; the second is measured
+        names = [f"{tag}-p{rep}-{i}" for i in range(count)]
+        for i, name in enumerate(names):
+            engine.add_request(Request(name, prompt(tokens), adapters[i % len(adapters)], GREEDY, max_tokens=1))
+        wall, kernels, finished = profiled(engine, 1)
+        if rep:
+            out["mixed"] = (wall, kernels)
+        if not set(names) <= finished:
+            raise RuntimeError(f"the mixed step did not prefill every prompt: {sorted(set(names) - finished)}")
+    for i in range(args.running):
+        engine.abort(f"{tag}-d{i}")
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(sm.SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
+    p.add_argument("--adapters", type=int, default=16)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--running", type=int, default=252, help="requests decoding")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens of the decoding requests")
+    p.add_argument("--prefill", type=int, nargs=2, default=[4, 960], metavar=("COUNT", "TOKENS"),
+                   help="prompts prefilled in the mixed step beside the decodes")
+    p.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
+    p.add_argument("--steps", type=int, default=5, help="decode steps profiled")
+    p.add_argument("--timed-steps", type=int, default=30, help="decode steps timed (median), before the profile")
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--no-early", action="store_true",
+                   help="launch the dense LoRA shrinks plainly, not as dependents of their projections")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.no_early:  # the default config of every path, which the tuned entries overlay
+        for path in lora_meta._load_json()["default"].values():
+            path["early"] = False
+    if not torch.cuda.is_available():
+        raise SystemExit("lora_breakdown.py needs a CUDA device")
+    sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115
+    with sink as out, tempfile.TemporaryDirectory(prefix="unipage-breakdown-") as root:
+        engine, names = build(args, root)
+        runs = {"base": run(engine, args, [None], "base"), "lora": run(engine, args, names, "lora")}
+        for window in ("decode", "mixed"):
+            emit(record(args, engine, runs, window), out)
+
+
+def record(args, engine: Engine, runs: dict, window: str) -> dict:
+    """One window's record: wall and device time per step, base against LoRA, and the kernels' share."""
+    (base_wall, base), (lora_wall, lora) = runs["base"][window], runs["lora"][window]
+    layers = engine.config.model.num_layers
+    extra = {k: round((lora.get(k, 0.0) - base.get(k, 0.0)) / layers, 2) for k in set(base) | set(lora)}
+    extra = dict(sorted(((k, v) for k, v in extra.items() if abs(v) >= 0.05), key=lambda kv: -abs(kv[1])))
+    row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
+           "running": args.running, "prefill": args.prefill if window == "mixed" else None,
+           "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early}
+    if window == "decode":  # the median of the unprofiled steps
+        row |= {"base_step_ms": round(runs["base"]["decode_ms"], 3),
+                "lora_step_ms": round(runs["lora"]["decode_ms"], 3)}
+    return row | {"base_profiled_ms": round(base_wall * 1e3, 3), "lora_profiled_ms": round(lora_wall * 1e3, 3),
+                  "base_device_us": round(sum(base.values()), 1), "lora_device_us": round(sum(lora.values()), 1),
+                  "lora_extra_us_per_layer": extra,
+                  "lora_kernels_us": {k: round(v, 1) for k, v in sorted(lora.items(), key=lambda kv: -kv[1])}}
+
+if __name__ == "__main__":
+    main()
