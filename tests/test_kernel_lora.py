@@ -439,8 +439,9 @@ def test_gpu_llama8b_qkv_bf16_matches_fp32_reference(count):
 @pytest.mark.parametrize("count", [16, 256, 4096])
 def test_gpu_early_shrink_after_the_kernels_that_write_x_and_y_equals_the_plain_launch(count):
     """An early shrink (a programmatic dependent of the kernel before it) right after the kernels that
-    write ``x`` and ``y`` gives bit for bit what a plain one gives, on both paths, for the expand and for
-    `lora_silu_mul` (both read ``y`` / gate_up before they wait); a slice no token's adapter has included."""
+    write ``x`` and ``y`` gives bit for bit what a plain one gives, on both paths, with its expand launched
+    by `lora_shrink_expand` and alone (`lora_expand`, dependent): the GEMV expand reads ``y`` before it
+    waits, so it must not start before the projection that writes ``y`` has finished."""
     world = llama8b_world()
     meta = dense_lora_meta(world.layouts, 0, QKV, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(count)
