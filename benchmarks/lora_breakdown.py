@@ -1,17 +1,22 @@
 """Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
 
-    python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 256] [--prefill 4 1024] [--out FILE]
+    python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
+                                        [--no-early] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
 the base model and for the adapters round-robin: ``--running`` requests with
-short prompts reach steady decode, ``--steps`` decode steps are profiled
-(CUDA graphs, as served), then ``--prefill`` prompts (count, tokens) join
-and the step that prefills them beside the decodes is profiled.  Per window
-(decode, mixed) one record: wall and device time per step, and the device
-time per step of every kernel name, with the LoRA run's excess over the base
-run per layer (``lora_extra_us_per_layer``), largest first.  Kernel times
-come from ``torch.profiler`` (CUPTI), graph replays included.
+``--prompt``-token prompts reach steady decode, ``--timed-steps`` decode steps
+are timed without the profiler (median wall time per step, synchronised) and
+``--steps`` more are profiled (CUDA graphs, as served); then ``--prefill``
+prompts (count, tokens) join and the step that prefills them beside the
+decodes is profiled (twice: the first makes its graphs).  Per window (decode,
+mixed) one record: wall and device time per step, and the device time per
+step of every kernel name, with the LoRA run's excess over the base run per
+layer (``lora_extra_us_per_layer``), largest first.  Kernel times come from
+``torch.profiler`` (CUPTI), graph replays included.  ``--no-early`` launches
+the dense LoRA shrinks plainly (the default config's ``"early": false``), for
+an A/B run in a second process.
 """
 
 from __future__ import annotations
@@ -174,6 +179,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
                   "base_device_us": round(sum(base.values()), 1), "lora_device_us": round(sum(lora.values()), 1),
                   "lora_extra_us_per_layer": extra,
                   "lora_kernels_us": {k: round(v, 1) for k, v in sorted(lora.items(), key=lambda kv: -kv[1])}}
+
 
 if __name__ == "__main__":
     main()
