@@ -460,7 +460,7 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     if lora is not None and lora.activation != activation:
         lora = dataclasses.replace(lora, activation=activation)
-    plan = ops.plan(lora, topk_ids, lora_config, align) if lora is not None and lora.meta.any_lora else None
+    plan = ops.plan(lora, topk_ids, lora_config) if lora is not None and lora.meta.any_lora else None
     mode = lora_fused.fused_mode(plan) if ops.fused else ""
     if plan is None or mode == "all":
         if mode:

@@ -146,7 +146,6 @@ class MoeLoraPlan:
     align: Alignment | None  # group mode: pairs by slot·E + expert; None in pair mode
     gate_up_z: torch.Tensor  # [split_k, TK, R_PAD] float32: split-K partials of x @ A_gu.T
     down_z: torch.Tensor  # [TK, RD_PAD] float32: act @ A_d.T, summed by the gate/up pass
-    order: Alignment | None = None  # pair mode: the base MoE's pairs by expert, the programs' pair order
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,18 +195,7 @@ def _split_k(hidden: int, split_k: int) -> tuple[int, int]:
     return cdiv(runs, per), per * 64
 
 
-def _pair_order(order: Alignment | None, cfg: dict, topk_ids: torch.Tensor) -> Alignment | None:
-    """The pair order a pair-mode plan keeps: ``order`` unless group mode or config ``"order": false``."""
-    if order is None or cfg["block_m"] > 1 or not cfg.get("order", True):
-        return None
-    if order.num_pairs != topk_ids.numel() or order.sorted_pairs.device != topk_ids.device:
-        raise ValueError(f"order must align the {topk_ids.numel()} pairs of topk_ids on {topk_ids.device}, got "
-                         f"{order.num_pairs} pairs on {order.sorted_pairs.device}")
-    return order
-
-
-def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn,
-          order: Alignment | None) -> MoeLoraPlan:
+def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) -> MoeLoraPlan:
     _check_lora(lora, topk_ids)
     cfg, meta = lora_config(lora, topk_ids, config), lora.meta
     align = None
@@ -218,28 +206,22 @@ def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn,
     num_pairs, device = topk_ids.numel(), topk_ids.device
     return MoeLoraPlan(lora, topk_ids, cfg, align,
                        torch.empty(splits, num_pairs, r_pad, dtype=torch.float32, device=device),
-                       torch.empty(num_pairs, rd_pad, dtype=torch.float32, device=device),
-                       _pair_order(order, cfg, topk_ids))
+                       torch.empty(num_pairs, rd_pad, dtype=torch.float32, device=device))
 
 
-def plan_moe_lora(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None,
-                  order: Alignment | None = None) -> MoeLoraPlan:
+def plan_moe_lora(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> MoeLoraPlan:
     """Check the inputs, pick the launch config, align pairs by (slot, expert) in group mode
     (`moe_align`, on the device, no host sync) and allocate scratch.
 
     ``lora``: the layer's `MoeLora`; ``topk_ids`` [T, K] int32; ``config``: a "lora"
-    launch-config entry (default: tuned by the expected pairs per group); ``order``: the base
-    MoE's `Alignment` of these pairs by expert.  In pair mode the programs then take the pairs
-    in that order, so the pairs of one (adapter, expert) group run side by side and read its
-    weights from HBM about once (config ``"order": false`` keeps token order).
+    launch-config entry (default: tuned by the expected pairs per group).
     """
-    return _plan(lora, topk_ids, config, moe_align, order)
+    return _plan(lora, topk_ids, config, moe_align)
 
 
-def plan_moe_lora_ref(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None,
-                      order: Alignment | None = None) -> MoeLoraPlan:
+def plan_moe_lora_ref(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> MoeLoraPlan:
     """`plan_moe_lora` with the torch alignment (CPU engine path)."""
-    return _plan(lora, topk_ids, config, moe_align_ref, order)
+    return _plan(lora, topk_ids, config, moe_align_ref)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,17 +230,13 @@ def plan_moe_lora_ref(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None
 
 @triton.jit
 def _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
-          num_pairs, top_k, num_experts, BLOCK_M: tl.constexpr, ORDER_M: tl.constexpr):
+          num_pairs, top_k, num_experts, BLOCK_M: tl.constexpr):
     """Pairs of tile ``pid_m``, their validity, and the tile's (slot, expert); slot -1 = no work.
     In pair mode the slot may still lack LoRA in this layer: see `_skip`."""
-    if BLOCK_M == 1:  # pair mode: tile m is pair m, or (ORDER_M) entry m of the expert order
-        if ORDER_M > 0:
-            pair = tl.load(sorted_ptr + pid_m)  # padding entries hold num_pairs
-        else:
-            pair = pid_m
-        pairs = pair + tl.arange(0, 1)
-        slot = tl.load(slots_ptr + pair // top_k, mask=pair < num_pairs, other=-1)
-        expert = tl.load(topk_ids_ptr + pair, mask=pair < num_pairs, other=0)
+    if BLOCK_M == 1:  # pair mode: tile m is pair m
+        pairs = pid_m + tl.arange(0, 1)
+        slot = tl.load(slots_ptr + pid_m // top_k)
+        expert = tl.load(topk_ids_ptr + pid_m)
     else:
         pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         group = tl.load(block_group_ptr + pid_m)
@@ -324,11 +302,9 @@ def _skip(row, flags_ptr, slot, BLOCK_M: tl.constexpr, S_PAD: tl.constexpr):
 
 
 @triton.jit
-def _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M: tl.constexpr, ORDER_M: tl.constexpr):
-    if BLOCK_M == 1 and ORDER_M == 0:
+def _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    if BLOCK_M == 1:
         n = num_pairs
-    elif BLOCK_M == 1:
-        n = tl.load(num_blocks_ptr) * ORDER_M
     else:
         n = tl.load(num_blocks_ptr)
     return n
@@ -378,26 +354,25 @@ def _shrink_kernel(
     R_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     K_TILE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PAGE_SHIFT: tl.constexpr,
     EVEN_K: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    DOWN: tl.constexpr = False, ORDER_M: tl.constexpr = 0,
+    DOWN: tl.constexpr = False,
 ):
     # DOWN (the fused path's down shrink, `moe_lora_down_shrink`): x is act [TK, I] (row = pair),
     # hidden is I, z is down_z [TK, RD_PAD] (SPLIT_K 1), A is down A; down_z is not zeroed.
     if USE_PDL:
         gdc_launch_dependents()
-    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M, ORDER_M)
+    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
     pid = tl.program_id(0)
     if pid >= num_m * SPLIT_K:
         return
     pid_m, split = swizzle(pid, num_m, SPLIT_K, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
-                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M, ORDER_M)
+                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
     row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
     if BLOCK_M == 1:  # the pair's x run, loaded with the metadata
         offs_kt = tl.arange(0, K_TILE)
         k_left = tl.minimum(K_PER_SPLIT, hidden - split * K_PER_SPLIT)
-        x_row = tl.where(pair_ok, pairs if DOWN else pairs // top_k, 0).to(tl.int64)
-        x_run = tl.load(x_ptr + x_row[:, None] * stride_x + split * K_PER_SPLIT + offs_kt[None, :],
-                        mask=pair_ok[:, None] & (offs_kt[None, :] < k_left), other=0.0)
+        x_run = tl.load(x_ptr + (pid_m if DOWN else pid_m // top_k).to(tl.int64) * stride_x + split * K_PER_SPLIT + offs_kt[None, :],
+                        mask=offs_kt[None, :] < k_left, other=0.0)
     rows_a = _field(row, meta + (F_DOWN_RANK if DOWN else F_GU_ROWS), S_PAD)
     group_off = _field(row, meta + F_BASE, S_PAD) + expert * _field(row, meta + F_STRIDE, S_PAD)
     gu_a = _field(row, meta + (F_DOWN_A if DOWN else F_GU_A), S_PAD)
@@ -466,13 +441,13 @@ def _expand_gate_up_kernel(
     limit, R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, ACT: tl.constexpr, ORDER_M: tl.constexpr = 0,
+    USE_PDL: tl.constexpr, ACT: tl.constexpr,
 ):
     # Everything up to `gdc_wait` reads only what existed before the shrink started (routing,
     # alignment, metadata, weights, the base GEMM's raw output): under PDL it overlaps the shrink.
     if USE_PDL:
         gdc_launch_dependents()
-    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M, ORDER_M)
+    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
     num_n = tl.cdiv(inter, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
@@ -480,7 +455,7 @@ def _expand_gate_up_kernel(
         return
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
-                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M, ORDER_M)
+                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
     row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
     group_off = _field(row, meta + F_BASE, S_PAD) + expert * _field(row, meta + F_STRIDE, S_PAD)
     if _skip(row, flags_ptr, slot, BLOCK_M, S_PAD):
@@ -530,11 +505,11 @@ def _expand_down_kernel(
     num_blocks_ptr, num_pairs, top_k, num_experts, num_slots, hidden, stride_y, stride_pt,
     RD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, ORDER_M: tl.constexpr = 0,
+    USE_PDL: tl.constexpr,
 ):
     # Up to `gdc_wait`: only routing, alignment, metadata and weights (all older than the
     # kernel before this one), so under PDL this overlaps that kernel's tail.
-    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M, ORDER_M)
+    num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
@@ -542,7 +517,7 @@ def _expand_down_kernel(
         return
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
-                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M, ORDER_M)
+                                         block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
     row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
     rank = _field(row, meta + F_DOWN_RANK, S_PAD)
     group_off = _field(row, meta + F_BASE, S_PAD) + expert * _field(row, meta + F_STRIDE, S_PAD)
@@ -590,16 +565,10 @@ def _chunk(inter: int) -> int:
 
 def _tile_args(plan: MoeLoraPlan) -> tuple:
     lora, align, ids = plan.lora, plan.align, plan.topk_ids
-    tiles = align or plan.order
     return (lora.pool, lora.page_table, lora.meta.table, lora.token_slots, lora.meta.slot_flags, ids,
-            tiles.sorted_pairs if tiles else ids, align.block_group if align else ids,
-            tiles.num_blocks if tiles else ids, ids.numel(), ids.shape[1], lora.meta.num_experts,
+            align.sorted_pairs if align else ids, align.block_group if align else ids,
+            align.num_blocks if align else ids, ids.numel(), ids.shape[1], lora.meta.num_experts,
             lora.meta.table.shape[0])
-
-
-def _order_m(plan: MoeLoraPlan) -> int:
-    """The kernels' ORDER_M: the expert order's tile height in ordered pair mode, else 0."""
-    return plan.order.block_m if plan.order is not None else 0
 
 
 def _slots_pad(plan: MoeLoraPlan) -> int:
@@ -610,11 +579,7 @@ def _slots_pad(plan: MoeLoraPlan) -> int:
 
 
 def _num_tile_bound(plan: MoeLoraPlan) -> int:
-    if plan.align is not None:
-        return plan.align.max_blocks
-    if plan.order is not None:
-        return plan.order.max_blocks * plan.order.block_m
-    return plan.topk_ids.numel()
+    return plan.align.max_blocks if plan.align is not None else plan.topk_ids.numel()
 
 
 def _launch_opts(cfg: dict) -> dict:
@@ -644,7 +609,7 @@ def moe_lora_shrink(plan: MoeLoraPlan, x: torch.Tensor) -> None:
         K_TILE=next_pow2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
         PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=_use_pdl(plan),
-        ORDER_M=_order_m(plan), **_launch_opts(cfg["shrink"]))
+        **_launch_opts(cfg["shrink"]))
 
 
 def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
@@ -660,7 +625,7 @@ def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
         K_TILE=next_pow2(cdiv(meta.inter, 64) * 64), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
         PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1, EVEN_K=meta.inter % 64 == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if act.dtype == torch.float32 else "tf32", USE_PDL=False, DOWN=True,
-        ORDER_M=_order_m(plan), **_launch_opts(cfg["shrink"]))
+        **_launch_opts(cfg["shrink"]))
 
 
 def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
@@ -689,7 +654,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
         RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n, CHUNK=chunk,
         GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift, EVEN_N=meta.inter % block_n == 0,
         S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code,
-        ORDER_M=_order_m(plan), **_launch_opts(cfg["gate_up"]), **extra)
+        **_launch_opts(cfg["gate_up"]), **extra)
 
 
 def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -713,7 +678,7 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,
         EVEN_N=meta.hidden % block_n == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, ORDER_M=_order_m(plan), **_launch_opts(cfg["down"]), **({"launch_pdl": True} if pdl else {}))
+        USE_PDL=pdl, **_launch_opts(cfg["down"]), **({"launch_pdl": True} if pdl else {}))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -282,25 +282,21 @@ def test_without_lora_tokens_or_layers_equals_base():
     assert torch.equal(_run(fused_experts, c, GROUP), base)
 
 
-@pytest.mark.parametrize("mode", ["pair", "ordered", "group"])
+@pytest.mark.parametrize("mode", ["pair", "group"])
 def test_phases_write_only_lora_pairs(mode):
-    """``act`` starts as NaN: LoRA pairs must be written, others left alone; ``y`` likewise.  "ordered":
-    pair mode in the base MoE's expert order, whose padding entries must do nothing."""
-    dtype, config = torch.float32, (GROUP if mode == "group" else PAIR)
+    """``act`` starts as NaN: LoRA pairs must be written, others left alone; ``y`` likewise."""
+    dtype, config = torch.float32, (PAIR if mode == "pair" else GROUP)
     c = _case(40, dtype, "zipf", seed=2)
     lora, ids, num_pairs = c["lora"], c["topk_ids"], c["topk_ids"].numel()
     has = lora_pairs(lora.token_slots, lora.meta.slot_flags, K)
     raw = torch.full((num_pairs, 2 * I), float("nan"))
-    align = moe_align_ref(ids, E, 16)
-    moe_gate_up_ref(c["x"], c["w_gate_up"], ids, align, torch.empty(num_pairs, I), raw,
+    moe_gate_up_ref(c["x"], c["w_gate_up"], ids, moe_align_ref(ids, E, 16), torch.empty(num_pairs, I), raw,
                     lora.token_slots, lora.meta.slot_flags)
     y0 = torch.randn(num_pairs, H)
     results = []
-    order = align if mode == "ordered" else None
     for plan_fn, gate_up, down in ((plan_moe_lora, moe_lora_gate_up, moe_lora_down),
                                    (plan_moe_lora_ref, moe_lora_gate_up_ref, moe_lora_down_ref)):
-        plan = plan_fn(lora, ids, config, order)
-        assert (plan.order is not None) == (mode == "ordered")
+        plan = plan_fn(lora, ids, config)
         plan.gate_up_z.fill_(float("nan"))  # scratch too: the kernels must write what they read
         plan.down_z.fill_(float("nan"))
         act, y = torch.full((num_pairs, I), float("nan")), y0.clone()
@@ -313,26 +309,6 @@ def test_phases_write_only_lora_pairs(mode):
     assert torch.equal(y[~has], y0[~has])
     _close(act[has], act_ref[has], dtype)
     _close(y, y_ref, dtype)
-
-
-def test_pair_order_gives_the_same_result_as_token_order():
-    """Pair mode takes the pairs in the base MoE's expert order (tiles of 16 padded with entries that do
-    nothing) by default; ``"order": false`` keeps token order.  Both compute every pair alike."""
-    c = _case(40, torch.float16, "uniform", seed=4)
-    ordered = _run(fused_experts, c, PAIR)
-    _close(ordered, _run(fused_experts_ref, c, PAIR), torch.float16)
-    assert torch.equal(ordered, _run(fused_experts, c, {**PAIR, "order": False}))
-
-
-def test_pair_order_kept_only_in_pair_mode_and_checked():
-    c = _case(7, torch.float32)
-    lora, ids = c["lora"], c["topk_ids"]
-    align = moe_align_ref(ids, E, 16)
-    assert plan_moe_lora(lora, ids, PAIR, align).order is align
-    assert plan_moe_lora(lora, ids, GROUP, align).order is None
-    assert plan_moe_lora(lora, ids, {**PAIR, "order": False}, align).order is None
-    with pytest.raises(ValueError, match="order must align the 14 pairs"):
-        plan_moe_lora(lora, ids, PAIR, moe_align_ref(ids[:3], E, 16))
 
 
 def test_ranks_above_sixteen_and_up_only():
