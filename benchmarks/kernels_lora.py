@@ -1,6 +1,8 @@
 """Paged dense LoRA shrink/expand on a GPU: Llama-3.1-8B q/k/v (4096 -> 4096 / 1024 / 1024),
 rank 16, 16 adapters, bf16, tokens spread round-robin over the adapters.  ``--targets``
-picks another of the model's LoRA calls (o, gate_up, down) to measure or tune.
+picks another of the model's LoRA calls (o, gate_up, down) to measure or tune;
+``--shape qwen3-30b-a3b`` the attention of Qwen3-30B-A3B (2048 -> 4096 / 512 / 512, o
+4096 -> 2048) at rank 8, as serving setup b runs it (its MLP is the MoE: `kernels_moe`).
 
 One JSON line per token count: kernel time (CUDA graph, L2 flushed), the HBM
 floor (distinct LoRA weights touched + x read + y read and written, over the
@@ -12,6 +14,7 @@ paged within 10 % of contiguous.  A failing row is reported and skipped.
     python -m benchmarks.kernels_lora            # measure
     python -m benchmarks.kernels_lora --tune     # tune launch configs into kernels/configs/lora_dense.json
     python -m benchmarks.kernels_lora --tune --targets down --tokens 256 1024
+    python -m benchmarks.kernels_lora --tune --shape qwen3-30b-a3b --targets o --tokens 256 4096
 """
 
 from __future__ import annotations
@@ -46,23 +49,29 @@ TOKENS = (1, 16, 64, 256, 1024, 4096)
 ADAPTERS, RANK, SEED = 16, 16, 0
 LLAMA_8B = ModelConfig(num_layers=1, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                        intermediate_size=14336)
-PAGE_ELEMS = 16 * 2 * 8 * 128  # one KV block of 16 tokens
+QWEN3_30B_A3B = ModelConfig(num_layers=1, hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128,
+                            intermediate_size=6144)  # attention only: its MLP is the MoE
+# shape -> (label, model, rank, page elements = one KV block of 16 tokens, LoRA calls)
+SHAPES = {"llama3-8b": ("Llama-3.1-8B", LLAMA_8B, RANK, 16 * 2 * 8 * 128, tuple(GROUPS)),
+          "qwen3-30b-a3b": ("Qwen3-30B-A3B", QWEN3_30B_A3B, 8, 16 * 2 * 4 * 128, ("qkv", "o"))}
 
 
 class Setup:
     """Both pools (adapters at shuffled pages among noise, and consecutive), tables and metadata."""
 
-    def __init__(self, dtype=torch.bfloat16, adapters=ADAPTERS, rank=RANK, seed=SEED, device="cuda", targets=QKV):
+    def __init__(self, dtype=torch.bfloat16, adapters=ADAPTERS, seed=SEED, device="cuda", targets=QKV,
+                 shape="llama3-8b"):
         gen = torch.Generator().manual_seed(seed)
         self.dtype, self.adapters, self.device, self.targets = dtype, adapters, torch.device(device), targets
-        layout = build_layout(LLAMA_8B, [tuple(TargetSpec(t, (rank,)) for t in targets)])
-        pages = layout.num_pages(PAGE_ELEMS)
-        packed = [pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), PAGE_ELEMS, dtype)[0]
+        self.model_name, model, self.rank, page_elems, _ = SHAPES[shape]
+        layout = build_layout(model, [tuple(TargetSpec(t, (self.rank,)) for t in targets)])
+        pages = layout.num_pages(page_elems)
+        packed = [pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), page_elems, dtype)[0]
                   for _ in range(adapters)]
         total = adapters * pages + 256
         ids = torch.randperm(total, generator=gen)[: adapters * pages].view(adapters, pages)
-        self.pool = torch.randn(total, PAGE_ELEMS, generator=gen).to(dtype)
-        self.flat_pool = torch.zeros(adapters * pages, PAGE_ELEMS, dtype=dtype)
+        self.pool = torch.randn(total, page_elems, generator=gen).to(dtype)
+        self.flat_pool = torch.zeros(adapters * pages, page_elems, dtype=dtype)
         for slot, buf in enumerate(packed):
             self.pool[ids[slot]] = buf
             self.flat_pool[slot * pages: (slot + 1) * pages] = buf
@@ -131,8 +140,8 @@ def row(setup: Setup, tokens: int, bandwidth: float) -> dict:
     slots, x, y = setup.inputs(tokens)
     config = launch_config(setup.meta, batch, setup.dtype, x.device)
     return {
-        "bench": "lora_dense_qkv", "model": "Llama-3.1-8B", "targets": "+".join(setup.targets), "tokens": tokens, "adapters": setup.adapters,
-        "rank": RANK, "dtype": str(setup.dtype).removeprefix("torch."), "seed": SEED,
+        "bench": "lora_dense_qkv", "model": setup.model_name, "targets": "+".join(setup.targets), "tokens": tokens,
+        "adapters": setup.adapters, "rank": setup.rank, "dtype": str(setup.dtype).removeprefix("torch."), "seed": SEED,
         "path": "grouped" if batch.grouped else "gemv",
         "block_m": batch.block_m, "us": seconds * 1e6, "floor_us": floor * 1e6, "x_floor": seconds / floor,
         "contiguous_us": contiguous * 1e6, "paged_over_contiguous": seconds / contiguous,
@@ -143,11 +152,11 @@ def row(setup: Setup, tokens: int, bandwidth: float) -> dict:
     }
 
 
-def run(out=None, tokens=TOKENS, targets=QKV) -> None:
+def run(out=None, tokens=TOKENS, targets=QKV, shape="llama3-8b") -> None:
     """Emit one JSON line per token count to ``out`` (stdout by default); failures become error rows."""
     bandwidth = copy_bandwidth()
     emit({"bench": "lora_dense_qkv", "copy_gbps": bandwidth / 1e9}, out)
-    setup = Setup(targets=targets)
+    setup = Setup(targets=targets, shape=shape)
     for count in tokens:
         try:
             emit(row(setup, count, bandwidth), out)
@@ -184,9 +193,9 @@ def tune_one(setup: Setup, tokens: int) -> tuple[str, dict, float]:
     return path, {k: v for k, v in best.items() if default.get(k) != v}, best_s
 
 
-def tune(out=None, tokens=TOKENS, targets=QKV, path: Path = lora_meta.CONFIG_PATH) -> None:
+def tune(out=None, tokens=TOKENS, targets=QKV, path: Path = lora_meta.CONFIG_PATH, shape="llama3-8b") -> None:
     """Tune each token count's config on this GPU and write the overrides into ``path``."""
-    setup = Setup(targets=targets)
+    setup = Setup(targets=targets, shape=shape)
     data = json.loads(path.read_text())
     key = lora_meta.shape_key(setup.meta, setup.dtype)
     entry = data.setdefault("tuned", {}).setdefault(device_key("cuda"), {}).setdefault(key, {})
@@ -209,11 +218,14 @@ def main(argv=None) -> None:
     parser.add_argument("--tune", action="store_true", help="tune launch configs and write them to the JSON")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS), help="token counts")
     parser.add_argument("--targets", choices=sorted(GROUPS), default="qkv", help="which LoRA call of the model")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the model's shape and rank")
     args = parser.parse_args(argv)
+    if args.targets not in SHAPES[args.shape][4]:
+        parser.error(f"{args.shape} has no dense {args.targets} LoRA call (its choices: {', '.join(SHAPES[args.shape][4])})")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.kernels_lora needs a CUDA GPU")
-    (tune if args.tune else run)(tokens=tuple(args.tokens), targets=GROUPS[args.targets])
+    (tune if args.tune else run)(tokens=tuple(args.tokens), targets=GROUPS[args.targets], shape=args.shape)
 
 
 if __name__ == "__main__":
