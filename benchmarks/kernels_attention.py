@@ -13,6 +13,9 @@ pool of one layer, the spare pages holding noise):
   These two run last, until the time budget (``--budget``) is spent.
 - ``prefill``: 4 sequences x 1,024 new tokens over a 1,024-token prefix: TFLOP/s
   (causal FLOPs: 4 * H * D per visible (query, key) pair).
+- ``prefill_mixed``: a serving step's layout, 252 one-token decodes over 1,100 tokens of
+  context then 4 prompts of 960 tokens (what a mixed step of setup b runs), also for a
+  Qwen3-30B-A3B-like layer (H 32 / KVH 4 / D 128); ``--mixed-only`` runs these rows alone.
 - ``write_kv``: 4,096 tokens written to scattered slots: bandwidth (read + write).
 
 A failing row is written with an ``error`` field and the run goes on.
@@ -21,6 +24,7 @@ A failing row is written with an ``error`` field and the run goes on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import sys
@@ -48,6 +52,8 @@ DEVICE = "cuda"
 BLOCK_TOKENS = 16
 DTYPE = torch.bfloat16
 SHAPES = {"gpt-oss": (64, 8, 64), "llama-8b": (32, 8, 128)}  # name -> (H, KVH, D)
+MIXED_SHAPES = {**SHAPES, "qwen3-30b-a3b": (32, 4, 128)}
+MIXED_DECODES, MIXED_CONTEXT, MIXED_PROMPTS, MIXED_PROMPT = 252, 1100, 4, 960
 DECODE_BATCH, DECODE_CONTEXT = 64, 2048
 PREFILL_BATCH, PREFILL_NEW, PREFILL_PREFIX = 4, 1024, 1024
 WRITE_TOKENS = 4096
@@ -135,6 +141,25 @@ def prefill_row(name: str, shape) -> dict:
             "tflops": round(flops / seconds / 1e12, 1)}
 
 
+def mixed_row(name: str, shape) -> dict:
+    heads, kv_heads, head_dim = shape
+    lengths = [MIXED_CONTEXT] * MIXED_DECODES + [MIXED_PROMPT] * MIXED_PROMPTS
+    q_lens = [1] * MIXED_DECODES + [MIXED_PROMPT] * MIXED_PROMPTS
+    pool, tables, seq_lens = scattered_kv(lengths, kv_heads, head_dim)
+    q = torch.randn(sum(q_lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), device=DEVICE, dtype=torch.int32)
+    seconds = time_graph(lambda: paged_attention_prefill(q, pool, tables, cu, seq_lens, head_dim**-0.5,
+                                                         BLOCK_TOKENS, kv_heads, max_q_len=MIXED_PROMPT))
+    pairs = MIXED_DECODES * MIXED_CONTEXT + MIXED_PROMPTS * MIXED_PROMPT * (MIXED_PROMPT + 1) // 2
+    flops = 4 * heads * head_dim * pairs
+    kv_bytes = sum(lengths) * 2 * kv_heads * head_dim * q.element_size()
+    return {"bench": "prefill_mixed", "model": name, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "decodes": MIXED_DECODES, "decode_context": MIXED_CONTEXT, "prompts": MIXED_PROMPTS,
+            "prompt_tokens": MIXED_PROMPT, "block_tokens": BLOCK_TOKENS, "dtype": str(DTYPE), "seconds": seconds,
+            "flops": flops, "tflops": round(flops / seconds / 1e12, 1), "kv_bytes": kv_bytes,
+            "kv_tb_per_s": round(kv_bytes / seconds / 1e12, 2)}
+
+
 def write_kv_row(name: str, shape, copy_bw: float) -> dict:
     tokens = WRITE_TOKENS
     _, kv_heads, head_dim = shape
@@ -167,11 +192,15 @@ def _safe(out, label: str, row_fn, *args) -> None:
         emit({"seed": SEED, **record}, out)
 
 
-def run(out=None, sweep: bool = True, budget_s: float = 75.0) -> None:
-    """Decode headline rows first, then prefill and write_kv, then the SDPA baseline and the decode
-    sweep until ``budget_s`` seconds after the start."""
+def run(out=None, sweep: bool = True, budget_s: float = 75.0, mixed_only: bool = False) -> None:
+    """Decode headline rows first, then prefill, the mixed steps and write_kv, then the SDPA baseline and
+    the decode sweep until ``budget_s`` seconds after the start."""
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels_attention needs a CUDA GPU")
+    if mixed_only:
+        for name, shape in MIXED_SHAPES.items():
+            _safe(out, f"prefill_mixed/{name}", mixed_row, name, shape)
+        return
     start = time.monotonic()
     copy_bw = copy_bandwidth()
     emit({"bench": "copy", "seed": SEED, "copy_bandwidth_GBps": round(copy_bw / 1e9, 1)}, out)
@@ -183,6 +212,8 @@ def run(out=None, sweep: bool = True, budget_s: float = 75.0) -> None:
     for name, shape in SHAPES.items():
         _safe(out, f"prefill/{name}", prefill_row, name, shape)
         _safe(out, f"write_kv/{name}", write_kv_row, name, shape, copy_bw)
+    for name, shape in MIXED_SHAPES.items():
+        _safe(out, f"prefill_mixed/{name}", mixed_row, name, shape)
     sweep_start = time.monotonic()
     for number, (name, rows) in enumerate(decode.items(), start=1):
         deadline = sweep_start + (start + budget_s - sweep_start) * number / len(decode)  # equal shares
@@ -199,13 +230,14 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="append JSON lines to this file (default: stdout)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the decode_sweep rows")
     parser.add_argument("--budget", type=float, default=75.0, help="seconds after which the sweep stops")
+    parser.add_argument("--mixed-only", action="store_true", help="only the prefill_mixed rows")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if args.out:
         with open(args.out, "a") as out:
-            run(out, sweep=not args.no_sweep, budget_s=args.budget)
+            run(out, sweep=not args.no_sweep, budget_s=args.budget, mixed_only=args.mixed_only)
     else:
-        run(sys.stdout, sweep=not args.no_sweep, budget_s=args.budget)
+        run(sys.stdout, sweep=not args.no_sweep, budget_s=args.budget, mixed_only=args.mixed_only)
 
 
 if __name__ == "__main__":

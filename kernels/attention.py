@@ -40,10 +40,14 @@ head, so each K/V tile is read once per group.  Decode splits a context into
 partial and its log-sum-exp, and a second kernel merges them.  Prefill tiles
 ``BLOCK_M`` rows = ``BLOCK_M / G`` query tokens x the G heads of one kv head;
 keys below the tile's first query position need no causal mask, so the key
-loop runs unmasked up to there and masked over the diagonal.  Per-step
-values (lengths, block-table width, split count) are runtime arguments that
-Triton does not specialise on, so a new length never recompiles (decode has
-two compiled variants per shape: one split, several splits).
+loop runs unmasked up to there and masked over the diagonal.  A tile holds
+tokens of one sequence, and ``cdiv(T, BLOCK_Q) + B`` programs per kv head
+cover the rows (`_prefill_tile`) however the T tokens split into sequences:
+a step of a few prompts beside many one-token decodes runs at most B programs
+with nothing to do, not B x the longest prompt's tiles.  Per-step values
+(lengths, block-table width, split count) are runtime arguments that Triton
+does not specialise on, so a new length never recompiles (decode has two
+compiled variants per shape: one split, several splits).
 
 Sinks join the online softmax as a first "key" of logit ``sinks[h]`` and value
 0 (``m = sinks[h] * log2(e)``, ``l = 1`` before the first tile); with decode
@@ -73,6 +77,7 @@ from unipage.kernels.launch import launch
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
 MIN_SPLIT_TOKENS = 256  # a decode split shorter than this costs more to merge than it saves
+SEARCH_SEQS = 256  # prefill: sequence starts a program compares with its first row per loop step
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,17 +381,49 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _load_query_rows(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, offs_m, offs_d,
-                     BLOCK_Q: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr):
-    """Rows ``r`` = (token ``tile * BLOCK_Q + r // GROUP_P``, head ``kvh * GROUP + r % GROUP_P``)."""
-    token = tile * BLOCK_Q + offs_m // GROUP_P
+def _load_query_rows(q_ptr, q_start, first, end, kvh, stride_qt, stride_qh, offs_m, offs_d,
+                     GROUP: tl.constexpr, GROUP_P: tl.constexpr):
+    """Rows ``r`` = (token ``first + r // GROUP_P``, head ``kvh * GROUP + r % GROUP_P``) of the sequence whose
+    rows of ``q`` start at ``q_start``; tokens from ``end`` on are masked."""
+    token = first + offs_m // GROUP_P
     head = kvh * GROUP + offs_m % GROUP_P
-    row_ok = (token < q_len) & (offs_m % GROUP_P < GROUP)
+    row_ok = (token < end) & (offs_m % GROUP_P < GROUP)
     ptrs = q_ptr + (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     return ptrs, row_ok, token
 
 
-@triton.jit(do_not_specialize=["stride_table", "window"])
+@triton.jit
+def _prefill_tile(cu_q_ptr, num_seqs, num_tokens, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
+    """``(b, first, end)``: program 0's sequence and its token range ``[first, end)`` (relative to the
+    sequence's first row), ``end <= first`` when the program has none.
+
+    Programs ``p < cdiv(T, BLOCK_Q)`` take the rows from ``p * BLOCK_Q`` up to BLOCK_Q of them, as far as the
+    sequence holding row ``p * BLOCK_Q`` goes; program ``cdiv(T, BLOCK_Q) + b`` takes sequence ``b``'s rows
+    before the first multiple of BLOCK_Q at or after its start.  Together they cover every row once, in
+    ``cdiv(T, BLOCK_Q) + B`` programs whatever the lengths (a grid of B x the longest sequence's tiles
+    would be mostly empty programs when a few prompts share a step with many decodes)."""
+    pid = tl.program_id(0)
+    aligned = tl.cdiv(num_tokens, BLOCK_Q)
+    if pid < aligned:
+        row = pid * BLOCK_Q
+        count = tl.zeros([SEARCH], tl.int32)  # sequences starting at or before row, one lane per chunk entry
+        for c in range(0, num_seqs + 1, SEARCH):
+            offs = c + tl.arange(0, SEARCH)
+            starts = tl.load(cu_q_ptr + offs, mask=offs <= num_seqs, other=num_tokens + 1)
+            count += (starts <= row).to(tl.int32)
+        b = tl.sum(count) - 1
+        lo = row
+        hi = row + BLOCK_Q
+    else:
+        b = pid - aligned
+        lo = tl.load(cu_q_ptr + b)
+        hi = tl.cdiv(lo, BLOCK_Q) * BLOCK_Q
+    q_start = tl.load(cu_q_ptr + b)
+    q_end = tl.minimum(tl.load(cu_q_ptr + b + 1), hi)
+    return b, lo - q_start, q_end - q_start
+
+
+@triton.jit(do_not_specialize=["stride_table", "window", "num_seqs", "num_tokens"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D], last stride 1
     pool_ptr,  # [N, P] contiguous
@@ -398,14 +435,16 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     window,  # int >= 1 (WINDOWED)
     scale_log2,
+    num_seqs, num_tokens,  # B, T
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, SEARCH: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
-    kvh = tl.program_id(2)
+    kvh = tl.program_id(1)
     BLOCK_Q = BLOCK_M // GROUP_P  # query tokens per tile
+    b, first, end = _prefill_tile(cu_q_ptr, num_seqs, num_tokens, BLOCK_Q, SEARCH)
+    if end <= first:
+        return
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
@@ -413,13 +452,12 @@ def _prefill_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    q_ptrs, row_ok, token = _load_query_rows(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, offs_m, offs_d,
-                                             BLOCK_Q, GROUP, GROUP_P)
+    q_ptrs, row_ok, token = _load_query_rows(q_ptr, q_start, first, end, kvh, stride_qt, stride_qh, offs_m, offs_d,
+                                             GROUP, GROUP_P)
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     q_pos = prefix + token  # [BLOCK_M]
-    first = tile * BLOCK_Q
     # keys [0, full_end) precede every query of this tile: no mask needed there
-    hi = tl.where(first < q_len, prefix + tl.minimum(first + BLOCK_Q, q_len), 0)
+    hi = prefix + end
     full_end = tl.minimum((prefix + first) // BLOCK_N * BLOCK_N, hi // BLOCK_N * BLOCK_N)
     table_ptr += b.to(tl.int64) * stride_table
     head = kvh * GROUP + offs_m % GROUP_P
@@ -463,8 +501,8 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     pool: [N, P] one layer, contiguous, q's dtype; the new tokens' K/V already written.
     block_tables: [B, max_blocks] int32.  cu_seqlens_q: [B + 1] int32, row offsets of the
     sequences in q (cu[0] = 0, cu[B] = T).  seq_lens: [B] int32, total context per
-    sequence (prefix + new), >= its query count.  max_q_len: the largest query count
-    (sizes the grid); computed from cu_seqlens_q with a device sync when None.
+    sequence (prefix + new), >= its query count.  max_q_len: the largest query count; not
+    needed (the grid follows T and B alone), taken for callers that have it.
     out: optional [T, H, D], last dim contiguous, q's dtype, written and returned.
     sinks: optional [H] float32 contiguous, finite: one attention-sink logit per query head.
     sliding_window: optional int W >= 1: the query at position ``i`` sees keys ``i - W < j <= i``;
@@ -481,21 +519,21 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     window = _check_sinks_window(sinks, sliding_window, q)
     tokens, heads, head_dim = q.shape
     out = _output(out, q, contiguous=False)
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch else 0
-    if batch == 0 or tokens == 0 or max_q_len == 0:
+    if batch == 0 or tokens == 0:
         return out
     cfg = _check_config(config or prefill_config(head_dim, q.is_cuda))
     group = heads // num_kv_heads
     group_p = next_pow2(group)
     block_m = max(cfg.block_m, group_p, 16)
-    grid = (cdiv(max_q_len, block_m // group_p), batch, num_kv_heads)
+    grid = (cdiv(tokens, block_m // group_p) + batch, num_kv_heads)  # see `_prefill_tile`
     launch(_prefill_kernel, grid,
         q, pool, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), window, scale * LOG2E,
+        batch, tokens,
         KVH=num_kv_heads, GROUP=group, GROUP_P=group_p, D=head_dim, BT=block_tokens,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
-        HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_SINKS=sinks is not None, WINDOWED=window > 0, SEARCH=SEARCH_SEQS,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -238,6 +238,26 @@ def test_prefill_group_and_tile_shapes(heads, kv_heads, block_tokens, cfg):
     assert_close(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("search", [256, 4])
+def test_prefill_of_a_mixed_step(monkeypatch, search):
+    """A mixed step's layout: one-token decodes around prompts whose rows start off the tile grid, and sequences
+    with no new token.  Every row is written (by exactly one program: the output starts as NaN and the rows of a
+    program that wrote another sequence's rows would differ).  ``search`` 4: the programs find their sequence
+    over several chunks of the sequence starts."""
+    from unipage.kernels import attention
+    monkeypatch.setattr(attention, "SEARCH_SEQS", search)
+    cases = [(5, 1)] * 6 + [(0, 13), (2, 0), (9, 1), (3, 21), (4, 1), (0, 0), (7, 1), (0, 8)] + [(6, 1)] * 5
+    q_lens = [n for _, n in cases]
+    scene = make_scene([p + n for p, n in cases], seed=12)
+    q = torch.randn(sum(q_lens), 4, 16)
+    cu = varlen(q_lens)
+    out = poisoned(q.shape, torch.float32)
+    cfg = AttentionConfig(block_n=16, block_m=16)  # 8 tokens x 2 heads per tile
+    paged_attention_prefill(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2, config=cfg, out=out)
+    assert_close(out, paged_attention_prefill_ref(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2),
+                 torch.float32)
+
+
 def test_chunked_prefill_then_decode_equals_full_attention():
     """Write + attend in chunks of 11, 18 and 1 tokens; compare every row with SDPA over the whole sequence."""
     total, dtype = 30, torch.float16
