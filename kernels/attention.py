@@ -362,6 +362,11 @@ def paged_attention_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: to
     return out
 
 
+def _check_skip(skip: int, batch: int, tokens: int) -> None:
+    if not (isinstance(skip, int) and 0 <= skip <= min(batch, tokens)):
+        raise ValueError(f"skip must be an int in [0, min(B={batch}, T={tokens})], got {skip!r}")
+
+
 def _output(out: torch.Tensor | None, q: torch.Tensor, contiguous: bool) -> torch.Tensor:
     if out is None:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -393,37 +398,38 @@ def _load_query_rows(q_ptr, q_start, first, end, kvh, stride_qt, stride_qh, offs
 
 
 @triton.jit
-def _prefill_tile(cu_q_ptr, num_seqs, num_tokens, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
-    """``(b, first, end)``: program 0's sequence and its token range ``[first, end)`` (relative to the
+def _prefill_tile(cu_q_ptr, num_seqs, num_tokens, skip, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
+    """``(b, first, end)``: this program's sequence and its token range ``[first, end)`` (relative to the
     sequence's first row), ``end <= first`` when the program has none.
 
-    Programs ``p < cdiv(T, BLOCK_Q)`` take the rows from ``p * BLOCK_Q`` up to BLOCK_Q of them, as far as the
-    sequence holding row ``p * BLOCK_Q`` goes; program ``cdiv(T, BLOCK_Q) + b`` takes sequence ``b``'s rows
-    before the first multiple of BLOCK_Q at or after its start.  Together they cover every row once, in
-    ``cdiv(T, BLOCK_Q) + B`` programs whatever the lengths (a grid of B x the longest sequence's tiles
-    would be mostly empty programs when a few prompts share a step with many decodes)."""
+    Rows from ``skip`` on (the first ``skip`` sequences, one row each, are left out) are cut into tiles of
+    BLOCK_Q: program ``p < cdiv(T - skip, BLOCK_Q)`` takes tile ``p``'s rows as far as the sequence holding
+    its first row goes, and program ``cdiv(T - skip, BLOCK_Q) + j`` takes sequence ``skip + j``'s rows before
+    the first tile boundary at or after its start.  Together they cover every row once, in
+    ``cdiv(T - skip, BLOCK_Q) + B - skip`` programs whatever the lengths (a grid of B x the longest
+    sequence's tiles would be mostly empty programs when a few prompts share a step with many decodes)."""
     pid = tl.program_id(0)
-    aligned = tl.cdiv(num_tokens, BLOCK_Q)
+    aligned = tl.cdiv(num_tokens - skip, BLOCK_Q)
     if pid < aligned:
-        row = pid * BLOCK_Q
-        count = tl.zeros([SEARCH], tl.int32)  # sequences starting at or before row, one lane per chunk entry
-        for c in range(0, num_seqs + 1, SEARCH):
+        row = skip + pid * BLOCK_Q
+        count = tl.zeros([SEARCH], tl.int32)  # sequences from skip on starting at or before row, per lane
+        for c in range(skip, num_seqs + 1, SEARCH):
             offs = c + tl.arange(0, SEARCH)
             starts = tl.load(cu_q_ptr + offs, mask=offs <= num_seqs, other=num_tokens + 1)
             count += (starts <= row).to(tl.int32)
-        b = tl.sum(count) - 1
+        b = skip + tl.sum(count) - 1
         lo = row
         hi = row + BLOCK_Q
     else:
-        b = pid - aligned
+        b = skip + pid - aligned
         lo = tl.load(cu_q_ptr + b)
-        hi = tl.cdiv(lo, BLOCK_Q) * BLOCK_Q
+        hi = skip + tl.cdiv(lo - skip, BLOCK_Q) * BLOCK_Q
     q_start = tl.load(cu_q_ptr + b)
     q_end = tl.minimum(tl.load(cu_q_ptr + b + 1), hi)
     return b, lo - q_start, q_end - q_start
 
 
-@triton.jit(do_not_specialize=["stride_table", "window", "num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["stride_table", "window", "num_seqs", "num_tokens", "skip"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D], last stride 1
     pool_ptr,  # [N, P] contiguous
@@ -435,14 +441,14 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     window,  # int >= 1 (WINDOWED)
     scale_log2,
-    num_seqs, num_tokens,  # B, T
+    num_seqs, num_tokens, skip,  # B, T, leading one-row sequences left out
     KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, SEARCH: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     BLOCK_Q = BLOCK_M // GROUP_P  # query tokens per tile
-    b, first, end = _prefill_tile(cu_q_ptr, num_seqs, num_tokens, BLOCK_Q, SEARCH)
+    b, first, end = _prefill_tile(cu_q_ptr, num_seqs, num_tokens, skip, BLOCK_Q, SEARCH)
     if end <= first:
         return
     q_start = tl.load(cu_q_ptr + b)
@@ -494,7 +500,8 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_tokens: int,
                             num_kv_heads: int, *, max_q_len: int | None = None,
                             config: AttentionConfig | None = None, out: torch.Tensor | None = None,
-                            sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+                            skip: int = 0) -> torch.Tensor:
     """Causal attention of new tokens over their whole context; returns ``out [T, H, D]`` (q's dtype).
 
     q: [T, H, D], last dim contiguous, the new tokens of B sequences back to back.
@@ -508,9 +515,12 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     sliding_window: optional int W >= 1: the query at position ``i`` sees keys ``i - W < j <= i``;
     None or 0 = full attention.  Block-table entries of pages wholly before the window of a
     sequence's first new token are not read.
+    skip: the first ``skip`` sequences have one new token each (rows ``0 .. skip - 1``) and are left
+    out, their rows of ``out`` not written (the engine gives them to `paged_attention_decode`).
     """
     _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
     batch = block_tables.shape[0]
+    _check_skip(skip, batch, q.shape[0])
     _check_lengths("seq_lens", seq_lens, batch)
     if not (cu_seqlens_q.shape == (batch + 1,) and cu_seqlens_q.dtype == torch.int32):
         raise ValueError(f"cu_seqlens_q must be [B+1={batch + 1}] int32, "
@@ -519,17 +529,17 @@ def paged_attention_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: t
     window = _check_sinks_window(sinks, sliding_window, q)
     tokens, heads, head_dim = q.shape
     out = _output(out, q, contiguous=False)
-    if batch == 0 or tokens == 0:
+    if batch == skip or tokens == 0:
         return out
     cfg = _check_config(config or prefill_config(head_dim, q.is_cuda))
     group = heads // num_kv_heads
     group_p = next_pow2(group)
     block_m = max(cfg.block_m, group_p, 16)
-    grid = (cdiv(tokens, block_m // group_p) + batch, num_kv_heads)  # see `_prefill_tile`
+    grid = (cdiv(tokens - skip, block_m // group_p) + batch - skip, num_kv_heads)  # see `_prefill_tile`
     launch(_prefill_kernel, grid,
         q, pool, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), window, scale * LOG2E,
-        batch, tokens,
+        batch, tokens, skip,
         KVH=num_kv_heads, GROUP=group, GROUP_P=group_p, D=head_dim, BT=block_tokens,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
         HAS_SINKS=sinks is not None, WINDOWED=window > 0, SEARCH=SEARCH_SEQS,
@@ -610,14 +620,20 @@ def paged_attention_prefill_ref(q: torch.Tensor, pool: torch.Tensor, block_table
                                 num_kv_heads: int, *, max_q_len: int | None = None,
                                 config: AttentionConfig | None = None,
                                 out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                                sliding_window: int | None = None) -> torch.Tensor:
+                                sliding_window: int | None = None, skip: int = 0) -> torch.Tensor:
     """Torch reference of `paged_attention_prefill` (max_q_len and config are ignored)."""
     _check_common(q, pool, block_tables, scale, block_tokens, num_kv_heads)
     _check_lengths("seq_lens", seq_lens, block_tables.shape[0])
+    _check_skip(skip, block_tables.shape[0], q.shape[0])
     window = _check_sinks_window(sinks, sliding_window, q)
     out = _output(out, q, contiguous=False)
     starts = cu_seqlens_q.tolist()
+    if starts[skip] != skip:
+        raise ValueError(f"the first skip={skip} sequences must have one new token each, got query offsets "
+                         f"{starts[:skip + 1]}")
     for b, length in enumerate(seq_lens.tolist()):
+        if b < skip:
+            continue
         lo, hi = starts[b], starts[b + 1]
         start = _window_start(length - (hi - lo), window)
         k, v = gather_kv(pool, block_tables[b], length, block_tokens, num_kv_heads, start=start)

@@ -238,24 +238,49 @@ def test_prefill_group_and_tile_shapes(heads, kv_heads, block_tokens, cfg):
     assert_close(out, expected, torch.float32)
 
 
-@pytest.mark.parametrize("search", [256, 4])
-def test_prefill_of_a_mixed_step(monkeypatch, search):
+MIXED_STEP = [(5, 1)] * 6 + [(0, 13), (2, 0), (9, 1), (3, 21), (4, 1), (0, 0), (7, 1), (0, 8)] + [(6, 1)] * 5
+
+
+@pytest.mark.parametrize("search, split", [(256, False), (4, False), (4, True), (256, True)])
+def test_prefill_of_a_mixed_step(monkeypatch, search, split):
     """A mixed step's layout: one-token decodes around prompts whose rows start off the tile grid, and sequences
     with no new token.  Every row is written (by exactly one program: the output starts as NaN and the rows of a
     program that wrote another sequence's rows would differ).  ``search`` 4: the programs find their sequence
-    over several chunks of the sequence starts."""
+    over several chunks of the sequence starts.  ``split``: the six leading decodes go to the decode kernel and
+    the prefill kernel skips them, as the engine does."""
     from unipage.kernels import attention
     monkeypatch.setattr(attention, "SEARCH_SEQS", search)
-    cases = [(5, 1)] * 6 + [(0, 13), (2, 0), (9, 1), (3, 21), (4, 1), (0, 0), (7, 1), (0, 8)] + [(6, 1)] * 5
-    q_lens = [n for _, n in cases]
-    scene = make_scene([p + n for p, n in cases], seed=12)
+    q_lens = [n for _, n in MIXED_STEP]
+    scene = make_scene([p + n for p, n in MIXED_STEP], seed=12)
     q = torch.randn(sum(q_lens), 4, 16)
     cu = varlen(q_lens)
     out = poisoned(q.shape, torch.float32)
     cfg = AttentionConfig(block_n=16, block_m=16)  # 8 tokens x 2 heads per tile
-    paged_attention_prefill(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2, config=cfg, out=out)
-    assert_close(out, paged_attention_prefill_ref(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2),
-                 torch.float32)
+    skip = 6 if split else 0
+    paged_attention_prefill(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2, config=cfg, out=out,
+                            skip=skip)
+    assert out[:skip].isnan().all()
+    if split:
+        paged_attention_decode(q[:skip], scene.pool, scene.tables[:skip], scene.lengths[:skip], 0.2, 4, 2,
+                               out=out[:skip])
+    want = paged_attention_prefill_ref(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2)
+    assert_close(out, want, torch.float32)
+    ref_skipped = paged_attention_prefill_ref(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2,
+                                              out=poisoned(q.shape, torch.float32), skip=skip)
+    assert ref_skipped[:skip].isnan().all() and torch.equal(ref_skipped[skip:], want[skip:])
+
+
+@pytest.mark.parametrize("fn", [paged_attention_prefill, paged_attention_prefill_ref])
+def test_prefill_skip_is_checked(fn):
+    q_lens = [n for _, n in MIXED_STEP]
+    scene = make_scene([p + n for p, n in MIXED_STEP], seed=12)
+    q, cu = torch.randn(sum(q_lens), 4, 16), varlen(q_lens)
+    for bad in (-1, len(q_lens) + 1, 2.0):
+        with pytest.raises(ValueError, match="skip must be an int"):
+            fn(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2, skip=bad)
+    if fn is paged_attention_prefill_ref:  # the kernel cannot see the offsets without a sync: the caller's contract
+        with pytest.raises(ValueError, match="must have one new token each"):
+            fn(q, scene.pool, scene.tables, cu, scene.lengths, 0.2, 4, 2, skip=7)
 
 
 def test_chunked_prefill_then_decode_equals_full_attention():
@@ -428,3 +453,44 @@ def test_gpu_decode_does_not_recompile_per_step():
         if step == 0:
             first = compiled_variants()
     assert compiled_variants() == first
+
+
+# ----------------------------------------------------------------------------- in the decoder
+
+
+def test_decoder_sends_a_mixed_steps_decodes_to_the_decode_kernel(tmp_path, monkeypatch):
+    """A tiny Llama with the Triton attention kernels (interpreter) against the torch set, on steps that mix
+    decodes with prompt chunks (a budget of 6 tokens: the short prompt decodes while the long one prefills):
+    the same tokens and logits, and the mixed steps' prefill launches skip their leading decodes."""
+    import dataclasses
+
+    import transformers as tf
+
+    from unipage import LLM, SamplingParams
+    from unipage.config import PoolConfig
+    from unipage.kernels import attention
+    from unipage.models.ops import TORCH
+    from unipage.scheduler import SchedulerConfig
+
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96)).save_pretrained(tmp_path)
+    skips = []
+
+    def prefill(*args, skip=0, **kwargs):
+        skips.append(skip)
+        return attention.paged_attention_prefill(*args, skip=skip, **kwargs)
+
+    hybrid = dataclasses.replace(TORCH, attention_prefill=prefill, attention_decode=attention.paged_attention_decode)
+    prompts = [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [5, 9]]
+    runs = []
+    for ops in (TORCH, hybrid):
+        llm = LLM(str(tmp_path), device="cpu", pool=PoolConfig(num_pages=64), kernels="torch",
+                  scheduler=SchedulerConfig(max_num_batched_tokens=6, max_model_len=64))
+        llm.engine.model.ops = ops
+        runs.append(llm.generate(prompts, SamplingParams(temperature=0), max_tokens=5, return_logits=True))
+    for want, got in zip(*runs):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+    assert any(skips), f"no mixed step skipped its decodes: {skips}"

@@ -185,7 +185,7 @@ class MixedGraphs:
             token_slots=self.dev32[:n], logits_rows=sent[3], any_lora=host.active_slots > 0,
             group_tokens=host.group_tokens, active_slots=host.active_slots,
             window_slot_mapping=self.dev64[3, :n] if self.groups > 1 else None,
-            window_block_tables=sent[4] if self.groups > 1 else None)
+            window_block_tables=sent[4] if self.groups > 1 else None, num_decodes=host.num_decodes)
 
     def _piece_batch(self, bucket: int, lora: bool, gemv: bool) -> StepBatch:
         """The static inputs of a bucket's pieces (the attention-only fields are placeholders); the LoRA

@@ -31,6 +31,7 @@ class HostBatch:
     active_slots: int  # distinct adapters among the tokens
     window_slots: np.ndarray | None = None  # hybrid models: slots in the sliding layers' tables
     window_tables: np.ndarray | None = None
+    num_decodes: int = 0  # leading sequences with one token this step (the decode attention kernel's)
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +66,8 @@ def host_batch(seqs, num_scheduled: list[int], block_tokens: int) -> HostBatch:
         slots=_slots(tables, seq_of, positions, block_tokens),
         token_slots=np.repeat(np.fromiter((seq.slot for seq in seqs), np.int32, len(seqs)), counts),
         tables=tables, seq_lens=ends.astype(np.int32), cu=cu, rows=(cu[1:] - 1)[ends == lengths].astype(np.int64),
-        max_q_len=max(num_scheduled), group_tokens=max(per_slot.values(), default=0), active_slots=len(per_slot))
+        max_q_len=max(num_scheduled), group_tokens=max(per_slot.values(), default=0), active_slots=len(per_slot),
+        num_decodes=next((i for i, n in enumerate(num_scheduled) if n != 1), len(num_scheduled)))
     if seqs[0].window_table is not None:
         batch.window_tables = _table_matrix([seq.window_table for seq in seqs])
         batch.window_slots = _slots(batch.window_tables, seq_of, positions, block_tokens)
@@ -84,7 +86,7 @@ def upload(host: HostBatch, staged: StagedUpload) -> StepBatch:
         input_ids=sent[0], positions=sent[1], slot_mapping=sent[2], block_tables=sent[3], seq_lens=sent[4],
         cu_seqlens_q=sent[5], max_q_len=host.max_q_len, token_slots=sent[6], logits_rows=sent[7],
         any_lora=host.active_slots > 0, group_tokens=host.group_tokens, active_slots=host.active_slots,
-        window_slot_mapping=window_slots, window_block_tables=window_tables)
+        window_slot_mapping=window_slots, window_block_tables=window_tables, num_decodes=host.num_decodes)
 
 
 def _slots(tables: np.ndarray, seq_of: np.ndarray, positions: np.ndarray, block_tokens: int) -> np.ndarray:

@@ -78,6 +78,7 @@ class StepBatch:
     window_slot_mapping: torch.Tensor | None = None  # [T] int64, models with full and sliding-window layers
     #   (`ModelConfig.hybrid_kv`): slot_mapping in the sliding layers' own block tables
     window_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32: those tables (-1 before the window)
+    num_decodes: int = 0  # leading sequences with one new token (a mixed step's decodes): the decode kernel's
 
 
 @dataclass
@@ -273,8 +274,8 @@ class DecoderLM:
     def attend(self, i: int, q: torch.Tensor, pool: torch.Tensor, b: StepBatch, block_tokens: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i``'s paged attention of ``q [T, heads, D]`` over each sequence's context (written to
-        ``out`` if given); reads only ``b``'s block tables (the window's too), lengths, ``cu_seqlens_q`` and
-        ``max_q_len``."""
+        ``out`` if given); reads only ``b``'s block tables (the window's too), lengths, ``cu_seqlens_q``,
+        ``max_q_len`` and ``num_decodes``."""
         layer, m = self.layers[i], self.model
         pool_l, (_, tables) = pool[m.layer_rows[i]], _kv_tables(layer, b)
         extra = {}
@@ -282,12 +283,17 @@ class DecoderLM:
             extra["sinks"] = layer.sinks
         if layer.window:
             extra["sliding_window"] = layer.window
-        if self.ops.attention_decode is not None and b.max_q_len == 1 and q.shape[0] == b.seq_lens.shape[0]:
-            return self.ops.attention_decode(q, pool_l, tables, b.seq_lens, self.scale, block_tokens,
-                                             m.num_kv_heads, out=out, **extra)
+        decode = self.ops.attention_decode
+        if decode is not None and b.max_q_len == 1 and q.shape[0] == b.seq_lens.shape[0]:
+            return decode(q, pool_l, tables, b.seq_lens, self.scale, block_tokens, m.num_kv_heads, out=out, **extra)
+        skip = b.num_decodes if decode is not None and (out is None or out.is_contiguous()) else 0
+        if skip:  # a mixed step's leading decodes: the decode kernel (context splits), the rest the prefill one
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+            decode(q[:skip], pool_l, tables[:skip], b.seq_lens[:skip], self.scale, block_tokens, m.num_kv_heads,
+                   out=out[:skip], **extra)
         return self.ops.attention_prefill(q, pool_l, tables, b.cu_seqlens_q, b.seq_lens, self.scale,
                                           block_tokens, m.num_kv_heads, max_q_len=b.max_q_len, out=out,
-                                          **extra)
+                                          skip=skip, **extra)
 
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
         meta = layer_lora and layer_lora.gate_up
