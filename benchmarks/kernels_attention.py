@@ -15,7 +15,9 @@ pool of one layer, the spare pages holding noise):
   (causal FLOPs: 4 * H * D per visible (query, key) pair).
 - ``prefill_mixed``: a serving step's layout, 252 one-token decodes over 1,100 tokens of
   context then 4 prompts of 960 tokens (what a mixed step of setup b runs), also for a
-  Qwen3-30B-A3B-like layer (H 32 / KVH 4 / D 128); ``--mixed-only`` runs these rows alone.
+  Qwen3-30B-A3B-like layer (H 32 / KVH 4 / D 128): ``seconds`` in one prefill launch,
+  ``split_seconds`` as the decoder runs it (the decodes on the decode kernel, the prefill
+  launch skipping them); ``--mixed-only`` runs these rows alone.
 - ``write_kv``: 4,096 tokens written to scattered slots: bandwidth (read + write).
 
 A failing row is written with an ``error`` field and the run goes on.
@@ -148,8 +150,16 @@ def mixed_row(name: str, shape) -> dict:
     pool, tables, seq_lens = scattered_kv(lengths, kv_heads, head_dim)
     q = torch.randn(sum(q_lens), heads, head_dim, device=DEVICE, dtype=DTYPE)
     cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), device=DEVICE, dtype=torch.int32)
-    seconds = time_graph(lambda: paged_attention_prefill(q, pool, tables, cu, seq_lens, head_dim**-0.5,
-                                                         BLOCK_TOKENS, kv_heads, max_q_len=MIXED_PROMPT))
+    scale, d = head_dim**-0.5, MIXED_DECODES
+    seconds = time_graph(lambda: paged_attention_prefill(q, pool, tables, cu, seq_lens, scale, BLOCK_TOKENS,
+                                                         kv_heads, max_q_len=MIXED_PROMPT))
+    out = torch.empty_like(q)
+
+    def split():  # as the decoder runs a mixed step: the leading decodes on the decode kernel
+        paged_attention_decode(q[:d], pool, tables[:d], seq_lens[:d], scale, BLOCK_TOKENS, kv_heads, out=out[:d])
+        paged_attention_prefill(q, pool, tables, cu, seq_lens, scale, BLOCK_TOKENS, kv_heads, out=out, skip=d)
+
+    split_seconds = time_graph(split)
     pairs = MIXED_DECODES * MIXED_CONTEXT + MIXED_PROMPTS * MIXED_PROMPT * (MIXED_PROMPT + 1) // 2
     flops = 4 * heads * head_dim * pairs
     kv_bytes = sum(lengths) * 2 * kv_heads * head_dim * q.element_size()
@@ -157,7 +167,7 @@ def mixed_row(name: str, shape) -> dict:
             "decodes": MIXED_DECODES, "decode_context": MIXED_CONTEXT, "prompts": MIXED_PROMPTS,
             "prompt_tokens": MIXED_PROMPT, "block_tokens": BLOCK_TOKENS, "dtype": str(DTYPE), "seconds": seconds,
             "flops": flops, "tflops": round(flops / seconds / 1e12, 1), "kv_bytes": kv_bytes,
-            "kv_tb_per_s": round(kv_bytes / seconds / 1e12, 2)}
+            "kv_tb_per_s": round(kv_bytes / seconds / 1e12, 2), "split_seconds": split_seconds}
 
 
 def write_kv_row(name: str, shape, copy_bw: float) -> dict:

@@ -7,8 +7,7 @@ gate/up and down, tokens round-robin over them (the serving benchmark's setup b 
 decode).  ``--layers`` layers with their own weights are captured in one CUDA graph and
 timed as replays (L2 flushed before each); per layer:
 
-- ``base_us``: `fused_experts` without LoRA; ``serial_us``: with LoRA as the engine runs it;
-  ``serial_token_order_us``: the same with pair-mode programs in token order (``"order": false``).
+- ``base_us``: `fused_experts` without LoRA; ``serial_us``: with LoRA as the engine runs it.
 - ``shrink_side_us``: the LoRA shrink on a second stream beside the base gate/up GEMM, the
   rest in line (the down expand reads the gate/up expand's results, so the order holds).
 - ``both_side_us``: also the down expand on the second stream beside the base down GEMM,
@@ -96,8 +95,6 @@ def run(tokens: int, layers: int) -> dict:
     row["base_us"] = per_layer(lambda g, d: fused_experts(b["x"], g, d, b["topk_weights"], b["topk_ids"]))
     row["serial_us"] = per_layer(lambda g, d: fused_experts(b["x"], g, d, b["topk_weights"], b["topk_ids"],
                                                             b["lora"]))
-    row["serial_token_order_us"] = per_layer(lambda g, d: fused_experts(
-        b["x"], g, d, b["topk_weights"], b["topk_ids"], b["lora"], lora_config={**cfg_lora, "order": False}))
     for pdl in (True, False):
         cfg = copy.deepcopy(cfg_lora)
         cfg["pdl"] = pdl
