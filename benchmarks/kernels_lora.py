@@ -26,6 +26,7 @@ import statistics
 import sys
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,9 +52,18 @@ LLAMA_8B = ModelConfig(num_layers=1, hidden_size=4096, num_heads=32, num_kv_head
                        intermediate_size=14336)
 QWEN3_30B_A3B = ModelConfig(num_layers=1, hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128,
                             intermediate_size=6144)  # attention only: its MLP is the MoE
-# shape -> (label, model, rank, page elements = one KV block of 16 tokens, LoRA calls)
-SHAPES = {"llama3-8b": ("Llama-3.1-8B", LLAMA_8B, RANK, 16 * 2 * 8 * 128, tuple(GROUPS)),
-          "qwen3-30b-a3b": ("Qwen3-30B-A3B", QWEN3_30B_A3B, 8, 16 * 2 * 4 * 128, ("qkv", "o"))}
+
+
+class Shape(NamedTuple):
+    label: str
+    model: ModelConfig
+    rank: int
+    page_elems: int  # one KV block of 16 tokens
+    calls: tuple[str, ...]  # the keys of GROUPS it has
+
+
+SHAPES = {"llama3-8b": Shape("Llama-3.1-8B", LLAMA_8B, RANK, 16 * 2 * 8 * 128, tuple(GROUPS)),
+          "qwen3-30b-a3b": Shape("Qwen3-30B-A3B", QWEN3_30B_A3B, 8, 16 * 2 * 4 * 128, ("qkv", "o"))}
 
 
 class Setup:
@@ -63,8 +73,9 @@ class Setup:
                  shape="llama3-8b"):
         gen = torch.Generator().manual_seed(seed)
         self.dtype, self.adapters, self.device, self.targets = dtype, adapters, torch.device(device), targets
-        self.model_name, model, self.rank, page_elems, _ = SHAPES[shape]
-        layout = build_layout(model, [tuple(TargetSpec(t, (self.rank,)) for t in targets)])
+        spec = SHAPES[shape]
+        self.model_name, self.rank, page_elems = spec.label, spec.rank, spec.page_elems
+        layout = build_layout(spec.model, [tuple(TargetSpec(t, (self.rank,)) for t in targets)])
         pages = layout.num_pages(page_elems)
         packed = [pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), page_elems, dtype)[0]
                   for _ in range(adapters)]
@@ -220,8 +231,9 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", choices=sorted(GROUPS), default="qkv", help="which LoRA call of the model")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the model's shape and rank")
     args = parser.parse_args(argv)
-    if args.targets not in SHAPES[args.shape][4]:
-        parser.error(f"{args.shape} has no dense {args.targets} LoRA call (its choices: {', '.join(SHAPES[args.shape][4])})")
+    calls = SHAPES[args.shape].calls
+    if args.targets not in calls:
+        parser.error(f"{args.shape} has no dense {args.targets} LoRA call (its choices: {', '.join(calls)})")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.kernels_lora needs a CUDA GPU")
