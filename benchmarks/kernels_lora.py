@@ -2,7 +2,9 @@
 rank 16, 16 adapters, bf16, tokens spread round-robin over the adapters.  ``--targets``
 picks another of the model's LoRA calls (o, gate_up, down) to measure or tune;
 ``--shape qwen3-30b-a3b`` the attention of Qwen3-30B-A3B (2048 -> 4096 / 512 / 512, o
-4096 -> 2048) at rank 8, as serving setup b runs it (its MLP is the MoE: `kernels_moe`).
+4096 -> 2048) at rank 8, as serving setup b runs it (its MLP is the MoE: `kernels_moe`);
+``--shape gpt-oss-20b`` GPT-OSS-20B's (2880 -> 4096 / 512 / 512, o 4096 -> 2880) at rank 32
+over 8 adapters, as setup a runs it.
 
 One JSON line per token count: kernel time (CUDA graph, L2 flushed), the HBM
 floor (distinct LoRA weights touched + x read + y read and written, over the
@@ -37,7 +39,7 @@ except ImportError:  # run as a script: benchmarks/ itself is on sys.path
 from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
 from unipage.kernels import lora_meta
-from unipage.kernels.common import device_key
+from unipage.kernels.common import device_key, record_tuned_device
 from unipage.kernels.lora import lora_shrink_expand, lora_shrink_expand_ref
 from unipage.kernels.lora_meta import dense_lora_meta, launch_config, plan_lora_batch
 from unipage.lora_layout import TargetSpec, build_layout
@@ -52,6 +54,8 @@ LLAMA_8B = ModelConfig(num_layers=1, hidden_size=4096, num_heads=32, num_kv_head
                        intermediate_size=14336)
 QWEN3_30B_A3B = ModelConfig(num_layers=1, hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128,
                             intermediate_size=6144)  # attention only: its MLP is the MoE
+GPT_OSS_20B = ModelConfig(num_layers=1, hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+                          intermediate_size=2880)  # attention only, as for Qwen3
 
 
 class Shape(NamedTuple):
@@ -60,20 +64,23 @@ class Shape(NamedTuple):
     rank: int
     page_elems: int  # one KV block of 16 tokens
     calls: tuple[str, ...]  # the keys of GROUPS it has
+    adapters: int = ADAPTERS  # as its serving setup spreads the tokens
 
 
 SHAPES = {"llama3-8b": Shape("Llama-3.1-8B", LLAMA_8B, RANK, 16 * 2 * 8 * 128, tuple(GROUPS)),
-          "qwen3-30b-a3b": Shape("Qwen3-30B-A3B", QWEN3_30B_A3B, 8, 16 * 2 * 4 * 128, ("qkv", "o"))}
+          "qwen3-30b-a3b": Shape("Qwen3-30B-A3B", QWEN3_30B_A3B, 8, 16 * 2 * 4 * 128, ("qkv", "o")),
+          "gpt-oss-20b": Shape("GPT-OSS-20B", GPT_OSS_20B, 32, 16 * 2 * 8 * 64, ("qkv", "o"), adapters=8)}
 
 
 class Setup:
     """Both pools (adapters at shuffled pages among noise, and consecutive), tables and metadata."""
 
-    def __init__(self, dtype=torch.bfloat16, adapters=ADAPTERS, seed=SEED, device="cuda", targets=QKV,
+    def __init__(self, dtype=torch.bfloat16, adapters=None, seed=SEED, device="cuda", targets=QKV,
                  shape="llama3-8b"):
         gen = torch.Generator().manual_seed(seed)
-        self.dtype, self.adapters, self.device, self.targets = dtype, adapters, torch.device(device), targets
         spec = SHAPES[shape]
+        adapters = spec.adapters if adapters is None else adapters
+        self.dtype, self.adapters, self.device, self.targets = dtype, adapters, torch.device(device), targets
         self.model_name, self.rank, page_elems = spec.label, spec.rank, spec.page_elems
         layout = build_layout(spec.model, [tuple(TargetSpec(t, (self.rank,)) for t in targets)])
         pages = layout.num_pages(page_elems)
@@ -221,6 +228,7 @@ def tune(out=None, tokens=TOKENS, targets=QKV, path: Path = lora_meta.CONFIG_PAT
         emit({"bench": "lora_dense_qkv_tune", "shape": key, "tokens": count, "path": kind, "us": seconds * 1e6,
               "overrides": overrides}, out)
         path.write_text(json.dumps(data, indent=2) + "\n")
+        record_tuned_device()
     lora_meta.reload_configs()
 
 

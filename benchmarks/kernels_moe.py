@@ -53,6 +53,7 @@ from unipage.config import ModelConfig  # noqa: E402
 from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, route_topk  # noqa: E402
 from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
                                             moe_lora_gate_up, moe_lora_meta, plan_moe_lora)
+from unipage.kernels.common import config_devices, record_tuned_device  # noqa: E402
 from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
 from unipage.lora_layout import TargetSpec, build_layout  # noqa: E402
 
@@ -232,7 +233,7 @@ def align_row(name: str, num_tokens: int, slots: int) -> dict | None:
     extra = {}
     if slots:
         block_m = launch_config("lora", shape_key(shape["hidden"], shape["inter"], e, k),
-                                expected_load(topk_ids.numel(), min(num_tokens, slots) * e), device_key())["block_m"]
+                                expected_load(topk_ids.numel(), min(num_tokens, slots) * e), config_devices())["block_m"]
         extra = {"token_slots": (torch.arange(num_tokens, device=DEVICE) % slots).int(),
                  "slot_flags": torch.ones(slots, dtype=torch.int32, device=DEVICE)}
     else:
@@ -349,6 +350,7 @@ def tune(shapes=tuple(SHAPES), tokens=TOKENS, stages=("base", "lora")) -> Path:
         def save(kind, entries, key=key):  # keep what is done if a later token count or shape fails
             table.setdefault(key, {})[kind] = entries
             path.write_text(json.dumps(table, indent=1) + "\n")
+            record_tuned_device()
 
         _tune_shape(s, tokens, save, stages)
         del s

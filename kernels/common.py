@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 from functools import cache
+from pathlib import Path
 
 import torch
 import triton
@@ -61,6 +63,42 @@ def device_key(device: torch.device | str | None = None) -> str:
     if device.type != "cuda":
         return "cpu"
     return _cuda_key(_index(device))
+
+
+DEVICES_PATH = Path(__file__).with_name("configs") / "devices.json"
+
+
+def config_devices(device: torch.device | str | None = None) -> tuple[str, ...]:
+    """The device keys whose tuned launch configs serve ``device``, best first: its own, then the
+    GPUs of its compute capability that ``configs/devices.json`` lists.  A GPU with no entry of its
+    own for a shape (an H100 PCIe, a GH200) then runs a sibling's tuned entry, not the defaults."""
+    key = device_key(device)
+    if key == "cpu":
+        return (key,)
+    return similar_devices(key, _capability(_index(torch.device(device or "cuda"))))
+
+
+@cache
+def similar_devices(key: str, capability: str) -> tuple[str, ...]:
+    """``key``, then the listed devices of compute ``capability`` ("9.0"), in their listed order."""
+    listed = json.loads(DEVICES_PATH.read_text())["capability"]
+    return (key, *(k for k, c in listed.items() if c == capability and k != key))
+
+
+def record_tuned_device(path: Path = DEVICES_PATH) -> None:
+    """Add the current CUDA device and its compute capability to ``devices.json`` (the tuners call it
+    once they write configs for it)."""
+    data = json.loads(path.read_text())
+    key, capability = device_key("cuda"), _capability(torch.cuda.current_device())
+    if data["capability"].get(key) != capability:
+        data["capability"][key] = capability
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        similar_devices.cache_clear()
+
+
+@cache
+def _capability(index: int) -> str:
+    return "{}.{}".format(*torch.cuda.get_device_capability(index))
 
 
 @cache

@@ -40,12 +40,11 @@ import triton
 import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
 from unipage.kernels import moe_lora_fused as lora_fused
-from unipage.kernels.common import cdiv, hopper_or_later, next_pow2
+from unipage.kernels.common import cdiv, config_devices, hopper_or_later, next_pow2
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
 from unipage.kernels.moe_align import (
     Alignment,
-    device_key,
     launch_config,
     lora_pairs,
     moe_align,
@@ -316,7 +315,7 @@ def base_config(num_experts: int, hidden: int, inter: int, topk_ids: torch.Tenso
     if config is not None:
         return config
     return launch_config("base", shape_key(hidden, inter, num_experts, topk_ids.shape[-1]),
-                         topk_ids.numel() / num_experts, device_key(topk_ids.device))
+                         topk_ids.numel() / num_experts, config_devices(topk_ids.device))
 
 
 def _check_bias(bias, w: torch.Tensor) -> None:

@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 from unipage.kernels.common import (
     cdiv,
+    config_devices,
     finish_early,
     gdc_launch_dependents,
     gdc_wait,
@@ -90,7 +91,6 @@ from unipage.kernels.moe_align import (
     SLICE_FIELDS,
     Alignment,
     MoeLoraMeta,
-    device_key,
     expected_load,
     launch_config,
     lora_pairs,
@@ -179,7 +179,7 @@ def lora_config(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = Non
     meta = lora.meta
     load = expected_load(topk_ids.numel(), (lora.active_slots or meta.num_lora_slots) * meta.num_experts)
     return launch_config("lora", shape_key(meta.hidden, meta.inter, meta.num_experts, topk_ids.shape[1]),
-                         load, device_key(topk_ids.device))
+                         load, config_devices(topk_ids.device))
 
 
 def lora_pads(meta: MoeLoraMeta) -> tuple[int, int, int]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from unipage.kernels.common import device_key, next_pow2, num_sms
+from unipage.kernels.common import config_devices, next_pow2, num_sms
 from unipage.lora_layout import ALIGN, AdapterLayout
 
 CONFIG_PATH = Path(__file__).with_name("configs") / "lora_dense.json"
@@ -291,10 +291,10 @@ def shape_key(meta: DenseLoraMeta, dtype: torch.dtype) -> str:
 
 def launch_config(meta: DenseLoraMeta, batch: LoraBatch, dtype: torch.dtype,
                   device: torch.device) -> dict:
-    """The default config of the batch's path, overlaid with the tuned entry for
-    this device, shape and the largest token bucket <= T (if any)."""
+    """The default config of the batch's path, overlaid with the tuned entry for this device (else a
+    GPU of its compute capability: `config_devices`), shape and the largest token bucket <= T (if any)."""
     path = "grouped" if batch.grouped else "gemv"
-    buckets, configs = _tuned(device_key(device), shape_key(meta, dtype), path)
+    buckets, configs = _tuned(config_devices(device), shape_key(meta, dtype), path)
     return dict(configs[bisect.bisect_right(buckets, batch.num_tokens)])
 
 
@@ -305,13 +305,14 @@ def reload_configs() -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _tuned(device: str, shape: str, path: str) -> tuple[list[int], list[dict]]:
-    """``(buckets, configs)``: the tuned token buckets of a device, shape and path in ascending order, and
-    ``configs[i]`` the config for a batch of at least ``buckets[i - 1]`` tokens (``configs[0]``: the
-    default, for fewer tokens than any bucket)."""
+def _tuned(devices: tuple[str, ...], shape: str, path: str) -> tuple[list[int], list[dict]]:
+    """``(buckets, configs)``: the tuned token buckets of the first of ``devices`` with an entry for the
+    shape and path, in ascending order, and ``configs[i]`` the config for a batch of at least
+    ``buckets[i - 1]`` tokens (``configs[0]``: the default, for fewer tokens than any bucket)."""
     data = _load_json()
     config = dict(data["default"][path])
-    tuned = data.get("tuned", {}).get(device, {}).get(shape, {}).get(path, {})
+    entries = (data.get("tuned", {}).get(device, {}).get(shape, {}).get(path) for device in devices)
+    tuned = next((entry for entry in entries if entry), {})
     buckets = sorted(int(b) for b in tuned)
     configs = [config] + [config | tuned[str(b)] for b in buckets]
     return buckets, configs

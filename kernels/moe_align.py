@@ -465,13 +465,16 @@ def _config_file(name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def launch_config(kind: str, shape: str, load: float, device: str) -> dict:
+def launch_config(kind: str, shape: str, load: float, device: str | tuple[str, ...]) -> dict:
     """The ``kind`` ("base" or "lora") entry for ``shape`` tuned for ``load`` tokens per group.
 
-    Looks in ``moe_<device>.json`` for ``shape``, else uses ``moe_default.json``;
-    returns the first entry whose ``max_load`` is >= ``load`` (else the last).
+    Looks in ``moe_<device>.json`` for ``shape``, for each device key in turn (`config_devices`: the
+    GPU's own, then its siblings'), else uses ``moe_default.json``; returns the first entry whose
+    ``max_load`` is >= ``load`` (else the last).
     """
-    table = _config_file(f"moe_{device}.json").get(shape, {}).get(kind)
+    devices = (device,) if isinstance(device, str) else device
+    tables = (_config_file(f"moe_{key}.json").get(shape, {}).get(kind) for key in devices)
+    table = next((t for t in tables if t), None)
     if not table:
         table = _config_file("moe_default.json")["default"][kind]
     for entry in table:

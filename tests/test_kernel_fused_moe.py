@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from unipage.kernels.fused_moe import (fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
                                        moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
+from unipage.kernels import moe_align as moe_align_module
 from unipage.kernels.moe_align import Alignment, _launch_split, launch_config, moe_align, moe_align_ref
 
 H, I, E, K = 64, 32, 8, 2
@@ -166,6 +167,17 @@ def test_launch_config_buckets_by_load():
     small, large = launch_config("base", "none", 1, "cpu"), launch_config("base", "none", 1e6, "cpu")
     assert small["block_m"] < large["block_m"]
     assert launch_config("lora", "none", 1, "cpu")["block_m"] == 1  # pair mode for about one pair per group
+
+
+def test_launch_config_falls_back_to_a_sibling_gpu(monkeypatch):
+    """Given device keys in order (`config_devices`), the first whose file has the shape serves it."""
+    files = {"moe_gpu_b.json": {"S": {"base": [{"block_m": 32, "max_load": 1e12}]}},
+             "moe_gpu_c.json": {"S": {"base": [{"block_m": 128, "max_load": 1e12}]}}}
+    real = moe_align_module._config_file
+    monkeypatch.setattr(moe_align_module, "_config_file", lambda name: files.get(name) or real(name))
+    assert launch_config("base", "S", 1, ("gpu_a", "gpu_b", "gpu_c"))["block_m"] == 32
+    assert launch_config("base", "S", 1, ("gpu_c", "gpu_b"))["block_m"] == 128
+    assert launch_config("base", "S", 1, "gpu_a") == launch_config("base", "none", 1, "cpu")  # the default
 
 
 # --- references -----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from unipage.kernels import lora_meta
+from unipage.kernels import common, lora_meta
 from unipage.kernels.lora import lora_expand, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
 from unipage.kernels.lora_meta import (
     dense_lora_meta,
@@ -335,6 +335,35 @@ def test_launch_config_uses_tuned_bucket(monkeypatch):
         config["block_n"] = 1  # a caller's copy: the cached table is not changed through it
         assert launch_config(meta, plan_lora_batch(slots, 5), torch.float32, torch.device("cpu"))["block_n"] == 64
     finally:
+        lora_meta._tuned.cache_clear()
+
+
+def test_untuned_gpu_takes_a_sibling_entry(monkeypatch, tmp_path):
+    """A GPU with no entry for a shape uses the first listed GPU of its compute capability that has one
+    (`config_devices`), before the defaults; one of another capability gets the defaults."""
+    world = build_world()
+    meta = dense_lora_meta(world.layouts, 0, QKV, model=world.model)
+    data = json.loads(lora_meta.CONFIG_PATH.read_text())
+    key = lora_meta.shape_key(meta, torch.float32)
+    data["tuned"] = {"gpu_b": {key: {"grouped": {"64": {"block_n": 128}}}},
+                     "gpu_c": {key: {"grouped": {"64": {"block_n": 512}}}}}
+    monkeypatch.setattr(lora_meta, "_load_json", lambda: data)
+    monkeypatch.setattr(common, "DEVICES_PATH", tmp_path / "devices.json")
+    (tmp_path / "devices.json").write_text(json.dumps({"capability": {"gpu_a": "9.0", "gpu_b": "9.0",
+                                                                       "gpu_c": "9.0", "gpu_d": "8.0"}}))
+    common.similar_devices.cache_clear()
+    lora_meta._tuned.cache_clear()
+    try:
+        assert common.similar_devices("gpu_new", "9.0") == ("gpu_new", "gpu_a", "gpu_b", "gpu_c")
+        assert common.similar_devices("gpu_c", "9.0") == ("gpu_c", "gpu_a", "gpu_b")
+        batch = plan_lora_batch(torch.zeros(100, dtype=torch.int32), 5)
+        picked = {dev: lora_meta._tuned(common.similar_devices(dev, cap), key, "grouped")[1][-1]["block_n"]
+                  for dev, cap in (("gpu_new", "9.0"), ("gpu_c", "9.0"), ("gpu_e", "8.0"))}
+        assert picked == {"gpu_new": 128, "gpu_c": 512, "gpu_e": data["default"]["grouped"]["block_n"]}
+        assert batch.grouped and launch_config(meta, batch, torch.float32, torch.device("cpu"))["block_n"] == \
+            data["default"]["grouped"]["block_n"]  # the CPU has no siblings
+    finally:
+        common.similar_devices.cache_clear()
         lora_meta._tuned.cache_clear()
 
 
