@@ -287,11 +287,12 @@ def decode_summary(rows: np.ndarray, batch: int, bandwidth: float) -> dict:
 
 # -- bandwidths ------------------------------------------------------------------
 def memory_bandwidth(device: torch.device) -> float:
-    """Bytes/s (read + written) of a large device-to-device copy (CUDA: benchmarks/timing.py's)."""
+    """Bytes/s of a large read-only stream on CUDA (benchmarks/timing.py's `read_bandwidth`: a decode step
+    mostly reads), of a host copy (read + written) elsewhere."""
     if device.type == "cuda":
-        from timing import copy_bandwidth
+        from timing import read_bandwidth
 
-        bandwidth = copy_bandwidth(1 << 30)
+        bandwidth = read_bandwidth()
         torch.cuda.empty_cache()  # the engine sizes its pool from the memory left free
         return bandwidth
     return _best_copy(torch.empty(64 << 20, dtype=torch.uint8), torch.empty(64 << 20, dtype=torch.uint8), 2)

@@ -1,5 +1,6 @@
 """Timing helpers shared by the GPU benchmarks: CUDA-graph replay with a flushed L2,
-the measured copy bandwidth (the floor every kernel is compared against), and
+the measured copy bandwidth (the floor the kernels are compared against), the
+measured read bandwidth (the floor of a decode step, which mostly reads), and
 one JSON-lines record format (the same fields the simulator writes)."""
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def time_graph(fn, iters: int = 30, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     return statistics.median(times)
+
+
+def read_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Bytes/s of a large read-only stream (the max of fp32 values: nothing written but one scalar).
+    A decode step's traffic is nearly all reads (weights and KV), and HBM reads run faster than a copy
+    (H200: 4.4 TB/s here against 2.7 TB/s for a copy counting bytes read and written)."""
+    nbytes = min(nbytes, torch.cuda.mem_get_info()[0] // 4) // 4 * 4
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+    seconds = time_graph(lambda: src.amax(), iters=10)
+    return nbytes / seconds
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
