@@ -338,8 +338,7 @@ def calibrate(ctx: Context) -> None:
         raise SystemExit("--setup calibrate needs --logs: the run logs the other setups wrote with --log-dir")
     logs = []
     for path in a.logs:
-        with open(path) as f:
-            logs.append(json.load(f))
+        logs.append(serve_calib.read_log(path))
         if "read_workers" not in logs[-1]:  # a log from before the field
             if a.read_workers is None:
                 raise SystemExit(f"{path}: the run log does not say how many adapter reader processes the "

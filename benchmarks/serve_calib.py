@@ -25,6 +25,7 @@ request finishes, as the driver submits it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from pathlib import Path
@@ -137,6 +138,14 @@ def step_rows(lg: dict) -> np.ndarray:
         if name in COLUMNS:
             rows[:, COLUMNS.index(name)] = raw[:, i]
     return rows
+
+
+def read_log(path: str | Path) -> dict:
+    """A run log that ``serve.py --log-dir`` wrote (``.json``), or one gzipped (``.json.gz``, as the
+    logs committed under ``benchmarks/results/logs/`` are)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
 
 
 def gpu_tag(device: str) -> str:
