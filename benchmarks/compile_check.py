@@ -74,6 +74,8 @@ def patch(compiled: list) -> None:
         module.launch = launch
         if hasattr(module, "device_key"):
             module.device_key = lambda device=None: TUNED_DEVICE
+        if hasattr(module, "config_devices"):  # the lookups of the tuned configs (fused_moe, fused_moe_lora)
+            module.config_devices = lambda device=None: (TUNED_DEVICE,)
         if hasattr(module, "hopper_or_later"):  # the Hopper-only variants (PDL launches) the GPU compiles
             module.hopper_or_later = lambda device=None: True
 

@@ -228,7 +228,7 @@ def tune(out=None, tokens=TOKENS, targets=QKV, path: Path = lora_meta.CONFIG_PAT
         emit({"bench": "lora_dense_qkv_tune", "shape": key, "tokens": count, "path": kind, "us": seconds * 1e6,
               "overrides": overrides}, out)
         path.write_text(json.dumps(data, indent=2) + "\n")
-        record_tuned_device()
+        record_tuned_device(path.with_name("devices.json"))
     lora_meta.reload_configs()
 
 

@@ -350,7 +350,7 @@ def tune(shapes=tuple(SHAPES), tokens=TOKENS, stages=("base", "lora")) -> Path:
         def save(kind, entries, key=key):  # keep what is done if a later token count or shape fails
             table.setdefault(key, {})[kind] = entries
             path.write_text(json.dumps(table, indent=1) + "\n")
-            record_tuned_device()
+            record_tuned_device(path.with_name("devices.json"))
 
         _tune_shape(s, tokens, save, stages)
         del s

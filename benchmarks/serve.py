@@ -143,7 +143,7 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "prompt_tokens": a.prompt, "max_tokens": a.output, "concurrency": work.concurrency,
               "max_running": a.max_running, "pool_pages": engine.config.num_pages, **metrics,
               **drv.decode_summary(rows, batch, ctx.bandwidth), "memory_bytes_per_s": round(ctx.bandwidth),
-              "bandwidth": "read" if ctx.device.type == "cuda" else "copy",
+              "bandwidth": drv.bandwidth_kind(ctx.device),
               "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
               "cuda_graphs": graphs_label(ctx), "commit": ctx.commit}
@@ -175,8 +175,8 @@ def write_run_log(ctx: Context, engine: Engine, work, timeline, rows, disk, reco
            "loads": {**steps.loads, "adapter": [index.get(x, -1) for x in steps.loads["adapter"]]},
            "read_workers": engine.storage.read_workers,
            "columns": list(drv.COLUMNS), "steps": rows.tolist(), "h2d_bytes_per_s": ctx.h2d,
-           "memory_bytes_per_s": ctx.bandwidth, "disk_bytes": disk.bytes, "disk_seconds": disk.seconds,
-           "measured": record}
+           "memory_bytes_per_s": ctx.bandwidth, "bandwidth": drv.bandwidth_kind(ctx.device),
+           "disk_bytes": disk.bytes, "disk_seconds": disk.seconds, "measured": record}
     os.makedirs(ctx.args.log_dir, exist_ok=True)
     with open(os.path.join(ctx.args.log_dir, f"{work.name}.json"), "w") as f:
         json.dump(log, f)

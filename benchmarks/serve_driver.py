@@ -286,10 +286,15 @@ def decode_summary(rows: np.ndarray, batch: int, bandwidth: float) -> dict:
 
 
 # -- bandwidths ------------------------------------------------------------------
+def bandwidth_kind(device: torch.device) -> str:
+    """What `memory_bandwidth` measures on ``device``: ``"read"`` (CUDA) or ``"copy"`` (read + written)."""
+    return "read" if device.type == "cuda" else "copy"
+
+
 def memory_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large read-only stream on CUDA (benchmarks/timing.py's `read_bandwidth`: a decode step
-    mostly reads), of a host copy (read + written) elsewhere."""
-    if device.type == "cuda":
+    mostly reads), of a host copy (read + written) elsewhere (`bandwidth_kind`)."""
+    if bandwidth_kind(device) == "read":
         from timing import read_bandwidth
 
         bandwidth = read_bandwidth()

@@ -69,31 +69,48 @@ DEVICES_PATH = Path(__file__).with_name("configs") / "devices.json"
 
 
 def config_devices(device: torch.device | str | None = None) -> tuple[str, ...]:
-    """The device keys whose tuned launch configs serve ``device``, best first: its own, then the
-    GPUs of its compute capability that ``configs/devices.json`` lists.  A GPU with no entry of its
-    own for a shape (an H100 PCIe, a GH200) then runs a sibling's tuned entry, not the defaults."""
-    key = device_key(device)
-    if key == "cpu":
-        return (key,)
-    return similar_devices(key, _capability(_index(torch.device(device or "cuda"))))
+    """The device keys whose tuned launch configs serve ``device``, best first: its own, then the other
+    GPUs of its compute capability that ``configs/devices.json`` lists, in its order (a lookup takes the
+    first of them with an entry for its shape).  A GPU with no entry of its own for a shape (an H100
+    PCIe, a GH200) then runs a sibling's tuned entry, not the defaults."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return ("cpu",)
+    return _cuda_config_devices(_index(device))
+
+
+@cache
+def _cuda_config_devices(index: int) -> tuple[str, ...]:  # (asked at launches: once per device)
+    return similar_devices(_cuda_key(index), _capability(index))
 
 
 @cache
 def similar_devices(key: str, capability: str) -> tuple[str, ...]:
     """``key``, then the listed devices of compute ``capability`` ("9.0"), in their listed order."""
-    listed = json.loads(DEVICES_PATH.read_text())["capability"]
+    listed = _read_devices(DEVICES_PATH).get("capability", {})
     return (key, *(k for k, c in listed.items() if c == capability and k != key))
 
 
-def record_tuned_device(path: Path = DEVICES_PATH) -> None:
-    """Add the current CUDA device and its compute capability to ``devices.json`` (the tuners call it
-    once they write configs for it)."""
-    data = json.loads(path.read_text())
+def record_tuned_device(path: Path | None = None) -> None:
+    """Add the current CUDA device and its compute capability to ``devices.json`` (``path``: the
+    package's), as the tuners do once they write configs for it."""
+    path = path or DEVICES_PATH
+    data = _read_devices(path)
     key, capability = device_key("cuda"), _capability(torch.cuda.current_device())
-    if data["capability"].get(key) != capability:
-        data["capability"][key] = capability
+    if data.get("capability", {}).get(key) != capability:
+        data.setdefault("capability", {})[key] = capability
         path.write_text(json.dumps(data, indent=1) + "\n")
-        similar_devices.cache_clear()
+    clear_device_caches()
+
+
+def clear_device_caches() -> None:
+    """Read ``devices.json`` again at the next lookup (after a tuner wrote it)."""
+    similar_devices.cache_clear()
+    _cuda_config_devices.cache_clear()
+
+
+def _read_devices(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 @cache

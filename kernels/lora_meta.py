@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from unipage.kernels.common import config_devices, next_pow2, num_sms
+from unipage.kernels.common import clear_device_caches, config_devices, next_pow2, num_sms
 from unipage.lora_layout import ALIGN, AdapterLayout
 
 CONFIG_PATH = Path(__file__).with_name("configs") / "lora_dense.json"
@@ -302,6 +302,7 @@ def reload_configs() -> None:
     """Read ``configs/lora_dense.json`` again at the next launch (after a tuning run rewrote it)."""
     _load_json.cache_clear()
     _tuned.cache_clear()
+    clear_device_caches()
 
 
 @functools.lru_cache(maxsize=256)

@@ -43,5 +43,5 @@ def test_committed_profile_is_the_fit_of_its_logs(name):
     committed = CostProfile.from_json(str(PROFILES / f"{name}.json"))
     assert fitted.name == name
     for field in (*_COEFFICIENTS, *_LAUNCH_COEFFICIENTS, "step_gap_s", "h2d_bytes_per_s", "disk_bytes_per_s"):
-        assert getattr(fitted, field) == pytest.approx(getattr(committed, field), rel=1e-6, abs=1e-12), field
+        assert getattr(fitted, field) == pytest.approx(getattr(committed, field), rel=1e-4, abs=1e-12), field
     assert "runs at" in committed.source

@@ -338,7 +338,23 @@ def test_launch_config_uses_tuned_bucket(monkeypatch):
         lora_meta._tuned.cache_clear()
 
 
-def test_untuned_gpu_takes_a_sibling_entry(monkeypatch, tmp_path):
+@pytest.fixture
+def devices_file(monkeypatch, tmp_path):
+    """A `devices.json` of four listed GPUs in place of the package's; the device caches cleared around."""
+    path = tmp_path / "devices.json"
+    path.write_text(json.dumps({"capability": {"gpu_a": "9.0", "gpu_b": "9.0", "gpu_c": "9.0", "gpu_d": "8.0"}}))
+    monkeypatch.setattr(common, "DEVICES_PATH", path)
+    _clear_lookups()
+    yield path
+    _clear_lookups()
+
+
+def _clear_lookups() -> None:
+    lora_meta._tuned.cache_clear()
+    common.clear_device_caches()
+
+
+def test_untuned_gpu_takes_a_sibling_entry(monkeypatch, devices_file):
     """A GPU with no entry for a shape uses the first listed GPU of its compute capability that has one
     (`config_devices`), before the defaults; one of another capability gets the defaults."""
     world = build_world()
@@ -348,23 +364,46 @@ def test_untuned_gpu_takes_a_sibling_entry(monkeypatch, tmp_path):
     data["tuned"] = {"gpu_b": {key: {"grouped": {"64": {"block_n": 128}}}},
                      "gpu_c": {key: {"grouped": {"64": {"block_n": 512}}}}}
     monkeypatch.setattr(lora_meta, "_load_json", lambda: data)
-    monkeypatch.setattr(common, "DEVICES_PATH", tmp_path / "devices.json")
-    (tmp_path / "devices.json").write_text(json.dumps({"capability": {"gpu_a": "9.0", "gpu_b": "9.0",
-                                                                       "gpu_c": "9.0", "gpu_d": "8.0"}}))
-    common.similar_devices.cache_clear()
-    lora_meta._tuned.cache_clear()
+    gpu = {"name": "gpu_new", "capability": "9.0"}  # what the CUDA device in this test reports
+    monkeypatch.setattr(common, "_cuda_key", lambda index: gpu["name"])
+    monkeypatch.setattr(common, "_capability", lambda index: gpu["capability"])
+    default = data["default"]["grouped"]["block_n"]
+    batch = plan_lora_batch(torch.zeros(100, dtype=torch.int32), 5)
+    assert batch.grouped
+
+    def block_n(name, capability):  # the config a CUDA device of that name and capability launches with
+        gpu.update(name=name, capability=capability)
+        _clear_lookups()
+        return lora_meta.launch_config(meta, batch, torch.float32, torch.device("cuda", 0))["block_n"]
+
+    assert common.similar_devices("gpu_new", "9.0") == ("gpu_new", "gpu_a", "gpu_b", "gpu_c")
+    assert common.similar_devices("gpu_c", "9.0") == ("gpu_c", "gpu_a", "gpu_b")
+    assert block_n("gpu_new", "9.0") == 128  # gpu_a has no entry: gpu_b's
+    assert block_n("gpu_c", "9.0") == 512  # its own
+    assert block_n("gpu_e", "8.0") == default  # gpu_d has no entry
+    assert launch_config(meta, batch, torch.float32, torch.device("cpu"))["block_n"] == default  # no siblings
+
+
+def test_tuner_records_its_gpu(monkeypatch, devices_file):
+    """`record_tuned_device` adds the GPU at the end of the list, once, and the next lookup sees it."""
+    monkeypatch.setattr(common, "device_key", lambda device=None: "gpu_new")
+    monkeypatch.setattr(common, "_capability", lambda index: "9.0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert common.similar_devices("gpu_z", "9.0") == ("gpu_z", "gpu_a", "gpu_b", "gpu_c")
+    common.record_tuned_device(devices_file)
+    common.record_tuned_device(devices_file)
+    listed = json.loads(devices_file.read_text())["capability"]
+    assert list(listed) == ["gpu_a", "gpu_b", "gpu_c", "gpu_d", "gpu_new"] and listed["gpu_new"] == "9.0"
+    assert common.similar_devices("gpu_z", "9.0") == ("gpu_z", "gpu_a", "gpu_b", "gpu_c", "gpu_new")
+
+
+def test_missing_devices_file_means_no_siblings(monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "DEVICES_PATH", tmp_path / "absent.json")
+    common.clear_device_caches()
     try:
-        assert common.similar_devices("gpu_new", "9.0") == ("gpu_new", "gpu_a", "gpu_b", "gpu_c")
-        assert common.similar_devices("gpu_c", "9.0") == ("gpu_c", "gpu_a", "gpu_b")
-        batch = plan_lora_batch(torch.zeros(100, dtype=torch.int32), 5)
-        picked = {dev: lora_meta._tuned(common.similar_devices(dev, cap), key, "grouped")[1][-1]["block_n"]
-                  for dev, cap in (("gpu_new", "9.0"), ("gpu_c", "9.0"), ("gpu_e", "8.0"))}
-        assert picked == {"gpu_new": 128, "gpu_c": 512, "gpu_e": data["default"]["grouped"]["block_n"]}
-        assert batch.grouped and launch_config(meta, batch, torch.float32, torch.device("cpu"))["block_n"] == \
-            data["default"]["grouped"]["block_n"]  # the CPU has no siblings
+        assert common.similar_devices("gpu_a", "9.0") == ("gpu_a",)
     finally:
-        common.similar_devices.cache_clear()
-        lora_meta._tuned.cache_clear()
+        common.clear_device_caches()
 
 
 @pytest.mark.parametrize("grouped", [False, True])

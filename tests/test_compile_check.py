@@ -1,0 +1,29 @@
+"""`benchmarks/compile_check.py` compiles the MoE kernels with the H100's tuned configs on the CPU:
+its patch must reach the lookups the launchers make."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import compile_check  # noqa: E402
+from unipage.kernels.fused_moe import base_config  # noqa: E402
+from unipage.kernels.moe_align import launch_config, shape_key  # noqa: E402
+
+
+def test_patch_selects_the_tuned_configs(monkeypatch):
+    for name in ("launch", "fused_moe", "fused_moe_lora", "moe_align"):
+        module = importlib.import_module(f"unipage.kernels.{name}")
+        for attr in ("launch", "device_key", "config_devices", "hopper_or_later"):
+            if hasattr(module, attr):  # restored after the test
+                monkeypatch.setattr(module, attr, getattr(module, attr))
+    key, ids = shape_key(2048, 768, 128, 8), torch.zeros(4096, 8, dtype=torch.int32)
+    tuned = launch_config("base", key, ids.numel() / 128, compile_check.TUNED_DEVICE)
+    assert tuned != launch_config("base", key, ids.numel() / 128, "cpu")  # else the test shows nothing
+    assert base_config(128, 2048, 768, ids, None) != tuned  # a CPU tensor: the defaults
+    compile_check.patch([])
+    assert base_config(128, 2048, 768, ids, None) == tuned
