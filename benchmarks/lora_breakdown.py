@@ -1,7 +1,7 @@
 """Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
-                                        [--no-early] [--out FILE]
+                                        [--no-early] [--no-moe-pdl] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
@@ -15,8 +15,9 @@ mixed) one record: wall and device time per step, and the device time per
 step of every kernel name, with the LoRA run's excess over the base run per
 layer (``lora_extra_us_per_layer``), largest first.  Kernel times come from
 ``torch.profiler`` (CUPTI), graph replays included.  ``--no-early`` launches
-the dense LoRA shrinks plainly (the default config's ``"early": false``), for
-an A/B run in a second process.
+the dense LoRA shrinks plainly (the default config's ``"early": false``),
+``--no-moe-pdl`` the MoE LoRA expands (``"pdl": false``), each for an A/B run in
+a second process.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
-from unipage.kernels import lora_meta
+from unipage.kernels import fused_moe_lora, lora_meta
 from unipage.engine import Engine
 from unipage.models.weights import read_config
 
@@ -148,11 +149,15 @@ def main(argv=None) -> None:
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--no-early", action="store_true",
                    help="launch the dense LoRA shrinks plainly, not as dependents of their projections")
+    p.add_argument("--no-moe-pdl", action="store_true",
+                   help="launch the MoE LoRA expands plainly, not as dependents of the kernels before them")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.no_early:  # the default config of every path, which the tuned entries overlay
         for path in lora_meta._load_json()["default"].values():
             path["early"] = False
+    if args.no_moe_pdl:
+        _no_moe_pdl()
     if not torch.cuda.is_available():
         raise SystemExit("lora_breakdown.py needs a CUDA device")
     sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115
@@ -163,6 +168,13 @@ def main(argv=None) -> None:
             emit(record(args, engine, runs, window), out)
 
 
+def _no_moe_pdl() -> None:
+    """Every MoE LoRA launch config (tuned or default) with ``"pdl": false``: is the base expert GEMM
+    slower in LoRA runs because the expands' early programs share its SMs?"""
+    lookup = fused_moe_lora.launch_config
+    fused_moe_lora.launch_config = lambda kind, *a: {**lookup(kind, *a), "pdl": False}
+
+
 def record(args, engine: Engine, runs: dict, window: str) -> dict:
     """One window's record: wall and device time per step, base against LoRA, and the kernels' share."""
     (base_wall, base), (lora_wall, lora) = runs["base"][window], runs["lora"][window]
@@ -171,7 +183,8 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     extra = dict(sorted(((k, v) for k, v in extra.items() if abs(v) >= 0.05), key=lambda kv: -abs(kv[1])))
     row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
-           "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early}
+           "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early,
+           "moe_pdl": not args.no_moe_pdl}
     if window == "decode":  # the median of the unprofiled steps
         row |= {"base_step_ms": round(runs["base"]["decode_ms"], 3),
                 "lora_step_ms": round(runs["lora"]["decode_ms"], 3)}
