@@ -4,6 +4,7 @@
     python benchmarks/kernels_moe.py --tune [--tokens 1 256]  # tune launch configs, write
                                                              # kernels/configs/moe_<device>.json
     python benchmarks/kernels_moe.py --align                 # the alignment alone (base, 8 and 16 slots)
+    python benchmarks/kernels_moe.py --adapters 16 --rank 8 ...  # serve.py's setup (b) mix (with any mode)
 
 Shapes: a GPT-OSS-20B layer (H 2880, I 2880, 32 experts, top-4, rank 32) and a
 Qwen3-30B-A3B layer (H 2048, I 768, 128 experts, top-8, rank 16), bf16, 8 adapters
@@ -54,6 +55,7 @@ from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, rou
 from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
                                             moe_lora_gate_up, moe_lora_meta, plan_moe_lora)
 from unipage.kernels.common import config_devices, record_tuned_device  # noqa: E402
+from unipage.kernels.moe_lora_sum import moe_lora_down_sum, sums_down  # noqa: E402
 from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
 from unipage.lora_layout import TargetSpec, build_layout  # noqa: E402
 
@@ -125,11 +127,18 @@ def batch(s: dict, num_tokens: int) -> dict:
 # One row
 
 
-def lora_step(s: dict, b: dict, config: dict | None = None) -> None:
-    """The whole LoRA work of one layer and step (what ``lora_us`` times)."""
+def lora_step(s: dict, b: dict, config: dict | None = None, with_sum: bool = False) -> None:
+    """The whole LoRA work of one layer and step (what ``lora_us`` times).  A config whose down stage
+    has ``"sum": true`` (pair mode) runs `moe_lora_down_sum`, which also does the base's sum over the K
+    choices; ``with_sum`` adds that sum to the separate pass too (the tuner compares the two so)."""
     plan = plan_moe_lora(b["lora"], b["topk_ids"], config)
     moe_lora_gate_up(plan, b["x"], b["raw"], b["act"])
+    if sums_down(plan):
+        moe_lora_down_sum(plan, b["act"], b["y"], b["topk_weights"])
+        return
     moe_lora_down(plan, b["act"], b["y"], b["topk_weights"])
+    if with_sum:
+        b["y"].view(-1, s["top_k"], s["hidden"]).sum(dim=1)
 
 
 def floor_bytes(s: dict, b: dict) -> int:
@@ -212,6 +221,7 @@ def run(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
 
 def _emit(record: dict, out, bandwidth: float | None = None) -> dict:
     full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "seed": SEED,
+            "rank": SHAPES.get(record.get("shape"), {}).get("rank"),
             "copy_gbps": round(bandwidth / 1e9, 1) if bandwidth else None, **record}
     emit(full, out)
     return full
@@ -264,20 +274,26 @@ BASE_SPACE = [("block_m", [16, 32, 64, 128])] + [
     (f"{stage}.{field}", values) for stage in ("gate_up", "down") for field, values in (
         ("block_n", [32, 64, 128, 256]), ("block_k", [64, 128]), ("num_warps", [4, 8]),
         ("num_stages", [2, 3, 4, 5]), ("group_m", [1, 8, 16]), ("tma", [False, True]))]
-LORA_SPACE = [("block_m", [1, 16, 32, 64]), ("split_k", [1, 2, 4, 8, 16]), ("shrink.num_warps", [4, 8]),
-              ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256]),
-              ("gate_up.num_warps", [4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("gate_up.maxnreg", [0, 128]),
-              ("down.block_n", [64, 128, 256, 512]),
-              ("down.num_warps", [4, 8]), ("down.num_stages", [1, 2, 3]), ("pdl", [False, True])]
+LORA_SPACE = [("block_m", [1, 16, 32, 64]), ("split_k", [1, 2, 4, 8, 16, 32]), ("shrink.num_warps", [2, 4, 8]),
+              ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256, 512]),
+              ("gate_up.num_warps", [2, 4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("gate_up.maxnreg", [0, 128]),
+              ("down.block_n", [64, 128, 256, 512, 1024, 2048]),
+              ("down.num_warps", [2, 4, 8]), ("down.num_stages", [1, 2, 3]), ("pdl", [False, True]),
+              # pair mode: the down delta inside the top-k sum (K x rank rows a tile: narrower tiles), then
+              # the down tile again
+              ("down", [{"sum": False}] + [{"sum": True, "block_n": n} for n in (64, 128, 256)]),
+              ("down.block_n", [64, 128, 256, 512, 1024, 2048]), ("down.num_warps", [2, 4, 8])]
 
 
 def _with(entry: dict, path: str, value) -> dict:
+    """``entry`` with ``path`` set to ``value``; a dict value is merged into the dict at ``path`` (a joint
+    candidate: fields that only make sense together, e.g. the down stage's "sum" with its tile)."""
     new = copy.deepcopy(entry)
     *parents, leaf = path.split(".")
     node = new
     for key in parents:
         node = node[key]
-    node[leaf] = value
+    node[leaf] = {**node[leaf], **value} if isinstance(value, dict) else value
     return new
 
 
@@ -306,9 +322,10 @@ def _base_step(args: tuple, config: dict) -> None:
     fused_experts(*args, config=config)
 
 
-def _tune_shape(s: dict, tokens, save, stages=("base", "lora")) -> None:
+def _tune_shape(s: dict, tokens, save, stages=("base", "lora"), keep=()) -> None:
     """Tune the ``stages``' configs per token count (the others keep their entries); ``save(kind,
-    entries)`` after each count keeps partial work."""
+    entries)`` after each count keeps partial work.  ``keep``: the current "lora" entries, merged with
+    the tuned ones (`_merged`), so a tune at a few token counts keeps the others' entries."""
     base, lora = [], []
     for num_tokens in tokens:
         b = batch(s, num_tokens)
@@ -321,10 +338,23 @@ def _tune_shape(s: dict, tokens, save, stages=("base", "lora")) -> None:
             save("base", _bucketed(base))
         if "lora" in stages:
             start = lora_config(b["lora"], b["topk_ids"])
-            entry, secs = descend(start, LORA_SPACE, functools.partial(lora_step, s, b))
+            entry, secs = descend(start, LORA_SPACE, functools.partial(lora_step, s, b, with_sum=True))
             lora.append((expected_load(b["topk_ids"].numel(), min(num_tokens, ADAPTERS) * s["experts"]), entry))
             log.info("%s T=%d lora %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
-            save("lora", _bucketed(lora))
+            save("lora", _merged(keep, lora))
+
+
+def _merged(old: list[dict], tuned: list[tuple[float, dict]]) -> list[dict]:
+    """``old`` entries (ordered by ``max_load``) with the ``tuned`` ``(load, entry)`` pairs put in: the old
+    entries whose loads lie between the lowest and the highest tuned load go; the tuned entries serve
+    from the last old entry kept below up to where the old entry holding the highest tuned load ended."""
+    new = _bucketed(tuned)
+    low, high = min(load for load, _ in tuned), max(load for load, _ in tuned)
+    cover = next((e for e in old if e["max_load"] >= high), None)
+    if cover is not None:
+        new[-1]["max_load"] = cover["max_load"]
+    above = [e for e in old if cover is not None and e["max_load"] > cover["max_load"]]
+    return [e for e in old if e["max_load"] < low] + new + above
 
 
 def _bucketed(tuned: list[tuple[float, dict]]) -> list[dict]:
@@ -352,10 +382,19 @@ def tune(shapes=tuple(SHAPES), tokens=TOKENS, stages=("base", "lora")) -> Path:
             path.write_text(json.dumps(table, indent=1) + "\n")
             record_tuned_device(path.with_name("devices.json"))
 
-        _tune_shape(s, tokens, save, stages)
+        _tune_shape(s, tokens, save, stages, table.get(key, {}).get("lora", []))
         del s
         torch.cuda.empty_cache()
     return path
+
+
+def configure(adapters: int, rank: int | None = None) -> None:
+    """Set the adapters the tokens spread over and, if given, every shape's rank (serve.py's setup (b)
+    runs Qwen3-30B-A3B with 16 adapters of rank 8)."""
+    global ADAPTERS
+    ADAPTERS = adapters
+    for shape in SHAPES.values():
+        shape["rank"] = rank or shape["rank"]
 
 
 def main() -> None:
@@ -366,10 +405,13 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS),
                         help="token counts; with --tune the tuned stages' entries for a shape are replaced by "
-                             "those of these counts alone (tune every count to keep decode and prefill covered)")
+                             "those of these counts (the \"lora\" entries for loads below all of them stay)")
     parser.add_argument("--stages", nargs="+", default=["base", "lora"], choices=["base", "lora"],
                         help="with --tune: the kernels to tune (the others keep their configs)")
+    parser.add_argument("--adapters", type=int, default=ADAPTERS, help="adapters the tokens spread over")
+    parser.add_argument("--rank", type=int, help="every adapter's rank (default: the shape's)")
     args = parser.parse_args()
+    configure(args.adapters, args.rank)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     start = time.time()
     if args.tune:

@@ -77,8 +77,7 @@ def _side_layer(b: dict, w_gu, w_d, cfg_lora: dict, side: torch.cuda.Stream, dow
 
 
 def run(tokens: int, layers: int) -> dict:
-    km.ADAPTERS = 16
-    km.SHAPES[SHAPE]["rank"] = 8
+    km.configure(16, 8)
     s = km.setup(SHAPE)
     b = km.batch(s, tokens)
     ws = _layer_weights(s, layers)

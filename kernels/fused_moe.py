@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
 from unipage.kernels import moe_lora_fused as lora_fused
+from unipage.kernels import moe_lora_sum as lora_sum
 from unipage.kernels.common import cdiv, config_devices, hopper_or_later, next_pow2
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
@@ -440,10 +441,11 @@ def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div:
 
 
 _TRITON = SimpleNamespace(fused=True, align=moe_align, gate_up=moe_gate_up, down=moe_down, plan=lora_ops.plan_moe_lora,
-                          lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down)
+                          lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down,
+                          lora_down_sum=lora_sum.moe_lora_down_sum)
 _TORCH = SimpleNamespace(fused=False, align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_down_ref,
                          plan=lora_ops.plan_moe_lora_ref, lora_gate_up=lora_ops.moe_lora_gate_up_ref,
-                         lora_down=lora_ops.moe_lora_down_ref)
+                         lora_down=lora_ops.moe_lora_down_ref, lora_down_sum=lora_sum.moe_lora_down_sum_ref)
 
 
 def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config, gate_up_bias=None,
@@ -476,6 +478,8 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias, lora_plan=plan if mode else None)
     if plan is not None and not mode:
+        if lora_sum.sums_down(plan):  # the down delta inside the sum over the K choices
+            return ops.lora_down_sum(plan, act, y, topk_weights)
         ops.lora_down(plan, act, y, topk_weights)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 

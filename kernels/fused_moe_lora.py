@@ -188,6 +188,15 @@ def lora_pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
                  for n in (meta.max_gate_up_rows, meta.max_gate_up_rank, meta.max_down_rank))
 
 
+def tile_ranks(meta: MoeLoraMeta, block_m: int) -> tuple[int, int]:
+    """Register-tile heights of a gate/up slice's B and of the down A / B: the `lora_pads` widths in group
+    mode (tensor-core dots need >= 16 rows); in pair mode (broadcast-reduce, no dot) the ranks' own
+    powers of two, so a rank-8 tile holds no masked rows."""
+    if block_m > 1:
+        return lora_pads(meta)[1:]
+    return tuple(max(2, next_pow2(max(n, 1))) for n in (meta.max_gate_up_rank, meta.max_down_rank))
+
+
 def _split_k(hidden: int, split_k: int) -> tuple[int, int]:
     """``(splits, elements per split)``: K cut into whole 64-runs, no split left empty."""
     runs = cdiv(hidden, 64)
@@ -438,7 +447,7 @@ def _expand_gate_up_kernel(
     down_z_ptr,  # [TK, RD_PAD] float32: += act @ A_d.T
     pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
     num_blocks_ptr, num_pairs, top_k, num_experts, num_slots, inter, stride_raw, stride_act, stride_pt, alpha,
-    limit, R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+    limit, R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, RD_T: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, ACT: tl.constexpr,
@@ -467,7 +476,7 @@ def _expand_gate_up_kernel(
     up_shift = inter - _field(row, up + 3, S_PAD)  # up column c: local column c + up_shift
     gate_virt, gate_ok = _slice_rows(row, gate, group_off, RK_PAD, S_PAD)
     up_virt, up_ok = _slice_rows(row, up, group_off, RK_PAD, S_PAD)
-    offs_d = tl.arange(0, RD_PAD)
+    offs_d = tl.arange(0, RD_T)
     down_rank = _field(row, meta + F_DOWN_RANK, S_PAD)
     down_ok = offs_d < down_rank
     down_virt = group_off + _field(row, meta + F_DOWN_A, S_PAD) + offs_d * ((inter + 63) // 64 * 64)
@@ -503,7 +512,8 @@ def _expand_down_kernel(
     topk_weights_ptr,  # [TK] float32
     pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
     num_blocks_ptr, num_pairs, top_k, num_experts, num_slots, hidden, stride_y, stride_pt,
-    RD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, GROUP_M: tl.constexpr,
+    RD_PAD: tl.constexpr, RD_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+    GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -525,7 +535,7 @@ def _expand_down_kernel(
         finish_early(USE_PDL)
         return
     pt = pt_ptr + slot * stride_pt
-    offs_r = tl.arange(0, RD_PAD)
+    offs_r = tl.arange(0, RD_T)
     r_ok = offs_r < rank
     rows = pairs[:, None].to(tl.int64)
     weight = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
@@ -641,7 +651,8 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
                  act=(act, num_pairs, meta.inter))
     moe_lora_shrink(plan, x)
     cfg, tiles, page_shift = plan.config, _num_tile_bound(plan), plan.lora.pool.shape[1].bit_length() - 1
-    r_pad, rk_pad, rd_pad = lora_pads(meta)
+    r_pad, _, rd_pad = lora_pads(meta)
+    rk_tile, rd_tile = tile_ranks(meta, cfg["block_m"])
     splits, _ = _split_k(meta.hidden, cfg["split_k"])
     pdl, precision = _use_pdl(plan), "ieee" if x.dtype == torch.float32 else "tf32"
     stride_pt = plan.lora.page_table.stride(0)
@@ -651,8 +662,8 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     launch(_expand_gate_up_kernel, (tiles * cdiv(meta.inter, block_n),),
         raw, act, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.inter, raw.stride(0), act.stride(0),
         stride_pt, float(plan.lora.activation.alpha), float(plan.lora.activation.limit), R_PAD=r_pad,
-        RK_PAD=rk_pad, RD_PAD=rd_pad, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n, CHUNK=chunk,
-        GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift, EVEN_N=meta.inter % block_n == 0,
+        RK_PAD=rk_tile, RD_PAD=rd_pad, RD_T=rd_tile, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
+        CHUNK=chunk, GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift, EVEN_N=meta.inter % block_n == 0,
         S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code,
         **_launch_opts(cfg["gate_up"]), **extra)
 
@@ -674,7 +685,8 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
     block_n = max(64, min(cfg["down"]["block_n"], next_pow2(meta.hidden)))
     launch(_expand_down_kernel, (_num_tile_bound(plan) * cdiv(meta.hidden, block_n),),
         y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
-        plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], BLOCK_M=cfg["block_m"], BLOCK_N=block_n, RUN=64,
+        plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], RD_T=tile_ranks(meta, cfg["block_m"])[1],
+        BLOCK_M=cfg["block_m"], BLOCK_N=block_n, RUN=64,
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,
         EVEN_N=meta.hidden % block_n == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",

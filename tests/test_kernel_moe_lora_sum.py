@@ -1,0 +1,108 @@
+"""The MoE LoRA down delta fused into the top-k sum (`moe_lora_sum`, pair mode's ``"down": {"sum": true}``).
+
+Same tiny layers and adapter mixes as test_kernel_fused_moe_lora (mixed ranks, both gate/up formats,
+slots without expert LoRA in the layer, tokens with no adapter), Triton under the interpreter on CPU.
+"""
+
+import pytest
+import torch
+
+import test_kernel_fused_moe_lora as base
+from unipage.kernels.fused_moe_lora import moe_lora_down, moe_lora_gate_up, plan_moe_lora
+from unipage.kernels.moe_lora_sum import moe_lora_down_sum, moe_lora_down_sum_ref, sums_down
+
+
+def _sum_config(block_n=64, split_k=2):
+    config = base._lora_config(1, split_k=split_k, block_n=block_n)
+    return {**config, "down": {**config["down"], "sum": True}}
+
+
+def _prepared(c, config):
+    """A plan whose gate/up pass has run (so ``down_z`` is filled), with ``act`` and a random ``y``."""
+    lora, ids = c["lora"], c["topk_ids"]
+    num_pairs = ids.numel()
+    g = torch.Generator().manual_seed(4)
+    raw = torch.randn(num_pairs, 2 * base.I, generator=g).to(c["x"].dtype)
+    act = torch.randn(num_pairs, base.I, generator=g).to(c["x"].dtype)
+    plan = plan_moe_lora(lora, ids, config)
+    moe_lora_gate_up(plan, c["x"], raw, act)
+    y = torch.randn(num_pairs, base.H, generator=g).to(c["x"].dtype)
+    return plan, act, y
+
+
+@pytest.mark.parametrize("mix", ["uniform", "zipf", "distinct", "none"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_down_sum_matches_reference_and_separate_pass(mix, dtype):
+    c = base._case(19, dtype, mix, seed=21)
+    plan, act, y = _prepared(c, _sum_config())
+    y_before = y.clone()
+    got = moe_lora_down_sum(plan, act, y, c["topk_weights"])
+    assert torch.equal(y, y_before)  # y is read, never written
+    base._close(got, moe_lora_down_sum_ref(plan, act, y, c["topk_weights"]), dtype)
+    assert torch.equal(y, y_before)  # nor by the reference
+    separate = y.clone()
+    moe_lora_down(plan, act, separate, c["topk_weights"])
+    base._close(got, separate.view(19, base.K, base.H).float().sum(1), dtype)
+
+
+@pytest.mark.parametrize("hidden, block_n", [(64, 128), (96, 64), (200, 128)])
+def test_down_sum_ragged_tiles(hidden, block_n):
+    """Column tiles past H (EVEN_N off) and tiles wider than H."""
+    c = base._case(9, torch.float32, "uniform", seed=22, hidden=hidden)
+    config = _sum_config(block_n=block_n)
+    got = base._run(base.fused_experts, c, config)
+    base._close(got, base._loop_moe(c, torch.float32), torch.float32)
+
+
+def test_fused_experts_takes_the_sum_path_in_pair_mode_only(monkeypatch):
+    import unipage.kernels.moe_lora_sum as module
+
+    calls = []
+    real = module.moe_lora_down_sum
+
+    def spy(*args):
+        calls.append(args[0].config["block_m"])
+        return real(*args)
+
+    monkeypatch.setattr(module, "moe_lora_down_sum", spy)
+    monkeypatch.setattr(base.fused_experts.__globals__["_TRITON"], "lora_down_sum", spy)
+    c = base._case(23, torch.float32, "zipf", seed=23)
+    group = {**base.GROUP, "down": {**base.GROUP["down"], "sum": True}}
+    for config in (_sum_config(), group):
+        base._close(base._run(base.fused_experts, c, config), base._loop_moe(c, torch.float32), torch.float32)
+    assert calls == [1]
+    assert sums_down(plan_moe_lora(c["lora"], c["topk_ids"], _sum_config()))
+    assert not sums_down(plan_moe_lora(c["lora"], c["topk_ids"], group))
+
+
+def test_reference_engine_path_matches_loop():
+    c = base._case(11, torch.float32, "uniform", seed=24)
+    base._close(base._run(base.fused_experts_ref, c, _sum_config()), base._loop_moe(c, torch.float32), torch.float32)
+
+
+def test_bad_y_is_rejected():
+    c = base._case(5, torch.float32, "uniform", seed=25)
+    plan, act, y = _prepared(c, _sum_config())
+    with pytest.raises(ValueError, match="y must be contiguous"):
+        moe_lora_down_sum(plan, act, y[:, :-1], c["topk_weights"])
+    with pytest.raises(ValueError, match="topk_weights"):
+        moe_lora_down_sum(plan, act, y, c["topk_weights"].double())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 256])
+@pytest.mark.parametrize("shape", sorted(base.GPU_SHAPES))
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_down_sum_bf16(shape, num_tokens, pdl):
+    from unipage.kernels.fused_moe_lora import MoeLora, lora_config
+
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = base._gpu_case(shape, num_tokens)
+    config = dict(lora_config(lora, topk_ids), block_m=1, pdl=pdl)
+    config["down"] = {**config["down"], "sum": True, "block_n": 128}
+    got = base.fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
+    separate = base.fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora,
+                                  lora_config={**config, "down": {**config["down"], "sum": False}})
+    lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
+    want = base.fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+    assert ((got.float() - separate.float()).norm() / want.norm()).item() <= 1e-2
