@@ -14,7 +14,10 @@ Use the Triton the device has (3.6 on the lent machines), e.g. installed beside 
         --tokens 1024 4096 --lora '{"fused": true, "lora_k": 64, "lora_steps": 2}'
 
 One JSON line per (shape, tokens): each kernel compiled, ok or its error (a kernel that needs more
-shared memory than an H100 has is not ok either).  Exit status 1 if any failed.
+shared memory than an H100 has is not ok either), with its shared memory, registers per thread and
+local memory (spills) from ``cuobjdump``: compare variants' register pressure without a GPU, e.g. the
+H200's configs at serve.py's setup (b) mix: ``--device-key nvidia_h200 --adapters 16 --rank 8 --lora '{}'``.
+Exit status 1 if any failed.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.errors import CompilationError
 from triton.runtime import driver
@@ -53,6 +60,19 @@ class HopperStandIn:
         return True
 
 
+def resources(cubin: bytes) -> dict:
+    """Registers per thread and local memory (spills, stack) of a compiled kernel, from ``cuobjdump
+    --dump-resource-usage`` (Triton ships the tool; no driver needed)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text))
+    return {"registers": int(found.get("REG", -1)), "local_bytes": int(found.get("LOCAL", -1)),
+            "stack_bytes": int(found.get("STACK", -1))}
+
+
 def compile_only(compiled: list):
     """A `launch` that compiles (``warmup``) instead of running, and records what came of it."""
     def launch(kernel, grid, *args, **kwargs):
@@ -61,21 +81,24 @@ def compile_only(compiled: list):
             binary = kernel.warmup(*args, grid=grid, **kwargs)
             shared = binary.metadata.shared  # past the limit the launch would fail: counted as a failure
             compiled.append({"kernel": name, "ok": shared <= SHARED_LIMIT, "shared": shared,
-                             "warps": binary.metadata.num_warps})
+                             "warps": binary.metadata.num_warps, **resources(binary.asm["cubin"])})
         except (CompilationError, RuntimeError) as exc:  # the front end's, or the passes' (PassManager)
             compiled.append({"kernel": name, "ok": False, "error": repr(exc)[:300]})
     return launch
 
 
-def patch(compiled: list) -> None:
+def patch(compiled: list, tuned_device: str = TUNED_DEVICE) -> None:
     launch = compile_only(compiled)
-    for name in ("launch", "fused_moe", "fused_moe_lora", "moe_align"):
-        module = importlib.import_module(f"unipage.kernels.{name}")
+    for name in ("launch", "fused_moe", "fused_moe_lora", "moe_lora_sum", "moe_align"):
+        try:
+            module = importlib.import_module(f"unipage.kernels.{name}")
+        except ImportError:  # an older build (compared side by side on PYTHONPATH) lacks a newer module
+            continue
         module.launch = launch
         if hasattr(module, "device_key"):
-            module.device_key = lambda device=None: TUNED_DEVICE
+            module.device_key = lambda device=None: tuned_device
         if hasattr(module, "config_devices"):  # the lookups of the tuned configs (fused_moe, fused_moe_lora)
-            module.config_devices = lambda device=None: (TUNED_DEVICE,)
+            module.config_devices = lambda device=None: (tuned_device,)
         if hasattr(module, "hopper_or_later"):  # the Hopper-only variants (PDL launches) the GPU compiles
             module.hopper_or_later = lambda device=None: True
 
@@ -85,12 +108,16 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 256, 1024, 4096])
     parser.add_argument("--lora", default='{"fused": true}', help="keys merged into the tuned LoRA config")
+    parser.add_argument("--device-key", default=TUNED_DEVICE, help="whose tuned configs (e.g. nvidia_h200)")
+    parser.add_argument("--adapters", type=int, default=8, help="adapters the tokens spread over")
+    parser.add_argument("--rank", type=int, help="every adapter's rank (default: the shape's)")
     args = parser.parse_args()
     driver.set_active(HopperStandIn())
     compiled: list = []
-    patch(compiled)
+    patch(compiled, args.device_key)
     sys.path.insert(0, str(Path(__file__).parent))
     import kernels_moe as km
+    km.configure(args.adapters, args.rank)
     from unipage.kernels.fused_moe import fused_experts
     from unipage.kernels.fused_moe_lora import lora_config
 
