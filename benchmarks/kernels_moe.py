@@ -13,7 +13,9 @@ adapters, random routing.  Per row:
 
 - ``base_us`` / ``base_tflops``: `fused_moe` (routing, alignment, both GEMMs, the
   sum); FLOPs = 6·T·K·H·I.
-- ``lora_us``: `plan_moe_lora` (its alignment) + `moe_lora_gate_up` + `moe_lora_down`.
+- ``lora_us``: `plan_moe_lora` (its alignment) + `moe_lora_gate_up` + `moe_lora_down`
+  (with a pair-mode config whose down stage says ``"sum"``: `moe_lora_down_sum`, which also
+  does the base's sum over the K choices).
 - ``lora_floor_us``: bytes over the copy bandwidth measured in this run; bytes =
   the distinct (adapter, expert) pairs' LoRA weights + the activations the LoRA
   pass must touch (x in, raw gate/up in, act out, y in and out).

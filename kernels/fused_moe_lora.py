@@ -38,7 +38,9 @@ Kernels (one launch each):
 - `_expand_gate_up_kernel`: ``raw + delta`` -> activation -> ``act`` (the add and the
   activation fused into the expand epilogue), and the down shrink
   ``act @ A_d.T`` accumulated per column tile (atomics) — no extra pass over ``act``.
-- `_expand_down_kernel`: ``y += w · z_d @ B_d`` (the add fused into the epilogue).
+- `_expand_down_kernel`: ``y += w · z_d @ B_d`` (the add fused into the epilogue); in pair
+  mode the down config's ``"sum": true`` takes `moe_lora_sum` instead, the delta added
+  inside the sum over the K choices.
 
 With launch config ``"pdl": true`` on Hopper+, both expands are programmatic dependent
 launches: each program reads its tile, the metadata, the page table, its whole weight
@@ -50,9 +52,11 @@ The shrink is a plain launch: it may trigger its dependents early but never wait
 launching it with PDL would race its reads of ``x`` with the kernel before.
 
 Tiles: *pair mode* (``block_m`` 1) gives each pair its own program with no
-alignment pass (decode: groups hold about one pair); *group mode* (``block_m``
->= 16) aligns pairs by group ``slot·E + expert`` (`moe_align`) and runs
-tensor-core tiles that share the group's A/B.  The mode and the tile height come
+alignment pass (decode: groups hold about one pair) and weight tiles as tall as
+the ranks' power of two (`tile_ranks`: broadcast-reduce math, no tensor-core
+minimum; registers bound how many of these latency-bound programs run at once);
+*group mode* (``block_m`` >= 16) aligns pairs by group ``slot·E + expert``
+(`moe_align`) and runs tensor-core tiles that share the group's A/B.  The mode and the tile height come
 from the expected pairs per (adapter, expert) group, not from the token count.
 Per-step sizes are ``do_not_specialize``: one compile serves every batch.
 """
