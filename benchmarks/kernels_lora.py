@@ -8,7 +8,9 @@ over 8 adapters, as setup a runs it.
 
 One JSON line per token count: kernel time (CUDA graph, L2 flushed), the HBM
 floor (distinct LoRA weights touched + x read + y read and written, over the
-copy bandwidth measured in the same run), time / floor, the same kernel on
+copy bandwidth measured in the same run; ``floor_read_us`` / ``x_floor_read``
+over the read bandwidth, the true floor of a pass that mostly reads, which
+the targets do not use yet), time / floor, the same kernel on
 contiguous (unpaged) weights, the other path's time, and the error against an
 fp32 reference.  Targets: <= 10 us at 1 token, <= 3x floor at 4096 tokens,
 paged within 10 % of contiguous.  A failing row is reported and skipped.
@@ -33,9 +35,9 @@ from typing import NamedTuple
 import torch
 
 try:
-    from benchmarks.timing import copy_bandwidth, emit, time_graph
+    from benchmarks.timing import copy_bandwidth, emit, read_bandwidth, time_graph
 except ImportError:  # run as a script: benchmarks/ itself is on sys.path
-    from timing import copy_bandwidth, emit, time_graph
+    from timing import copy_bandwidth, emit, read_bandwidth, time_graph
 from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
 from unipage.kernels import lora_meta
@@ -150,7 +152,7 @@ def measure(setup: Setup, tokens: int, grouped: bool | None = None, config: dict
     return seconds, graph, batch
 
 
-def row(setup: Setup, tokens: int, bandwidth: float) -> dict:
+def row(setup: Setup, tokens: int, bandwidth: float, read_bw: float) -> dict:
     seconds, graph, batch = measure(setup, tokens)
     contiguous, _, _ = measure(setup, tokens, contiguous=True)
     other, _, _ = measure(setup, tokens, grouped=not batch.grouped)
@@ -164,7 +166,9 @@ def row(setup: Setup, tokens: int, bandwidth: float) -> dict:
         "block_m": batch.block_m, "us": seconds * 1e6, "floor_us": floor * 1e6, "x_floor": seconds / floor,
         "contiguous_us": contiguous * 1e6, "paged_over_contiguous": seconds / contiguous,
         "other_path_us": other * 1e6, "graph": graph, "rel_err": rel_err(setup, slots, x, y, batch),
-        "copy_gbps": bandwidth / 1e9, "config": config,
+        "copy_gbps": bandwidth / 1e9, "config": config, "read_gbps": read_bw / 1e9,
+        "floor_read_us": setup.floor_bytes(tokens) / read_bw * 1e6,
+        "x_floor_read": seconds * read_bw / setup.floor_bytes(tokens),
         "targets_met": {"1tok_le_10us": seconds <= 10e-6 if tokens == 1 else None,
                         "le_3x_floor": seconds <= 3 * floor, "paged_within_10pct": seconds <= 1.1 * contiguous},
     }
@@ -172,12 +176,12 @@ def row(setup: Setup, tokens: int, bandwidth: float) -> dict:
 
 def run(out=None, tokens=TOKENS, targets=QKV, shape="llama3-8b") -> None:
     """Emit one JSON line per token count to ``out`` (stdout by default); failures become error rows."""
-    bandwidth = copy_bandwidth()
-    emit({"bench": "lora_dense_qkv", "copy_gbps": bandwidth / 1e9}, out)
+    bandwidth, read_bw = copy_bandwidth(), read_bandwidth()
+    emit({"bench": "lora_dense_qkv", "copy_gbps": bandwidth / 1e9, "read_gbps": read_bw / 1e9}, out)
     setup = Setup(targets=targets, shape=shape)
     for count in tokens:
         try:
-            emit(row(setup, count, bandwidth), out)
+            emit(row(setup, count, bandwidth, read_bw), out)
         except Exception as exc:  # noqa: BLE001 - one failing row must not end the run; it is reported
             log.error("tokens=%d failed:\n%s", count, traceback.format_exc())
             emit({"bench": "lora_dense_qkv", "tokens": count, "error": repr(exc)}, out)
