@@ -38,6 +38,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime import driver
 
 TUNED_DEVICE = "nvidia_h100_80gb_hbm3"
+PATCHED = ("launch", "fused_moe", "fused_moe_lora", "moe_lora_sum", "moe_align")  # unipage.kernels modules
 SHARED_LIMIT = 232448  # bytes of shared memory one program may use on an H100 or H200 (227 KiB)
 
 
@@ -89,7 +90,7 @@ def compile_only(compiled: list):
 
 def patch(compiled: list, tuned_device: str = TUNED_DEVICE) -> None:
     launch = compile_only(compiled)
-    for name in ("launch", "fused_moe", "fused_moe_lora", "moe_lora_sum", "moe_align"):
+    for name in PATCHED:
         try:
             module = importlib.import_module(f"unipage.kernels.{name}")
         except ImportError:  # an older build (compared side by side on PYTHONPATH) lacks a newer module

@@ -16,7 +16,7 @@ from unipage.kernels.moe_align import launch_config, shape_key  # noqa: E402
 
 
 def test_patch_selects_the_tuned_configs(monkeypatch):
-    for name in ("launch", "fused_moe", "fused_moe_lora", "moe_align"):
+    for name in compile_check.PATCHED:
         module = importlib.import_module(f"unipage.kernels.{name}")
         for attr in ("launch", "device_key", "config_devices", "hopper_or_later"):
             if hasattr(module, attr):  # restored after the test
