@@ -68,7 +68,11 @@ def resources(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        try:
+            text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
+                                  text=True).stdout
+        except OSError:  # no cuobjdump in this Triton: -1 for every count, the compile check goes on
+            text = ""
     found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text))
     return {"registers": int(found.get("REG", -1)), "local_bytes": int(found.get("LOCAL", -1)),
             "stack_bytes": int(found.get("STACK", -1))}

@@ -13,9 +13,10 @@ adapters, random routing.  Per row:
 
 - ``base_us`` / ``base_tflops``: `fused_moe` (routing, alignment, both GEMMs, the
   sum); FLOPs = 6·T·K·H·I.
-- ``lora_us``: `plan_moe_lora` (its alignment) + `moe_lora_gate_up` + `moe_lora_down`
-  (with a pair-mode config whose down stage says ``"sum"``: `moe_lora_down_sum`, which also
-  does the base's sum over the K choices).
+- ``lora_us``: `plan_moe_lora` (its alignment) + `moe_lora_gate_up` + `moe_lora_down`, timed
+  with the sum over the K choices after them and that sum's time alone (``topk_sum_us``) taken
+  off, so that a pair-mode config whose down stage says ``"sum"`` (`moe_lora_down_sum`: the
+  delta inside that sum) is timed alike.
 - ``lora_floor_us``: bytes over the copy bandwidth measured in this run (``lora_floor_read_us`` /
   ``lora_over_read_floor``: over the read bandwidth, ``read_gbps``: the true floor of a pass that
   mostly reads; the targets below still use the copy); bytes =
@@ -165,7 +166,8 @@ def measure(s: dict, num_tokens: int, bandwidth: float, read_bw: float) -> dict:
     args = (b["x"], b["logits"], s["w_gate_up"], s["w_down"], k, True)
     cfg = lora_config(b["lora"], b["topk_ids"])
     base_s = time_graph(lambda: fused_moe(*args), iters=20)
-    sep_s = time_graph(lambda: lora_step(s, b, {**cfg, "fused": False}), iters=20)
+    sum_s = time_graph(lambda: b["y"].view(-1, k, s["hidden"]).sum(dim=1), iters=20)
+    sep_s = time_graph(lambda: lora_step(s, b, {**cfg, "fused": False}, with_sum=True), iters=20) - sum_s
     moe_s = {name: time_graph(functools.partial(fused_moe, *args, lora=b["lora"], lora_config={**cfg, "fused": mode}),
                               iters=20) for mode, name in PATHS.items()}
     path = PATHS[cfg.get("fused", False)]
@@ -179,6 +181,7 @@ def measure(s: dict, num_tokens: int, bandwidth: float, read_bw: float) -> dict:
         "lora_us": round(lora_us, 2), "lora_floor_us": round(floor_s * 1e6, 2),
         "lora_over_floor": round(lora_s / floor_s, 2), "lora_over_base": round(lora_s / base_s, 3),
         "lora_floor_read_us": round(read_floor_s * 1e6, 2), "lora_over_read_floor": round(lora_s / read_floor_s, 2),
+        "topk_sum_us": round(sum_s * 1e6, 2),
         "lora_separate_us": round(sep_s * 1e6, 2), "lora_fused_us": round((moe_s["fused"] - base_s) * 1e6, 2),
         "lora_fused_down_us": round((moe_s["fused_down"] - base_s) * 1e6, 2),
         "moe_lora_us": round(moe_s[path] * 1e6, 2),
@@ -313,12 +316,23 @@ def _time_or_inf(fn) -> float:
         return math.inf
 
 
+def _allowed(entry: dict) -> bool:
+    """Whether a candidate is worth timing: the fused down+sum is pair mode's alone, and its tile holds
+    K x rank rows, so past 256 columns it only spills."""
+    down = entry.get("down", {})
+    if "sum" in down and entry.get("block_m", 1) > 1:
+        return False
+    return not (down.get("sum") and down.get("block_n", 0) > 256)
+
+
 def descend(entry: dict, space, time_fn) -> tuple[dict, float]:
-    """One pass of coordinate descent: each field in turn takes its fastest value."""
+    """One pass of coordinate descent: each field in turn takes its fastest value (`_allowed` ones)."""
     best, best_s = entry, _time_or_inf(lambda: time_fn(entry))
     for path, values in space:
         for value in values:
             candidate = _with(best, path, value)
+            if not _allowed(candidate):
+                continue
             seconds = _time_or_inf(functools.partial(time_fn, candidate))
             if seconds < best_s:
                 best, best_s = candidate, seconds
@@ -411,8 +425,9 @@ def main() -> None:
     parser.add_argument("--align", action="store_true", help="time the token-to-group alignment alone")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS),
-                        help="token counts; with --tune the tuned stages' entries for a shape are replaced by "
-                             "those of these counts (the \"lora\" entries for loads below all of them stay)")
+                        help="token counts; with --tune the tuned \"base\" entries of a shape are replaced by "
+                             "those of these counts, and the \"lora\" ones merged in (kernels_moe._merged: the "
+                             "old entries of other loads stay)")
     parser.add_argument("--stages", nargs="+", default=["base", "lora"], choices=["base", "lora"],
                         help="with --tune: the kernels to tune (the others keep their configs)")
     parser.add_argument("--adapters", type=int, default=ADAPTERS, help="adapters the tokens spread over")

@@ -572,6 +572,14 @@ def _check_phase(plan: MoeLoraPlan, **tensors: tuple[torch.Tensor, int, int]) ->
         raise ValueError(f"the Triton kernels need I % 16 == 0, got I={plan.lora.meta.inter} (use the *_ref path)")
 
 
+def check_weights(plan: MoeLoraPlan, topk_weights: torch.Tensor) -> None:
+    """``topk_weights`` must be contiguous [T, K] float32, as ``plan.topk_ids``."""
+    if topk_weights.shape != plan.topk_ids.shape or topk_weights.dtype != torch.float32 \
+            or not topk_weights.is_contiguous():
+        raise ValueError(f"topk_weights must be contiguous {list(plan.topk_ids.shape)} float32, got "
+                         f"{list(topk_weights.shape)} {topk_weights.dtype}")
+
+
 def _chunk(inter: int) -> int:
     """Widest power-of-two run <= 64 dividing I: where the fused format's up columns start."""
     return min(64, inter & -inter)
@@ -681,10 +689,7 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
     """
     meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
     _check_phase(plan, act=(act, num_pairs, meta.inter), y=(y, num_pairs, meta.hidden))
-    if topk_weights.shape != plan.topk_ids.shape or topk_weights.dtype != torch.float32 \
-            or not topk_weights.is_contiguous():
-        raise ValueError(f"topk_weights must be contiguous {list(plan.topk_ids.shape)} float32, got "
-                         f"{list(topk_weights.shape)} {topk_weights.dtype}")
+    check_weights(plan, topk_weights)
     cfg, pdl = plan.config, _use_pdl(plan)
     block_n = max(64, min(cfg["down"]["block_n"], next_pow2(meta.hidden)))
     launch(_expand_down_kernel, (_num_tile_bound(plan) * cdiv(meta.hidden, block_n),),

@@ -37,6 +37,7 @@ from unipage.kernels.fused_moe_lora import (
     _slot_row,
     _slots_pad,
     _use_pdl,
+    check_weights,
     lora_pads,
     moe_lora_down_ref,
     tile_ranks,
@@ -58,7 +59,7 @@ def _down_sum_kernel(
     K_PAD: tl.constexpr, RD_PAD: tl.constexpr, RD_T: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
+    if USE_PDL:  # safe while every PDL kernel after this one waits before reading what this one writes
         gdc_launch_dependents()
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid = tl.program_id(0)
@@ -104,9 +105,7 @@ def _check(plan: MoeLoraPlan, y: torch.Tensor, topk_weights: torch.Tensor) -> No
             or not y.is_contiguous():
         raise ValueError(f"y must be contiguous [{ids.numel()}, {meta.hidden}] {pool.dtype} on {pool.device}, "
                          f"got {list(y.shape)} {y.dtype} on {y.device}")
-    if topk_weights.shape != ids.shape or topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
-        raise ValueError(f"topk_weights must be contiguous {list(ids.shape)} float32, got "
-                         f"{list(topk_weights.shape)} {topk_weights.dtype}")
+    check_weights(plan, topk_weights)
 
 
 def moe_lora_down_sum(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor,

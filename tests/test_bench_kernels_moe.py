@@ -39,3 +39,25 @@ def test_a_dict_candidate_is_merged_into_its_stage():
     assert got == {"down": {"block_n": 64, "num_warps": 4, "sum": True}, "pdl": True}
     assert entry["down"] == {"block_n": 2048, "num_warps": 4}  # the start entry is untouched
     assert km._with(entry, "down.num_warps", 8)["down"]["num_warps"] == 8
+
+
+def test_sum_candidates_only_in_pair_mode_and_narrow():
+    pair = {"block_m": 1, "down": {"block_n": 2048}}
+    assert km._allowed(pair) and km._allowed({"block_m": 16, "down": {"block_n": 256}})
+    assert km._allowed(km._with(pair, "down", {"sum": True, "block_n": 128}))
+    assert not km._allowed(km._with(pair, "down", {"sum": True}))  # 2048 columns of K x rank rows
+    assert not km._allowed({"block_m": 16, "down": {"block_n": 256, "sum": False}})
+
+
+def test_descent_skips_what_is_not_allowed(monkeypatch):
+    timed = []
+
+    def time_fn(entry):
+        timed.append(entry)
+
+    monkeypatch.setattr(km, "time_graph", lambda fn, iters: fn() or 1.0)
+
+    start = {"block_m": 16, "down": {"block_n": 256}}
+    km.descend(start, [("down", [{"sum": False}, {"sum": True, "block_n": 64}]), ("down.block_n", [128])],
+               time_fn)
+    assert [e["down"] for e in timed] == [{"block_n": 256}, {"block_n": 128}]

@@ -45,13 +45,27 @@ def test_down_sum_matches_reference_and_separate_pass(mix, dtype):
     base._close(got, separate.view(19, base.K, base.H).float().sum(1), dtype)
 
 
-@pytest.mark.parametrize("hidden, block_n", [(64, 128), (96, 64), (200, 128)])
+@pytest.mark.parametrize("hidden, block_n", [(96, 128), (96, 64), (200, 128)])
 def test_down_sum_ragged_tiles(hidden, block_n):
-    """Column tiles past H (EVEN_N off) and tiles wider than H."""
+    """Column tiles past H (EVEN_N off), one tile wider than H (H = 96 in one 128-wide tile)."""
     c = base._case(9, torch.float32, "uniform", seed=22, hidden=hidden)
     config = _sum_config(block_n=block_n)
     got = base._run(base.fused_experts, c, config)
     base._close(got, base._loop_moe(c, torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("slots", [[("fused", 2), ("split", 4)], [("fused", 1), ("down_only", 1), None]])
+@pytest.mark.parametrize("sums", [False, True])
+def test_pair_tiles_shorter_than_the_pads(slots, sums):
+    """Ranks below 16: pair mode's tiles (`tile_ranks`: 4 / 8 rows, or 2 for rank 1) are shorter than
+    the scratch rows' 16-wide stride; both down paths."""
+    from unipage.kernels.fused_moe_lora import lora_pads, tile_ranks
+
+    c = base._case(13, torch.float32, "uniform", seed=26, slots=slots)
+    meta = c["lora"].meta
+    assert max(tile_ranks(meta, 1)) < lora_pads(meta)[2] == 16
+    config = _sum_config() if sums else base._lora_config(1, split_k=2)
+    base._close(base._run(base.fused_experts, c, config), base._loop_moe(c, torch.float32), torch.float32)
 
 
 def test_fused_experts_takes_the_sum_path_in_pair_mode_only(monkeypatch):

@@ -64,24 +64,28 @@ def test_same_signature_rewrites_the_same_tensors():
     generation, before = tables.generation, _tensors(tables)
     assert tables.page_table.shape == (MIN_SLOTS, MIN_PAGES)  # capacities, not the two slots in use
     tables.release(1)
-    tables.assign(2, [9, 3], _layout(12))  # another adapter, other pages and ranks, the same rank block
+    tables.assign(2, [9, 3], _layout(6))  # another adapter, other pages and ranks, the same rank block and tiles
     tables.refresh()
     assert tables.generation == generation
     assert all(a.data_ptr() == b.data_ptr() and a.shape == b.shape for a, b in zip(_tensors(tables), before))
     assert all(a is b for a, b in zip(_tensors(tables)[:5], before[:5]))  # the same tensor objects, too
-    fresh = _fresh({0: ([5, 6], _layout(8)), 2: ([9, 3], _layout(12))})
+    fresh = _fresh({0: ([5, 6], _layout(8)), 2: ([9, 3], _layout(6))})
     for got, want in zip(_tensors(tables), _tensors(fresh)):
         assert torch.equal(got, want)
     assert tables.layers[0].qkv.ranks == fresh.layers[0].qkv.ranks  # host copies are current too
     assert tables.layers[0].qkv.ranks[1] == (0, 0, 0)  # released
 
 
-@pytest.mark.parametrize("change", ["rank_block", "slots", "pages"])
+@pytest.mark.parametrize("change", ["rank_block", "tile_rank", "slots", "pages"])
 def test_growing_needs_make_a_new_signature(change):
     tables = _fresh({0: ([1], _layout(8))})
     generation = tables.generation
     if change == "rank_block":
         tables.assign(0, [1], _layout(32))
+    elif change == "tile_rank":  # rank 8 -> 16: the same 16-row pads, taller pair-mode tiles
+        pads = lora_pads(tables.layers[0].moe)
+        tables.assign(0, [1], _layout(16))
+        assert lora_pads(tables.layers[0].moe) == pads and tables.layers[0].qkv.rank_block == 16
     elif change == "slots":
         tables.assign(MIN_SLOTS, [2], _layout(8))
     else:

@@ -39,7 +39,7 @@ import torch
 
 from unipage.config import EXPERT_TARGETS, ModelConfig
 from unipage.kernels import DenseLoraMeta, MoeLoraMeta
-from unipage.kernels.fused_moe_lora import lora_pads
+from unipage.kernels.fused_moe_lora import lora_pads, tile_ranks
 from unipage.kernels.lora_meta import COL_TILE_WIDTHS, HostRows, next_pow2
 from unipage.lora_layout import AdapterLayout, TargetSpec, build_layout
 from unipage.models.lora_buffer import TableBuffer
@@ -216,7 +216,8 @@ def _dense_signature(meta: DenseLoraMeta | None) -> tuple | None:
 def _moe_signature(meta: MoeLoraMeta | None) -> tuple | None:
     if meta is None:
         return None
-    return meta.hidden, meta.inter, meta.num_experts, lora_pads(meta), meta.any_lora
+    # pair mode's register tiles follow the ranks below the pads' 16 rows (`tile_ranks`)
+    return meta.hidden, meta.inter, meta.num_experts, lora_pads(meta), tile_ranks(meta, 1), meta.any_lora
 
 
 def _layer_signature(layer: LayerLora) -> tuple:
