@@ -316,22 +316,25 @@ def _time_or_inf(fn) -> float:
         return math.inf
 
 
-def _allowed(entry: dict) -> bool:
-    """Whether a candidate is worth timing: the fused down+sum is pair mode's alone, and its tile holds
-    K x rank rows, so past 256 columns it only spills."""
-    down = entry.get("down", {})
-    if "sum" in down and entry.get("block_m", 1) > 1:
-        return False
-    return not (down.get("sum") and down.get("block_n", 0) > 256)
+def _candidate(best: dict, path: str, value) -> dict | None:
+    """`_with`, tidied: group mode drops the down stage's "sum" (pair mode's alone); None where not worth
+    timing: ``best`` itself, or a fused down+sum tile past 256 columns (K x rank rows: it only spills)."""
+    new = _with(best, path, value)
+    if new.get("block_m", 1) > 1:
+        new.get("down", {}).pop("sum", None)
+    down = new.get("down", {})
+    if new == best or (down.get("sum") and down.get("block_n", 0) > 256):
+        return None
+    return new
 
 
 def descend(entry: dict, space, time_fn) -> tuple[dict, float]:
-    """One pass of coordinate descent: each field in turn takes its fastest value (`_allowed` ones)."""
+    """One pass of coordinate descent: each field in turn takes its fastest value (`_candidate`s)."""
     best, best_s = entry, _time_or_inf(lambda: time_fn(entry))
     for path, values in space:
         for value in values:
-            candidate = _with(best, path, value)
-            if not _allowed(candidate):
+            candidate = _candidate(best, path, value)
+            if candidate is None:
                 continue
             seconds = _time_or_inf(functools.partial(time_fn, candidate))
             if seconds < best_s:

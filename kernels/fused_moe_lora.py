@@ -56,8 +56,9 @@ alignment pass (decode: groups hold about one pair) and weight tiles as tall as
 the ranks' power of two (`tile_ranks`: broadcast-reduce math, no tensor-core
 minimum; registers bound how many of these latency-bound programs run at once);
 *group mode* (``block_m`` >= 16) aligns pairs by group ``slot·E + expert``
-(`moe_align`) and runs tensor-core tiles that share the group's A/B.  The mode and the tile height come
-from the expected pairs per (adapter, expert) group, not from the token count.
+(`moe_align`) and runs tensor-core tiles that share the group's A/B.  The mode and
+the tile height come from the expected pairs per (adapter, expert) group, not from
+the token count.
 Per-step sizes are ``do_not_specialize``: one compile serves every batch.
 """
 

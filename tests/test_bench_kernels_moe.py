@@ -43,21 +43,23 @@ def test_a_dict_candidate_is_merged_into_its_stage():
 
 def test_sum_candidates_only_in_pair_mode_and_narrow():
     pair = {"block_m": 1, "down": {"block_n": 2048}}
-    assert km._allowed(pair) and km._allowed({"block_m": 16, "down": {"block_n": 256}})
-    assert km._allowed(km._with(pair, "down", {"sum": True, "block_n": 128}))
-    assert not km._allowed(km._with(pair, "down", {"sum": True}))  # 2048 columns of K x rank rows
-    assert not km._allowed({"block_m": 16, "down": {"block_n": 256, "sum": False}})
+    assert km._candidate(pair, "down", {"sum": True, "block_n": 128})["down"] == {"block_n": 128, "sum": True}
+    assert km._candidate(pair, "down", {"sum": True}) is None  # 2048 columns of K x rank rows
+    assert km._candidate(pair, "down.block_n", 2048) is None  # the entry itself
+    group = {"block_m": 16, "down": {"block_n": 256}}
+    assert km._candidate(group, "down", {"sum": False}) is None  # no sum in group mode: the same entry
+    summing = {"block_m": 1, "down": {"block_n": 64, "sum": True}}
+    assert km._candidate(summing, "block_m", 16) == {"block_m": 16, "down": {"block_n": 64}}
 
 
-def test_descent_skips_what_is_not_allowed(monkeypatch):
+def test_descent_skips_what_is_not_worth_timing(monkeypatch):
     timed = []
 
     def time_fn(entry):
         timed.append(entry)
 
     monkeypatch.setattr(km, "time_graph", lambda fn, iters: fn() or 1.0)
-
     start = {"block_m": 16, "down": {"block_n": 256}}
-    km.descend(start, [("down", [{"sum": False}, {"sum": True, "block_n": 64}]), ("down.block_n", [128])],
+    km.descend(start, [("down", [{"sum": False}, {"sum": True, "block_n": 64}]), ("down.block_n", [128, 256])],
                time_fn)
-    assert [e["down"] for e in timed] == [{"block_n": 256}, {"block_n": 128}]
+    assert [e["down"] for e in timed] == [{"block_n": 256}, {"block_n": 64}, {"block_n": 128}]
