@@ -20,8 +20,9 @@ captured over the tables (`unipage.graphs`) serves any adapter mix:
   that never shrink; S grows by GROWTH and max_pages doubles only when an
   adapter needs it;
 * slice widths come from the model;
-* every value that depends on all slots (max ranks and rank blocks, MoE pads
-  and dims, ``buffer_elems``, whether a group has LoRA at all) is a high-water
+* every value that depends on all slots (max ranks and rank blocks, MoE pads,
+  pair-mode tile heights and dims, ``buffer_elems``, whether a group has LoRA at
+  all) is a high-water
   mark: what a full build over every adapter assigned so far would give.  It
   rises with a larger adapter and never falls, so a release changes no launch
   shape (a rank block above the ranks is still correct: ranks are masked).
