@@ -78,7 +78,8 @@ class StepBatch:
     window_slot_mapping: torch.Tensor | None = None  # [T] int64, models with full and sliding-window layers
     #   (`ModelConfig.hybrid_kv`): slot_mapping in the sliding layers' own block tables
     window_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32: those tables (-1 before the window)
-    num_decodes: int = 0  # leading sequences with one new token (a mixed step's decodes): the decode kernel's
+    num_decodes: int = 0  # leading sequences with one new token (a mixed step's decodes): the decode kernel
+    #   attends them, the prefill kernel the rest (`DecoderLM.attend`)
 
 
 @dataclass

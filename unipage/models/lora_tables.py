@@ -22,10 +22,10 @@ captured over the tables (`unipage.graphs`) serves any adapter mix:
 * slice widths come from the model;
 * every value that depends on all slots (max ranks and rank blocks, MoE pads,
   pair-mode tile heights and dims, ``buffer_elems``, whether a group has LoRA at
-  all) is a high-water
-  mark: what a full build over every adapter assigned so far would give.  It
-  rises with a larger adapter and never falls, so a release changes no launch
-  shape (a rank block above the ranks is still correct: ranks are masked).
+  all) is a high-water mark: what a full build over every adapter assigned so
+  far would give.  It rises with a larger adapter and never falls, so a release
+  changes no launch shape (a rank block above the ranks is still correct: ranks
+  are masked).
   Given ``max_rank``, the marks start at those of the largest adapter allowed.
 
 `generation` changes only when the signature does; then graphs are captured again.
