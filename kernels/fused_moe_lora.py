@@ -34,7 +34,7 @@ at decode.
 
 Kernels (one launch each):
 
-- `_shrink_kernel`: split-K partials of ``z``; zeroes the down accumulator.
+- `_moe_shrink_kernel`: split-K partials of ``z``; zeroes the down accumulator.
 - `_expand_gate_up_kernel`: ``raw + delta`` -> activation -> ``act`` (the add and the
   activation fused into the expand epilogue), and the down shrink
   ``act @ A_d.T`` accumulated per column tile (atomics) — no extra pass over ``act``.
@@ -359,7 +359,7 @@ def _col_mask(cols, limit, EVEN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _shrink_kernel(
+def _moe_shrink_kernel(
     x_ptr,  # [T, H] model dtype
     z_ptr,  # [SPLIT_K, TK, R_PAD] float32: written for LoRA pairs of slots with gate/up LoRA
     down_z_ptr,  # [TK, RD_PAD] float32: zeroed for LoRA pairs
@@ -448,7 +448,7 @@ def _slice_rows(row, field, group_off, RK_PAD: tl.constexpr, S_PAD: tl.constexpr
 def _expand_gate_up_kernel(
     raw_ptr,  # [TK, 2I] model dtype: un-activated gate | up of LoRA pairs (from the base GEMM)
     act_ptr,  # [TK, I] model dtype: written for LoRA pairs
-    z_ptr,  # [SPLIT_K, TK, R_PAD] float32 from `_shrink_kernel`
+    z_ptr,  # [SPLIT_K, TK, R_PAD] float32 from `_moe_shrink_kernel`
     down_z_ptr,  # [TK, RD_PAD] float32: += act @ A_d.T
     pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr, block_group_ptr,
     num_blocks_ptr, num_pairs, top_k, num_experts, num_slots, inter, stride_raw, stride_act, stride_pt, alpha,
@@ -626,7 +626,7 @@ def moe_lora_shrink(plan: MoeLoraPlan, x: torch.Tensor) -> None:
     cfg, page_shift = plan.config, plan.lora.pool.shape[1].bit_length() - 1
     r_pad, _, rd_pad = lora_pads(meta)
     splits, per_split = _split_k(meta.hidden, cfg["split_k"])
-    launch(_shrink_kernel, (_num_tile_bound(plan) * splits,),
+    launch(_moe_shrink_kernel, (_num_tile_bound(plan) * splits,),
         x, plan.gate_up_z, plan.down_z, *_tile_args(plan), meta.hidden, x.stride(0), plan.lora.page_table.stride(0),
         R_PAD=r_pad, RD_PAD=rd_pad, SPLIT_K=splits, K_PER_SPLIT=per_split,
         K_TILE=next_pow2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
@@ -642,7 +642,7 @@ def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
     meta = plan.lora.meta
     _check_phase(plan, act=(act, plan.topk_ids.numel(), meta.inter))
     cfg, rd_pad = plan.config, lora_pads(meta)[2]
-    launch(_shrink_kernel, (_num_tile_bound(plan),),
+    launch(_moe_shrink_kernel, (_num_tile_bound(plan),),
         act, plan.down_z, plan.down_z, *_tile_args(plan), meta.inter, act.stride(0), plan.lora.page_table.stride(0),
         R_PAD=rd_pad, RD_PAD=rd_pad, SPLIT_K=1, K_PER_SPLIT=cdiv(meta.inter, 64) * 64,
         K_TILE=next_pow2(cdiv(meta.inter, 64) * 64), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],

@@ -270,7 +270,7 @@ def test_stage_register_cap(monkeypatch):
     c = _case(40, torch.float32, "zipf", seed=9)
     config = {**GROUP, "gate_up": {**GROUP["gate_up"], "maxnreg": 128}, "down": {**GROUP["down"], "maxnreg": 96}}
     _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
-    assert seen == {"_shrink_kernel": None, "_expand_gate_up_kernel": 128, "_expand_down_kernel": 96}
+    assert seen == {"_moe_shrink_kernel": None, "_expand_gate_up_kernel": 128, "_expand_down_kernel": 96}
 
 
 def test_without_lora_tokens_or_layers_equals_base():
@@ -414,7 +414,7 @@ def test_gpu_lora_compiles_once_across_token_counts(load):
     from unipage.kernels import fused_moe_lora as fl
     from unipage.kernels.moe_align import launch_config
 
-    kernels = (fl._shrink_kernel, fl._expand_gate_up_kernel, fl._expand_down_kernel)
+    kernels = (fl._moe_shrink_kernel, fl._expand_gate_up_kernel, fl._expand_down_kernel)
     config = launch_config("lora", "none", load, "cpu")
     x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case("qwen3-30b-a3b", 64)
     counts = []
