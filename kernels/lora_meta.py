@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,14 +250,6 @@ def plan_block_m(group_tokens: int) -> int:
     if group_tokens <= plan["gemv_max_group"]:
         return 1
     return min(plan["max_block_m"], max(16, next_pow2(group_tokens)))
-
-
-def side_shrink_tokens() -> int:
-    """Steps of at most this many tokens run the dense LoRA shrinks beside their projections, on a side
-    stream (`unipage.models.decoder`); 0: never.  ``UNIPAGE_SIDE_SHRINK_TOKENS`` overrides the config's
-    ``plan.side_shrink_max_tokens`` (for A/B runs)."""
-    override = os.environ.get("UNIPAGE_SIDE_SHRINK_TOKENS")
-    return int(override) if override else int(_load_json()["plan"].get("side_shrink_max_tokens", 0))
 
 
 def _group_tiles(token_slots: torch.Tensor, num_slots: int, block_m: int, groups: int):

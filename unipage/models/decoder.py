@@ -31,16 +31,11 @@ import torch
 from unipage.config import ModelConfig
 from unipage.errors import CheckpointError
 from unipage.kernels import MoeLora, plan_lora_batch
-from unipage.kernels.lora_meta import side_shrink_tokens
 from unipage.kernels.moe_act import SILU, GatedActivation
 from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
 from unipage.models.ops import Ops
 from unipage.models.weights import Checkpoint
-
-# Steps of at most this many tokens run the dense LoRA shrinks on a side stream (`_project_beside`);
-# 0: never (`lora_meta.side_shrink_tokens`: configs/lora_dense.json, or UNIPAGE_SIDE_SHRINK_TOKENS).
-SIDE_SHRINK_TOKENS = side_shrink_tokens()
 
 
 @dataclass(frozen=True)
@@ -134,7 +129,6 @@ class DecoderLM:
         self.lm_head = self.embed_tokens if tied else ckpt.get("lm_head.weight", (vocab, h))
         self.norm = ckpt.get("model.norm.weight", (h,))
         self.layers = [self._load_layer(ckpt, i) for i in range(model.num_layers)]
-        self._side = None  # the side stream, made at first use
 
     # -- weights ---------------------------------------------------------
     def _load_layer(self, ckpt: Checkpoint, i: int) -> LayerWeights:
@@ -214,18 +208,7 @@ class DecoderLM:
         if lora_on and self.ops.plans_lora:
             plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens,
                                    max_groups=batch.active_slots)
-        return _Context(batch, cos, sin, lora if lora_on else None, plan, self._side_stream(batch, lora_on))
-
-    def _side_stream(self, batch: StepBatch, lora_on: bool):
-        """The stream that runs the dense LoRA shrinks beside their projections (`_project_beside`), for a
-        step of at most `SIDE_SHRINK_TOKENS` tokens with LoRA on CUDA; None: every launch on the current
-        stream."""
-        tokens = batch.input_ids.shape[0]
-        if not (lora_on and self.ops.plans_lora and batch.input_ids.is_cuda and 0 < tokens <= SIDE_SHRINK_TOKENS):
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(batch.input_ids.device)
-        return self._side
+        return _Context(batch, cos, sin, lora if lora_on else None, plan)
 
     def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, x)``: the token embeddings ``[T, H]`` and the first layer's input norm of them."""
@@ -277,8 +260,6 @@ class DecoderLM:
     def _project(self, x, w, bias, pool_l, meta, ctx: _Context) -> torch.Tensor:
         """``x @ w.T (+ bias)`` plus the LoRA delta of ``meta``'s targets (None: the layer has no LoRA
         for them)."""
-        if self._has_lora(meta, ctx) and ctx.side is not None:
-            return self._project_beside(x, w, bias, pool_l, meta, ctx)
         y = x @ w.T
         if bias is not None:
             y = y + bias
@@ -286,24 +267,6 @@ class DecoderLM:
             self.ops.lora(y, x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan,
                           early=True)  # (the shrink may start while the projection above drains)
         return y
-
-    def _project_beside(self, x, w, bias, pool_l, meta, ctx: _Context) -> torch.Tensor:
-        """`_project` with the LoRA shrink on the side stream, beside the projection: at decode sizes
-        both are latency-bound, the shrink far from the memory bandwidth, so it runs in the SMs and
-        bandwidth that the projection leaves idle.  The expand follows both on the main stream.
-
-        ``part`` (the shrink's output, allocated on the side stream) needs no ``record_stream``: the
-        side stream's next use of that memory comes after its next fork, which waits for this expand."""
-        main = torch.cuda.current_stream(x.device)
-        ctx.side.wait_stream(main)  # fork: x, the tables and the plan are ready
-        with torch.cuda.stream(ctx.side):
-            shrunk = self.ops.lora_shrink(x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
-                                          batch=ctx.plan)
-        y = x @ w.T
-        if bias is not None:
-            y = y + bias
-        main.wait_stream(ctx.side)  # join
-        return self.ops.lora_expand(y, shrunk)  # a plain launch: its programmatic primary would be the GEMM
 
     @staticmethod
     def _has_lora(meta, ctx: _Context) -> bool:
@@ -373,4 +336,3 @@ class _Context:
     sin: torch.Tensor
     lora: LoraTables | None  # None: no token of the step has an adapter
     plan: object  # LoraBatch of the dense LoRA kernels, or None
-    side: torch.cuda.Stream | None = None  # where the dense LoRA shrinks run (`DecoderLM._side_stream`)
