@@ -1,4 +1,4 @@
-"""Compile the MoE kernels for a Hopper GPU on a machine without one: catch compiler failures early.
+"""Compile the MoE kernels (routing, experts, their LoRA) for a Hopper GPU on a machine without one: catch compiler failures early.
 
 Triton's passes run on the host, so a kernel that the device's Triton cannot compile (a
 ``PassManager::run failed`` from its layout passes, say) fails here too, with the same message,
@@ -123,7 +123,7 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import kernels_moe as km
     km.configure(args.adapters, args.rank)
-    from unipage.kernels.fused_moe import fused_experts
+    from unipage.kernels.fused_moe import fused_experts, route_topk
     from unipage.kernels.fused_moe_lora import lora_config
 
     km.DEVICE = "cpu"
@@ -136,6 +136,9 @@ def main() -> int:
             config = {**lora_config(b["lora"], b["topk_ids"]), **json.loads(args.lora)}
             fused_experts(b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"], b["lora"],
                           lora_config=config)
+            experts, top_k = s["w_gate_up"].shape[0], b["topk_ids"].shape[1]  # routing as the engine calls it
+            route_topk(torch.zeros(tokens, experts, dtype=b["x"].dtype), top_k, True,
+                       bias=torch.zeros(experts, dtype=b["x"].dtype), weight_dtype=b["x"].dtype)
             failed |= not all(c["ok"] for c in compiled)
             print(json.dumps({"shape": shape, "tokens": tokens, "compiled": compiled}), flush=True)
     return 1 if failed else 0

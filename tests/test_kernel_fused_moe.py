@@ -72,6 +72,35 @@ def test_route_topk_matches_reference(num_tokens, renormalize):
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_route_topk_bias_and_rounding(dtype):
+    """GPT-OSS's router bias, added in the logits' dtype, and the weights rounded to the model dtype, all
+    in the routing kernel: the same as the reference's separate torch ops, bit for bit."""
+    _, logits = _inputs(40, torch.float32, seed=5)
+    logits = logits.to(dtype)
+    bias = torch.randn(E, generator=torch.Generator().manual_seed(6)).to(dtype)
+    for kwargs in ({"bias": bias}, {"weight_dtype": dtype}, {"bias": bias, "weight_dtype": torch.bfloat16}):
+        weights, ids = route_topk(logits, K, True, **kwargs)
+        ref_weights, ref_ids = route_topk_ref(logits, K, True, **kwargs)
+        assert torch.equal(ids, ref_ids), kwargs
+        torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+        if "weight_dtype" in kwargs:  # on the grid of that dtype, and float32 as without rounding
+            assert weights.dtype == torch.float32
+            assert torch.equal(weights, weights.to(kwargs["weight_dtype"]).float())
+    plain, _ = route_topk_ref(logits + bias, K, True)
+    torch.testing.assert_close(route_topk_ref(logits, K, True, bias=bias)[0], plain)
+
+
+def test_route_topk_rejects_bad_bias():
+    _, logits = _inputs(4, torch.float32)
+    with pytest.raises(ValueError, match="bias must be"):
+        route_topk(logits, K, True, bias=torch.zeros(E + 1))
+    with pytest.raises(ValueError, match="bias must be"):
+        route_topk_ref(logits, K, True, bias=torch.zeros(E, dtype=torch.float16))
+    with pytest.raises(ValueError, match="weight_dtype"):
+        route_topk(logits, K, True, weight_dtype=torch.int32)
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_reference_matches_transformers_router(renormalize):
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
