@@ -284,7 +284,10 @@ BASE_SPACE = [("block_m", [16, 32, 64, 128])] + [
     (f"{stage}.{field}", values) for stage in ("gate_up", "down") for field, values in (
         ("block_n", [32, 64, 128, 256]), ("block_k", [64, 128]), ("num_warps", [4, 8]),
         ("num_stages", [2, 3, 4, 5]), ("group_m", [1, 8, 16]), ("tma", [False, True]))]
-LORA_SPACE = [("block_m", [1, 16, 32, 64]), ("split_k", [1, 2, 4, 8, 16, 32]), ("shrink.num_warps", [2, 4, 8]),
+LORA_SPACE = [("block_m", [1, 16, 32, 64]),
+              # group mode with its shrink loading whole splits (pair mode's loads, one read of A per group)
+              ("", [{"block_m": m, "shrink": {"whole_k": True}} for m in (16, 32)]), ("shrink.whole_k", [False, True]),
+              ("split_k", [1, 2, 4, 8, 16, 32]), ("shrink.num_warps", [2, 4, 8]),
               ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256, 512]),
               ("gate_up.num_warps", [2, 4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("gate_up.maxnreg", [0, 128]),
               ("down.block_n", [64, 128, 256, 512, 1024, 2048]),
@@ -297,8 +300,13 @@ LORA_SPACE = [("block_m", [1, 16, 32, 64]), ("split_k", [1, 2, 4, 8, 16, 32]), (
 
 def _with(entry: dict, path: str, value) -> dict:
     """``entry`` with ``path`` set to ``value``; a dict value is merged into the dict at ``path`` (a joint
-    candidate: fields that only make sense together, e.g. the down stage's "sum" with its tile)."""
+    candidate: fields that only make sense together, e.g. the down stage's "sum" with its tile).  Path
+    "": ``value``'s fields set in the entry, a stage's dict merged into that stage's."""
     new = copy.deepcopy(entry)
+    if not path:
+        for key, field in value.items():
+            new[key] = {**new[key], **field} if isinstance(field, dict) else field
+        return new
     *parents, leaf = path.split(".")
     node = new
     for key in parents:
@@ -317,11 +325,14 @@ def _time_or_inf(fn) -> float:
 
 
 def _candidate(best: dict, path: str, value) -> dict | None:
-    """`_with`, tidied: group mode drops the down stage's "sum" (pair mode's alone); None where not worth
-    timing: ``best`` itself, or a fused down+sum tile past 256 columns (K x rank rows: it only spills)."""
+    """`_with`, tidied: group mode drops the down stage's "sum" (pair mode's alone), pair mode the shrink's
+    "whole_k" (group mode's alone); None where not worth timing: ``best`` itself, or a fused down+sum
+    tile past 256 columns (K x rank rows: it only spills)."""
     new = _with(best, path, value)
     if new.get("block_m", 1) > 1:
         new.get("down", {}).pop("sum", None)
+    else:
+        new.get("shrink", {}).pop("whole_k", None)
     down = new.get("down", {})
     if new == best or (down.get("sum") and down.get("block_n", 0) > 256):
         return None

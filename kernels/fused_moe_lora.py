@@ -26,7 +26,9 @@ elements starting at CHUNK-aligned offsets of a row: each run lies in one page a
 costs one page-table lookup — contiguous, vectorised loads.  A pair-mode shrink
 program and every expand program load their whole weight tile at once
 (`common.load_runs`: every (row, run) looked up, then one load), so those loads are in
-flight together; a group-mode shrink walks K one 64-run at a time (`_load_paged`).
+flight together; a group-mode shrink walks K one 64-run at a time (`_load_paged`), or with
+config ``shrink.whole_k`` loads its split whole too (the tile's x rows and the group's A), for
+decode loads where group mode's one read of A per group could beat pair mode's one per pair.
 In pair mode a program picks its slot's metadata row out of the whole table loaded at
 once (`_slot_row`, up to `GATHER_SLOTS` slots), so the chain from its start to its
 weights is slot and expert -> page table -> weights: three dependent loads, cold in L2
@@ -368,7 +370,7 @@ def _moe_shrink_kernel(
     R_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     K_TILE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PAGE_SHIFT: tl.constexpr,
     EVEN_K: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    DOWN: tl.constexpr = False,
+    DOWN: tl.constexpr = False, WHOLE_K: tl.constexpr = False,
 ):
     # DOWN (the fused path's down shrink, `moe_lora_down_shrink`): x is act [TK, I] (row = pair),
     # hidden is I, z is down_z [TK, RD_PAD] (SPLIT_K 1), A is down A; down_z is not zeroed.
@@ -382,11 +384,12 @@ def _moe_shrink_kernel(
     pairs, pair_ok, slot, expert = _tile(pid_m, slots_ptr, flags_ptr, topk_ids_ptr, sorted_ptr,
                                          block_group_ptr, num_pairs, top_k, num_experts, BLOCK_M)
     row, meta = _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD)
-    if BLOCK_M == 1:  # the pair's x run, loaded with the metadata
-        offs_kt = tl.arange(0, K_TILE)
-        k_left = tl.minimum(K_PER_SPLIT, hidden - split * K_PER_SPLIT)
-        x_run = tl.load(x_ptr + (pid_m if DOWN else pid_m // top_k).to(tl.int64) * stride_x + split * K_PER_SPLIT + offs_kt[None, :],
-                        mask=offs_kt[None, :] < k_left, other=0.0)
+    offs_kt = tl.arange(0, K_TILE)
+    k_left = tl.minimum(K_PER_SPLIT, hidden - split * K_PER_SPLIT)
+    x_rows = tl.where(pair_ok, pairs if DOWN else pairs // top_k, 0).to(tl.int64)
+    if BLOCK_M == 1 or WHOLE_K:  # the tile's x rows over the whole split, loaded with the metadata
+        x_run = tl.load(x_ptr + x_rows[:, None] * stride_x + split * K_PER_SPLIT + offs_kt[None, :],
+                        mask=pair_ok[:, None] & (offs_kt[None, :] < k_left), other=0.0)
     rows_a = _field(row, meta + (F_DOWN_RANK if DOWN else F_GU_ROWS), S_PAD)
     group_off = _field(row, meta + F_BASE, S_PAD) + expert * _field(row, meta + F_STRIDE, S_PAD)
     gu_a = _field(row, meta + (F_DOWN_A if DOWN else F_GU_A), S_PAD)
@@ -402,11 +405,10 @@ def _moe_shrink_kernel(
     a_virt = group_off + gu_a + offs_r * ((hidden + 63) // 64 * 64)
     r_ok = offs_r < rows_a
     pt = pt_ptr + slot * stride_pt
-    if BLOCK_M == 1:  # the whole split at once: one page lookup per 64-run, then one load
+    if BLOCK_M == 1 or WHOLE_K:  # the whole split at once: one page lookup per 64-run, then one load
         a = load_runs(pool_ptr, pt, a_virt + split * K_PER_SPLIT, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
-        acc = _mm(x_run, tl.trans(a), True, DOT_PRECISION)
-    else:
-        x_rows = tl.where(pair_ok, pairs if DOWN else pairs // top_k, 0).to(tl.int64)
+        acc = _mm(x_run, tl.trans(a), BLOCK_M == 1, DOT_PRECISION)
+    else:  # group mode: K one 64-run at a time
         acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
         k_lo = split * K_PER_SPLIT
         for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, hidden), 64):
@@ -632,7 +634,7 @@ def moe_lora_shrink(plan: MoeLoraPlan, x: torch.Tensor) -> None:
         K_TILE=next_pow2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
         PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=_use_pdl(plan),
-        **_launch_opts(cfg["shrink"]))
+        WHOLE_K=bool(cfg["shrink"].get("whole_k")), **_launch_opts(cfg["shrink"]))
 
 
 def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:

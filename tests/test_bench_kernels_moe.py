@@ -52,6 +52,16 @@ def test_sum_candidates_only_in_pair_mode_and_narrow():
     assert km._candidate(summing, "block_m", 16) == {"block_m": 16, "down": {"block_n": 64}}
 
 
+def test_whole_k_candidates_only_in_group_mode():
+    pair = {"block_m": 1, "shrink": {"num_warps": 4}, "down": {"block_n": 2048}}
+    assert km._candidate(pair, "shrink.whole_k", True) is None  # pair mode loads whole splits anyway
+    joint = km._candidate(pair, "", {"block_m": 16, "shrink": {"whole_k": True}})
+    assert joint == {"block_m": 16, "shrink": {"num_warps": 4, "whole_k": True}, "down": {"block_n": 2048}}
+    assert km._candidate(joint, "block_m", 1) == pair  # back to pair mode: the flag goes
+    assert km._candidate(joint, "shrink.whole_k", False)["shrink"] == {"num_warps": 4, "whole_k": False}
+    assert pair["shrink"] == {"num_warps": 4}  # the start entry is untouched
+
+
 def test_descent_skips_what_is_not_worth_timing(monkeypatch):
     timed = []
 

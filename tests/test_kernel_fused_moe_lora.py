@@ -255,6 +255,18 @@ def test_pair_mode_splits_of_several_runs(hidden, split_k):
     _close(_run(fused_experts, c, _lora_config(1, split_k=split_k)), _loop_moe(c, torch.float32), torch.float32)
 
 
+@pytest.mark.parametrize("hidden, split_k, mix", [(64, 1, "uniform"), (320, 1, "zipf"), (200, 2, "skewed")])
+def test_group_mode_whole_k_shrink(hidden, split_k, mix):
+    """Config ``shrink.whole_k``: a group-mode shrink loads its split whole (x rows and A at once, then one
+    dot) instead of walking it one 64-run at a time: one run, five runs, and two ragged splits, with
+    padded tiles (rows of no pair) and tokens without adapter."""
+    c = _case(23, torch.float32, mix, seed=9, hidden=hidden)
+    config = _lora_config(16, split_k=split_k)
+    config["shrink"] = {**config["shrink"], "whole_k": True}
+    _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
+    _close(_run(fused_experts, c, config), _run(fused_experts, c, _lora_config(16, split_k=split_k)), torch.float32)
+
+
 def test_stage_register_cap(monkeypatch):
     """A stage's ``"maxnreg"`` reaches its launch as a launch option, and only that stage's (the interpreter
     ignores the cap; `launch.check_binding` accepts it)."""
