@@ -136,9 +136,9 @@ def main() -> int:
             config = {**lora_config(b["lora"], b["topk_ids"]), **json.loads(args.lora)}
             fused_experts(b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"], b["lora"],
                           lora_config=config)
-            experts, top_k = s["w_gate_up"].shape[0], b["topk_ids"].shape[1]  # routing as the engine calls it
-            route_topk(torch.zeros(tokens, experts, dtype=b["x"].dtype), top_k, True,
-                       bias=torch.zeros(experts, dtype=b["x"].dtype), weight_dtype=b["x"].dtype)
+            experts, top_k, dtype = s["w_gate_up"].shape[0], b["topk_ids"].shape[1], b["x"].dtype
+            for bias in (None, torch.zeros(experts, dtype=dtype)):  # routing as the engine calls it
+                route_topk(torch.zeros(tokens, experts, dtype=dtype), top_k, True, bias=bias, weight_dtype=dtype)
             failed |= not all(c["ok"] for c in compiled)
             print(json.dumps({"shape": shape, "tokens": tokens, "compiled": compiled}), flush=True)
     return 1 if failed else 0

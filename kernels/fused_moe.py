@@ -95,12 +95,13 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_ex
 
 @triton.jit
 def _round_to(w, DTYPE: tl.constexpr):
-    """Finite float32 ``w`` rounded to ``DTYPE``'s grid (nearest, ties to even, as torch's ``.to``), kept
-    in float32; None: unchanged.  bfloat16 by integer arithmetic on the bits (sign and magnitude, so
-    it holds for negative values too): the interpreter truncates that cast."""
+    """Float32 ``w`` rounded to ``DTYPE``'s grid (nearest, ties to even, as torch's ``.to``; NaN and
+    infinities kept), kept in float32; None: unchanged.  bfloat16 by integer arithmetic on the bits
+    (sign and magnitude, so it holds for negative values too): the interpreter truncates that cast."""
     if DTYPE == tl.bfloat16:
         bits = w.to(tl.int32, bitcast=True)
-        w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        w = tl.where(w == w, rounded, w)  # NaN stays NaN (the bit arithmetic could make it finite)
     elif DTYPE is not None:
         w = w.to(DTYPE).to(tl.float32)
     return w

@@ -28,7 +28,8 @@ program and every expand program load their whole weight tile at once
 (`common.load_runs`: every (row, run) looked up, then one load), so those loads are in
 flight together; a group-mode shrink walks K one 64-run at a time (`_load_paged`), or with
 config ``shrink.whole_k`` loads its split whole too (the tile's x rows and the group's A), for
-decode loads where group mode's one read of A per group could beat pair mode's one per pair.
+decode loads where group mode's one read of A per group could beat pair mode's one per pair
+(the gate/up shrink only: the fused path's down shrink, `moe_lora_down_shrink`, always walks).
 In pair mode a program picks its slot's metadata row out of the whole table loaded at
 once (`_slot_row`, up to `GATHER_SLOTS` slots), so the chain from its start to its
 weights is slot and expert -> page table -> weights: three dependent loads, cold in L2

@@ -7,8 +7,10 @@ CPU runs the Triton kernels under the interpreter at tiny shapes (fp16/fp32);
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from unipage.kernels.fused_moe import (fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
+from unipage.kernels.fused_moe import (_round_to, fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
                                        moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
 from unipage.kernels import moe_align as moe_align_module
 from unipage.kernels.moe_align import Alignment, _launch_split, launch_config, moe_align, moe_align_ref
@@ -89,6 +91,29 @@ def test_route_topk_bias_and_rounding(dtype):
             assert torch.equal(weights, weights.to(kwargs["weight_dtype"]).float())
     plain, _ = route_topk_ref(logits + bias, K, True)
     torch.testing.assert_close(route_topk_ref(logits, K, True, bias=bias)[0], plain)
+
+
+@triton.jit
+def _round_rows(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, _round_to(tl.load(x_ptr + offs), tl.bfloat16))
+
+
+def test_round_to_bfloat16_as_torch():
+    """The routing kernel's bit arithmetic against torch's ``.to(bfloat16)``: exact ties both ways, both
+    signs, subnormals, the top of the range (to inf), infinities and NaNs of several payloads."""
+    patterns = [0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x3F807FFF, 0x3F808001, 0x00008000,
+                0x00018000, 0x80008000, 0x007FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF,
+                0x7F800000, 0xFF800000, 0x7FC00000, 0x7FFFFFFF, 0x7F800001, 0xFFFFFFFF, 0, 0x80000000]
+    g = torch.Generator().manual_seed(4)
+    bits = torch.tensor([p - (1 << 32) if p >= 1 << 31 else p for p in patterns], dtype=torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.randn(106, generator=g) * 10.0 ** torch.randint(-6, 6, (106,),
+                                                                                                  generator=g)])
+    y = torch.empty_like(x)
+    _round_rows[(1,)](x, y, N=128)
+    want = x.to(torch.bfloat16).float()
+    assert torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(y[~want.isnan()], want[~want.isnan()])
 
 
 def test_route_topk_rejects_bad_bias():

@@ -255,16 +255,30 @@ def test_pair_mode_splits_of_several_runs(hidden, split_k):
     _close(_run(fused_experts, c, _lora_config(1, split_k=split_k)), _loop_moe(c, torch.float32), torch.float32)
 
 
-@pytest.mark.parametrize("hidden, split_k, mix", [(64, 1, "uniform"), (320, 1, "zipf"), (200, 2, "skewed")])
-def test_group_mode_whole_k_shrink(hidden, split_k, mix):
+@pytest.mark.parametrize("hidden, split_k, mix, dtype", [(64, 1, "uniform", torch.float32),
+                                                          (320, 1, "zipf", torch.float32),
+                                                          (200, 2, "skewed", torch.float16)])
+def test_group_mode_whole_k_shrink(monkeypatch, hidden, split_k, mix, dtype):
     """Config ``shrink.whole_k``: a group-mode shrink loads its split whole (x rows and A at once, then one
     dot) instead of walking it one 64-run at a time: one run, five runs, and two ragged splits, with
     padded tiles (rows of no pair) and tokens without adapter."""
-    c = _case(23, torch.float32, mix, seed=9, hidden=hidden)
+    import unipage.kernels.fused_moe_lora as module
+
+    seen, real = [], module.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel is module._moe_shrink_kernel:
+            seen.append(kwargs["WHOLE_K"])
+        real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(module, "launch", spy)
+    c = _case(23, dtype, mix, seed=9, hidden=hidden)
     config = _lora_config(16, split_k=split_k)
     config["shrink"] = {**config["shrink"], "whole_k": True}
-    _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
-    _close(_run(fused_experts, c, config), _run(fused_experts, c, _lora_config(16, split_k=split_k)), torch.float32)
+    whole = _run(fused_experts, c, config)
+    _close(whole, _loop_moe(c, dtype), dtype)
+    _close(whole, _run(fused_experts, c, _lora_config(16, split_k=split_k)), dtype)
+    assert seen == [True, False]  # the flag reached the kernel, and only where set
 
 
 def test_stage_register_cap(monkeypatch):
