@@ -1,4 +1,4 @@
-"""Compile the MoE kernels (routing, experts, their LoRA) for a Hopper GPU on a machine without one: catch compiler failures early.
+"""Compile the MoE kernels (routing, experts, LoRA) for Hopper without a GPU: catch compiler failures early.
 
 Triton's passes run on the host, so a kernel that the device's Triton cannot compile (a
 ``PassManager::run failed`` from its layout passes, say) fails here too, with the same message,
