@@ -8,7 +8,9 @@ Builds the engine on ``--shape`` (random weights at its real shape) with
 the base model and for the adapters round-robin: ``--running`` requests with
 ``--prompt``-token prompts reach steady decode, ``--timed-steps`` decode steps
 are timed without the profiler (median wall time per step, synchronised) and
-``--steps`` more are profiled (CUDA graphs, as served); then ``--prefill``
+``--steps`` more are profiled (CUDA graphs, as served); the timed steps also give the host time
+before each step's decode graph run call and of that call (``*_pre_graph_ms``, ``*_graph_call_ms``:
+is a step bound by the host?); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -90,16 +92,39 @@ def profiled(engine: Engine, steps: int) -> tuple[float, dict[str, float], set[s
     return wall, {k: v / steps for k, v in kernel_times(prof).items()}, finished
 
 
-def timed(engine: Engine, steps: int) -> float:
-    """The median wall seconds of ``steps`` engine steps, each synchronised (no profiler)."""
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None]:
+    """Medians over ``steps`` engine steps, each synchronised (no profiler): the wall seconds of a step;
+    the host seconds from its start to its decode graph's run call, and of that call (filling the graph's
+    inputs and launching its replay; no sync inside): a step whose call takes longer than its GPU work,
+    or starts late, is bound by the host.  None for the two without decode graphs."""
+    graphs, marks = engine.runner.graphs, {}
+    real = graphs.run if graphs is not None else None
+
+    def run(seqs):
+        marks["call"] = time.perf_counter()
+        hidden = real(seqs)
+        marks["back"] = time.perf_counter()
+        return hidden
+
+    times, pre, calls = [], [], []
+    if graphs is not None:
+        graphs.run = run
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            marks.clear()
+            start = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            if marks:
+                pre.append(marks["call"] - start)
+                calls.append(marks["back"] - marks["call"])
+    finally:
+        if graphs is not None:
+            del graphs.run  # the bound method again
+    median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return statistics.median(times), median(pre), median(calls)
 
 
 def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
@@ -115,7 +140,8 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
         started.update(out[0] for out in engine.step())
     for _ in range(args.warmup_steps):  # the decode graph of the full batch captured and replayed
         engine.step()
-    out = {"decode_ms": timed(engine, args.timed_steps) * 1e3, "decode": profiled(engine, args.steps)[:2]}
+    step, pre, call = timed(engine, args.timed_steps)
+    out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "decode": profiled(engine, args.steps)[:2]}
     count, tokens = args.prefill
     for rep in range(2):  # the first mixed step of this shape captures its graphs; the second is measured
         names = [f"{tag}-p{rep}-{i}" for i in range(count)]
@@ -185,9 +211,12 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
            "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early,
            "moe_pdl": not args.no_moe_pdl}
-    if window == "decode":  # the median of the unprofiled steps
+    if window == "decode":  # the medians of the unprofiled steps
         row |= {"base_step_ms": round(runs["base"]["decode_ms"], 3),
                 "lora_step_ms": round(runs["lora"]["decode_ms"], 3)}
+        for kind in ("base", "lora"):  # host time before the graph's run call, and of that call
+            for name, seconds in zip(("pre_graph_ms", "graph_call_ms"), runs[kind]["host_ms"]):
+                row[f"{kind}_{name}"] = None if seconds is None else round(seconds * 1e3, 3)
     return row | {"base_profiled_ms": round(base_wall * 1e3, 3), "lora_profiled_ms": round(lora_wall * 1e3, 3),
                   "base_device_us": round(sum(base.values()), 1), "lora_device_us": round(sum(lora.values()), 1),
                   "lora_extra_us_per_layer": extra,
