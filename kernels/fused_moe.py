@@ -86,8 +86,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_ex
         scale = 1.0 / total
     for j in tl.static_range(TOP_K):
         best = tl.argmax(probs, axis=1)
-        weight = tl.max(probs, axis=1) * scale
-        weight = _round_to(weight, ROUND_TO)
+        weight = _round_to(tl.max(probs, axis=1) * scale, ROUND_TO)
         tl.store(weights_ptr + rows * TOP_K + j, weight, mask=row_ok)
         tl.store(ids_ptr + rows * TOP_K + j, best.to(tl.int32), mask=row_ok)
         probs = tl.where(cols[None, :] == best[:, None], -1.0, probs)
