@@ -19,13 +19,15 @@ layer (``lora_extra_us_per_layer``), largest first.  Kernel times come from
 ``torch.profiler`` (CUPTI), graph replays included.  ``--no-early`` launches
 the dense LoRA shrinks plainly (the default config's ``"early": false``),
 ``--no-moe-pdl`` the MoE LoRA expands (``"pdl": false``), each for an A/B run in
-a second process.
+a second process.  ``--trace DIR`` also writes a Chrome trace (host and device,
+gzipped) of three more decode steps per run, ``DIR/<base|lora>-decode.json.gz``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import os
 import random
 import statistics
@@ -127,6 +129,19 @@ def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None
     return statistics.median(times), median(pre), median(calls)
 
 
+def trace(engine: Engine, steps: int, path: str) -> None:
+    """A Chrome trace of ``steps`` engine steps, host calls and device kernels, gzipped to ``path``."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as raw:
+        prof.export_chrome_trace(raw.name)
+        with open(raw.name, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+
+
 def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
     """One run (base or LoRA): ``{"decode_ms": median step, "decode": (wall s/step, {kernel: us/step}),
     "mixed": (...)}``."""
@@ -134,7 +149,7 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
     prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
     for i in range(args.running):
         engine.add_request(Request(f"{tag}-d{i}", prompt(args.prompt), adapters[i % len(adapters)], GREEDY,
-                                   max_tokens=args.timed_steps + args.steps + 64))
+                                   max_tokens=args.timed_steps + args.steps + 70))
     started: set[str] = set()
     while len(started) < args.running:  # adapters loaded, every prompt prefilled
         started.update(out[0] for out in engine.step())
@@ -142,6 +157,9 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
         engine.step()
     step, pre, call = timed(engine, args.timed_steps)
     out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "decode": profiled(engine, args.steps)[:2]}
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        trace(engine, 3, os.path.join(args.trace, f"{tag}-decode.json.gz"))
     count, tokens = args.prefill
     for rep in range(2):  # the first mixed step of this shape captures its graphs; the second is measured
         names = [f"{tag}-p{rep}-{i}" for i in range(count)]
@@ -177,6 +195,7 @@ def main(argv=None) -> None:
                    help="launch the dense LoRA shrinks plainly, not as dependents of their projections")
     p.add_argument("--no-moe-pdl", action="store_true",
                    help="launch the MoE LoRA expands plainly, not as dependents of the kernels before them")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.no_early:  # the default config of every path, which the tuned entries overlay
