@@ -18,11 +18,9 @@ step of every kernel name, with the LoRA run's excess over the base run per
 layer (``lora_extra_us_per_layer``), largest first.  Kernel times come from
 ``torch.profiler`` (CUPTI), graph replays included.  ``--no-early`` launches
 the dense LoRA shrinks plainly (the default config's ``"early": false``),
-``--no-moe-pdl`` the MoE LoRA expands (``"pdl": false``), and ``--piece-layers N``
-cuts the decode graphs into pieces of N layers (`unipage.graphs.PIECE_LAYERS`;
-0: one graph a step), each for an A/B run in a second process.  ``--trace DIR``
-also writes a Chrome trace (host and device, gzipped) of three more decode
-steps per run, ``DIR/<base|lora>-decode.json.gz``.
+``--no-moe-pdl`` the MoE LoRA expands (``"pdl": false``), each for an A/B run in
+a second process.  ``--trace DIR`` also writes a Chrome trace (host and device,
+gzipped) of three more decode steps per run, ``DIR/<base|lora>-decode.json.gz``.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
-from unipage import graphs as decode_graphs
 from unipage.kernels import fused_moe_lora, lora_meta
 from unipage.engine import Engine
 from unipage.models.weights import read_config
@@ -198,8 +195,6 @@ def main(argv=None) -> None:
                    help="launch the dense LoRA shrinks plainly, not as dependents of their projections")
     p.add_argument("--no-moe-pdl", action="store_true",
                    help="launch the MoE LoRA expands plainly, not as dependents of the kernels before them")
-    p.add_argument("--piece-layers", type=int, default=decode_graphs.PIECE_LAYERS,
-                   help="layers per decode graph piece after the first (0: one graph a step)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -208,7 +203,6 @@ def main(argv=None) -> None:
             path["early"] = False
     if args.no_moe_pdl:
         _no_moe_pdl()
-    decode_graphs.PIECE_LAYERS = args.piece_layers
     if not torch.cuda.is_available():
         raise SystemExit("lora_breakdown.py needs a CUDA device")
     sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115
@@ -235,7 +229,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
            "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early,
-           "moe_pdl": not args.no_moe_pdl, "piece_layers": args.piece_layers}
+           "moe_pdl": not args.no_moe_pdl}
     if window == "decode":  # the medians of the unprofiled steps
         row |= {"base_step_ms": round(runs["base"]["decode_ms"], 3),
                 "lora_step_ms": round(runs["lora"]["decode_ms"], 3)}
