@@ -10,7 +10,9 @@ the base model and for the adapters round-robin: ``--running`` requests with
 are timed without the profiler (median wall time per step, synchronised) and
 ``--steps`` more are profiled (CUDA graphs, as served); the timed steps also give the host time
 before each step's decode graph run call and of that call (``*_pre_graph_ms``, ``*_graph_call_ms``:
-is a step bound by the host?); then ``--prefill``
+is a step bound by the host?), and as many steps more are timed queued behind a sleep kernel that keeps
+the GPU busy while the host prepares them (``*_hidden_host_ms``: the step time less the host time the
+GPU waits for); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -57,7 +59,7 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     model_dir = sm.write_model_dir(root, args.shape, False, args.layers)
     model = ModelConfig.from_hf(read_config(model_dir), "bfloat16")
     paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.adapters, args.rank, "all")
-    max_len = max(args.prompt + args.timed_steps + args.steps + 72, args.prefill[1] + 8)
+    max_len = max(args.prompt + 2 * args.timed_steps + args.steps + 72, args.prefill[1] + 8)
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
                     lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.adapters),
                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
@@ -129,6 +131,33 @@ def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None
     return statistics.median(times), median(pre), median(calls)
 
 
+def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> float:
+    """The median wall seconds of ``steps`` engine steps each queued behind a sleep kernel that holds the
+    GPU about ``hold_ms``, less that kernel's time: the step as if its host work before the forward pass
+    (scheduling, inputs, the graph launch) were hidden.  A plain step's wall time less this is the host
+    time the GPU waits for."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 1 << 20
+    for _ in range(2):  # cycles per ms of this GPU, then the cycles for hold_ms
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        cycles = max(1, int(cycles * hold_ms / start.elapsed_time(end)))
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin - start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def trace(engine: Engine, steps: int, path: str) -> None:
     """A Chrome trace of ``steps`` engine steps, host calls and device kernels, gzipped to ``path``."""
     torch.cuda.synchronize()
@@ -149,14 +178,16 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
     prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
     for i in range(args.running):
         engine.add_request(Request(f"{tag}-d{i}", prompt(args.prompt), adapters[i % len(adapters)], GREEDY,
-                                   max_tokens=args.timed_steps + args.steps + 70))
+                                   max_tokens=2 * args.timed_steps + args.steps + 70))
     started: set[str] = set()
     while len(started) < args.running:  # adapters loaded, every prompt prefilled
         started.update(out[0] for out in engine.step())
     for _ in range(args.warmup_steps):  # the decode graph of the full batch captured and replayed
         engine.step()
     step, pre, call = timed(engine, args.timed_steps)
-    out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "decode": profiled(engine, args.steps)[:2]}
+    hidden = busy_wait(engine, args.timed_steps)
+    out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "hidden_ms": hidden * 1e3,
+           "decode": profiled(engine, args.steps)[:2]}
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         trace(engine, 3, os.path.join(args.trace, f"{tag}-decode.json.gz"))
@@ -233,6 +264,8 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     if window == "decode":  # the medians of the unprofiled steps
         row |= {"base_step_ms": round(runs["base"]["decode_ms"], 3),
                 "lora_step_ms": round(runs["lora"]["decode_ms"], 3)}
+        for kind in ("base", "lora"):  # the step with its host work hidden behind a busy GPU
+            row[f"{kind}_hidden_host_ms"] = round(runs[kind]["hidden_ms"], 3)
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call
             for name, seconds in zip(("pre_graph_ms", "graph_call_ms"), runs[kind]["host_ms"]):
                 row[f"{kind}_{name}"] = None if seconds is None else round(seconds * 1e3, 3)
