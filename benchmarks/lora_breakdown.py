@@ -12,7 +12,8 @@ are timed without the profiler (median wall time per step, synchronised) and
 before each step's decode graph run call and of that call (``*_pre_graph_ms``, ``*_graph_call_ms``:
 is a step bound by the host?), and as many steps more are timed queued behind a sleep kernel that keeps
 the GPU busy while the host prepares them (``*_hidden_host_ms``: the step time less the host time the
-GPU waits for); then ``--prefill``
+GPU waits for; ``--piece-layers N`` times both again with the decode graphs in pieces of N layers,
+``*_pieces``); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -47,6 +48,7 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
+from unipage import graphs as decode_graphs
 from unipage.kernels import fused_moe_lora, lora_meta
 from unipage.engine import Engine
 from unipage.models.weights import read_config
@@ -59,7 +61,7 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     model_dir = sm.write_model_dir(root, args.shape, False, args.layers)
     model = ModelConfig.from_hf(read_config(model_dir), "bfloat16")
     paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.adapters, args.rank, "all")
-    max_len = max(args.prompt + 2 * args.timed_steps + args.steps + 72, args.prefill[1] + 8)
+    max_len = max(args.prompt + 4 * args.timed_steps + args.steps + 82, args.prefill[1] + 8)
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
                     lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.adapters),
                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
@@ -158,6 +160,25 @@ def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> float:
     return statistics.median(times)
 
 
+def pieces_ab(engine: Engine, args) -> dict:
+    """Decode steps timed with the decode graphs in pieces of ``--piece-layers`` layers (captured anew), as
+    `timed` and `busy_wait` time them; the graphs are one a step again after."""
+    graphs = engine.runner.graphs
+    layers = len(engine.runner.model.layers)
+    graphs.bounds = decode_graphs.piece_bounds(layers, args.piece_layers)
+    graphs._drop()
+    for _ in range(args.warmup_steps):
+        engine.step()
+    step, pre, call = timed(engine, args.timed_steps)
+    hidden = busy_wait(engine, args.timed_steps)
+    graphs.bounds = decode_graphs.piece_bounds(layers, 0)
+    graphs._drop()
+    for _ in range(args.warmup_steps):
+        engine.step()
+    return {"layers": args.piece_layers, "step_ms": round(step * 1e3, 3), "hidden_host_ms": round(hidden * 1e3, 3),
+            "pre_graph_ms": round(pre * 1e3, 3), "graph_call_ms": round(call * 1e3, 3)}
+
+
 def trace(engine: Engine, steps: int, path: str) -> None:
     """A Chrome trace of ``steps`` engine steps, host calls and device kernels, gzipped to ``path``."""
     torch.cuda.synchronize()
@@ -178,7 +199,7 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
     prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
     for i in range(args.running):
         engine.add_request(Request(f"{tag}-d{i}", prompt(args.prompt), adapters[i % len(adapters)], GREEDY,
-                                   max_tokens=2 * args.timed_steps + args.steps + 70))
+                                   max_tokens=4 * args.timed_steps + args.steps + 80))
     started: set[str] = set()
     while len(started) < args.running:  # adapters loaded, every prompt prefilled
         started.update(out[0] for out in engine.step())
@@ -186,8 +207,10 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
         engine.step()
     step, pre, call = timed(engine, args.timed_steps)
     hidden = busy_wait(engine, args.timed_steps)
-    out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "hidden_ms": hidden * 1e3,
-           "decode": profiled(engine, args.steps)[:2]}
+    out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "hidden_ms": hidden * 1e3}
+    if args.piece_layers:  # the same steps with the decode graphs cut into pieces, then one graph again
+        out["pieces"] = pieces_ab(engine, args)
+    out["decode"] = profiled(engine, args.steps)[:2]
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         trace(engine, 3, os.path.join(args.trace, f"{tag}-decode.json.gz"))
@@ -226,6 +249,8 @@ def main(argv=None) -> None:
                    help="launch the dense LoRA shrinks plainly, not as dependents of their projections")
     p.add_argument("--no-moe-pdl", action="store_true",
                    help="launch the MoE LoRA expands plainly, not as dependents of the kernels before them")
+    p.add_argument("--piece-layers", type=int, default=0,
+                   help="also time the decode steps with the decode graphs in pieces of this many layers")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -266,6 +291,9 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
                 "lora_step_ms": round(runs["lora"]["decode_ms"], 3)}
         for kind in ("base", "lora"):  # the step with its host work hidden behind a busy GPU
             row[f"{kind}_hidden_host_ms"] = round(runs[kind]["hidden_ms"], 3)
+        for kind in ("base", "lora"):
+            if "pieces" in runs[kind]:
+                row[f"{kind}_pieces"] = runs[kind]["pieces"]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call
             for name, seconds in zip(("pre_graph_ms", "graph_call_ms"), runs[kind]["host_ms"]):
                 row[f"{kind}_{name}"] = None if seconds is None else round(seconds * 1e3, 3)

@@ -191,11 +191,17 @@ class DecoderLM:
         """
         ctx = self.context(batch, lora)
         h, x = self.embed(batch)
-        for i in range(len(self.layers)):
+        return self.run_layers(0, len(self.layers), h, x, pool, ctx, block_tokens)[1]
+
+    def run_layers(self, start: int, end: int, h: torch.Tensor, x: torch.Tensor, pool: torch.Tensor,
+                   ctx: _Context, block_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Layers ``[start, end)`` on the residual stream ``h`` and its input norm ``x``: ``(h, x)`` after them
+        (after the last layer, as `layer_out` gives it: None and the final norm of ``batch.logits_rows``)."""
+        for i in range(start, end):
             q = self.attention_in(i, x, pool, ctx)
-            attended = self.attend(i, q, pool, batch, block_tokens)
-            h, x = self.layer_out(i, h, attended, pool, ctx, batch.logits_rows)
-        return x
+            attended = self.attend(i, q, pool, ctx.batch, block_tokens)
+            h, x = self.layer_out(i, h, attended, pool, ctx, ctx.batch.logits_rows)
+        return h, x
 
     def context(self, batch: StepBatch, lora: LoraTables | None) -> _Context:
         """What every layer of the step shares: rope tables, the LoRA tables if a token has an adapter,
