@@ -48,7 +48,7 @@ from unipage.models.decoder import DecoderLM, StepBatch
 from unipage.models.lora_tables import LoraTables
 
 WARMUP_RUNS = 2  # eager runs before a capture (compile every kernel variant the graph needs)
-PIECE_LAYERS = 0  # layers per decode graph after the first (0: one graph for the whole step)
+PIECE_LAYERS = 4  # layers per decode graph after the first (0: one graph for the whole step)
 
 
 def warm_up(run: Callable[[], object], device: torch.device) -> None:
