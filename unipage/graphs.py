@@ -7,16 +7,19 @@ adapters are resident: with the LoRA kernels, and without them for steps in
 which no request has an adapter — and replays it:
 a few launches instead of hundreds, and no Python in the loop over layers.
 
-A bucket's step is captured as *pieces*, consecutive graphs replayed in
+A bucket's step can be captured as *pieces*, consecutive graphs replayed in
 order (`piece_bounds`: the embedding and the first layer, then `PIECE_LAYERS`
-layers a piece).  The GPU starts a graph's work only once its launch call
-returns, and that call's host time grows with the graph's kernels (on an
-H200, 12 layers of Qwen3-30B-A3B with LoRA: about 1.1-1.6 ms, the GPU idle
-meanwhile); with pieces the GPU waits only for the first one, and the host
-launches each next piece while the GPU runs the ones before.  The pieces pass
-the residual stream, the next layer's input and the step's context (rope
-tables, the LoRA plan) as tensors of the graphs' memory pool: all of them live
-within one step, so pieces of other buckets may reuse that memory.
+layers a piece; 0, the default, captures one graph a step).  The GPU starts a
+graph's work only once its launch call returns, and that call's host time
+grows with the graph's kernels; with pieces the GPU waits only for the first
+one while the host launches the rest.  On an H200 (setup (a)'s GPT-OSS-20B
+decode batch, one process) pieces of 4 layers took the LoRA step from 12.34
+to 11.91 ms (base 9.48 to 9.41), but setup (a) end to end ran 12.21 against
+11.72 ms a step, so they stay off (`benchmarks/results/lora-breakdown-h200.jsonl`,
+`serve-h200.jsonl`).  The pieces pass the residual stream, the next layer's
+input and the step's context (rope tables, the LoRA plan) as tensors of the
+graphs' memory pool: all of them live within one step, so the pieces of
+other buckets may reuse that memory.
 
 What a replay reads lives in static device buffers, refreshed by one or two
 host-to-device copies from pinned memory per step (no sync):
@@ -48,7 +51,7 @@ from unipage.models.decoder import DecoderLM, StepBatch
 from unipage.models.lora_tables import LoraTables
 
 WARMUP_RUNS = 2  # eager runs before a capture (compile every kernel variant the graph needs)
-PIECE_LAYERS = 4  # layers per decode graph after the first (0: one graph for the whole step)
+PIECE_LAYERS = 0  # layers per decode graph after the first (0: one graph for the whole step)
 
 
 def warm_up(run: Callable[[], object], device: torch.device) -> None:
