@@ -48,7 +48,6 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
-from unipage import graphs as decode_graphs
 from unipage.kernels import fused_moe_lora, lora_meta
 from unipage.engine import Engine
 from unipage.models.weights import read_config
@@ -164,15 +163,12 @@ def pieces_ab(engine: Engine, args) -> dict:
     """Decode steps timed with the decode graphs in pieces of ``--piece-layers`` layers (captured anew), as
     `timed` and `busy_wait` time them; the graphs are one a step again after."""
     graphs = engine.runner.graphs
-    layers = len(engine.runner.model.layers)
-    graphs.bounds = decode_graphs.piece_bounds(layers, args.piece_layers)
-    graphs._drop()
+    graphs.set_piece_layers(args.piece_layers)
     for _ in range(args.warmup_steps):
         engine.step()
     step, pre, call = timed(engine, args.timed_steps)
     hidden = busy_wait(engine, args.timed_steps)
-    graphs.bounds = decode_graphs.piece_bounds(layers, 0)
-    graphs._drop()
+    graphs.set_piece_layers(0)
     for _ in range(args.warmup_steps):
         engine.step()
     return {"layers": args.piece_layers, "step_ms": round(step * 1e3, 3), "hidden_host_ms": round(hidden * 1e3, 3),

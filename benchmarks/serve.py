@@ -1,6 +1,7 @@
 """Serving performance of the engine on random-weight models at real shapes (issue 8), JSON lines.
 
     python benchmarks/serve.py --setup a [--requests 48] [--layers N] [--out FILE] [--log-dir DIR]
+                                         [--piece-layers 0 4 0 4]   # an A/B of the decode graphs' pieces
     python benchmarks/serve.py --setup b [--models llama3-8b qwen3-30b-a3b] [--requests 1024]
     python benchmarks/serve.py --setup c [--counts 5 50 500 5000] [--repeats 3] [--workdir DIR]
     python benchmarks/serve.py --setup d [--requests 128]
@@ -40,6 +41,11 @@ every request is greedy with an exact output length, no stop tokens):
   ``<profile-dir>/<model>-<gpu>.json`` and replays every run in unipage-sim:
   simulated against measured throughput and p50 TTFT.  ``--profile FILE``
   replays with a given profile instead (an out-of-sample check).
+
+``--piece-layers N [N ...]`` (a, b): the workload runs once per value in the
+same engine, its decode CUDA graphs cut into pieces of N layers before each
+run (0: one graph a step), later runs on prompts of their own seed: an A/B
+free of the process-to-process spread (b's ratio row needs a single value).
 
 Progress goes to stderr.  ``--tiny`` runs every setup at toy width on the CPU
 (the test does); ``--layers`` cuts a model's depth to fit a smaller GPU.
@@ -115,6 +121,12 @@ def graphs_label(ctx: Context) -> str:
     return ctx.args.cuda_graphs if ctx.device.type == "cuda" else "off"
 
 
+def decode_pieces(engine: Engine) -> int | None:
+    """How many graphs a decode step replays (`unipage.graphs.piece_bounds`); None without decode graphs."""
+    graphs = engine.runner.graphs
+    return None if graphs is None else len(graphs.bounds)
+
+
 def free(engine: Engine | None) -> None:
     del engine
     gc.collect()
@@ -146,7 +158,7 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "bandwidth": drv.bandwidth_kind(ctx.device),
               "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
-              "cuda_graphs": graphs_label(ctx), "commit": ctx.commit}
+              "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_pieces(engine), "commit": ctx.commit}
     emit(record, ctx.out)
     if a.log_dir:
         write_run_log(ctx, engine, work, timeline, rows, disk, record, warm, names, targets, rank, steps)
@@ -205,7 +217,25 @@ def adapters_for(ctx: Context, model, count: int, rank: int, targets: str, tag: 
 def setup_a(ctx: Context) -> None:
     a = ctx.args
     key, engine, _, names, work = round_robin_run(ctx, "gpt-oss-20b", "all", "a", "", a.concurrency)
-    measure(ctx, engine, work, setup="a", key=key, targets="all", rank=a.rank, names=names)
+    for variant in piece_variants(ctx, engine, work):
+        measure(ctx, engine, variant, setup="a", key=key, targets="all", rank=a.rank, names=names)
+
+
+def piece_variants(ctx: Context, engine: Engine, work: drv.Workload):
+    """``work`` once per ``--piece-layers`` value (once as it is without), the engine's decode graphs set to
+    pieces of that many layers before each run: an A/B in one process.  Runs after the first get prompts of
+    their own seed (no prefix-cache hits) and a name ending ``-p<layers>-<i>``."""
+    values = ctx.args.piece_layers
+    if not values:
+        yield work
+        return
+    if engine.runner.graphs is None:
+        raise SystemExit("--piece-layers needs the decode CUDA graphs (a CUDA device, --cuda-graphs on)")
+    for i, layers in enumerate(values):
+        engine.runner.graphs.set_piece_layers(layers)
+        prompts = drv.make_workload("", len(work.prompts), len(work.prompts[0]), 1, work.adapters,
+                                    work.concurrency, engine.vocab_size, ctx.args.seed + i).prompts
+        yield dataclasses.replace(work, name=f"{work.name}-p{layers}-{i}", prompts=prompts)
 
 
 def round_robin_run(ctx: Context, shape: str, targets: str, setup: str, suffix: str, concurrency: int):
@@ -236,9 +266,10 @@ def setup_b(ctx: Context) -> None:
                 continue
             work = drv.make_workload(f"b-{key}-{label}", a.requests, a.prompt, a.output, per_request, a.requests,
                                      engine.vocab_size, a.seed)
-            results[label] = measure(ctx, engine, work, setup="b", key=key, targets="all", rank=a.rank,
-                                     names=names if label == "lora" else [])
-        if len(results) == 2:  # (--b-runs may ask for one of the pair)
+            for variant in piece_variants(ctx, engine, work):
+                results[label] = measure(ctx, engine, variant, setup="b", key=key, targets="all", rank=a.rank,
+                                         names=names if label == "lora" else [])
+        if len(results) == 2 and len(a.piece_layers or [0]) == 1:  # (--b-runs may ask for one of the pair)
             emit_b_ratio(ctx, key, results)
         free(engine)
         engine = None
@@ -410,6 +441,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--piece-layers", nargs="+", type=int, default=None, metavar="N",
+                   help="a, b: run each workload once per value, the decode graphs in pieces of N layers (0: one "
+                        "graph a step; unipage.graphs.PIECE_LAYERS), in one process")
     p.add_argument("--workdir", default=None, help="model configs and adapters (kept; default: a temp dir)")
     p.add_argument("--out", default=None, help="append JSON lines here (default: stdout)")
     p.add_argument("--log-dir", default=None, help="write one run log per run here (for --setup calibrate)")
@@ -430,6 +464,8 @@ def parse(argv=None) -> argparse.Namespace:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.piece_layers and min(args.piece_layers) < 0:
+        p.error(f"--piece-layers must be >= 0, got {args.piece_layers}")
     if args.setup == "c" and min(args.counts) < 1:
         p.error(f"--counts must be >= 1, got {args.counts}")
     return args

@@ -267,6 +267,7 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
     (["--setup", "a", "--requests", "0"], "--requests must be >= 1"),
     (["--setup", "c", "--counts", "0", "5"], "--counts must be >= 1"),
     (["--setup", "c", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--setup", "a", "--piece-layers", "4", "-1"], "--piece-layers must be >= 0"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -310,3 +311,41 @@ def test_the_committed_profiles_are_valid():
     for name, profile in prof.measured_profiles().items():
         assert "measured by benchmarks/serve.py" in profile.source, name
     assert prof.DEFAULT_PROFILE in prof.BUILTIN_PROFILES
+
+
+class _Graphs:
+    def __init__(self):
+        self.calls = []
+
+    def set_piece_layers(self, layers):
+        self.calls.append(layers)
+
+
+def _engine(graphs):
+    runner = type("Runner", (), {"graphs": graphs})()
+    return type("Engine", (), {"runner": runner, "vocab_size": 50})()
+
+
+def test_piece_variants_run_the_workload_once_per_value_on_fresh_prompts():
+    ctx = type("Ctx", (), {"args": serve.parse(["--setup", "a", "--piece-layers", "0", "4", "0"])})()
+    work = serve.drv.make_workload("a-x", 5, 7, 3, ["p", None, "q", "p", None], 2, 50, ctx.args.seed)
+    graphs = _Graphs()
+    variants = []
+    for variant in serve.piece_variants(ctx, _engine(graphs), work):
+        variants.append(variant)
+        assert graphs.calls[-1] == [0, 4, 0][len(variants) - 1]  # set before the run is handed out
+    assert [v.name for v in variants] == ["a-x-p0-0", "a-x-p4-1", "a-x-p0-2"]
+    assert variants[0].prompts == work.prompts and variants[1].prompts != work.prompts
+    assert variants[2].prompts not in (variants[0].prompts, variants[1].prompts)
+    for v in variants:  # only the prompts' tokens and the name change
+        assert (v.adapters, v.outputs, v.concurrency) == (work.adapters, work.outputs, work.concurrency)
+        assert [len(p) for p in v.prompts] == [7] * 5
+
+
+def test_piece_variants_without_the_flag_and_without_graphs():
+    work = serve.drv.make_workload("a-x", 2, 3, 1, [None, None], 1, 50, 0)
+    plain = type("Ctx", (), {"args": serve.parse(["--setup", "a"])})()
+    assert list(serve.piece_variants(plain, _engine(None), work)) == [work]
+    asked = type("Ctx", (), {"args": serve.parse(["--setup", "a", "--piece-layers", "4"])})()
+    with pytest.raises(SystemExit, match="needs the decode CUDA graphs"):
+        list(serve.piece_variants(asked, _engine(None), work))

@@ -35,13 +35,18 @@ def _run(llm: LLM, prompts, names):
                         return_logits=True)
 
 
-def test_graphs_match_eager(family):
+@pytest.mark.parametrize("piece_layers", [0, 1])
+def test_graphs_match_eager(family, piece_layers):
+    """piece_layers 1: each decode step replays one graph per layer (`DecodeGraphs.set_piece_layers`)."""
     rng = random.Random(1)
     choices = [*family.adapters, None]
     prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(3, 40))] for _ in range(SEQS)]
     mixes = [[choices[i % len(choices)] for i in range(SEQS)], [choices[0]] * SEQS, [None] * SEQS,
              [rng.choice(choices) for _ in range(SEQS)]]
     graphed, eager = _llm(family, True), _llm(family, False)
+    runner = graphed.engine.runner
+    runner.graphs.set_piece_layers(piece_layers)
+    assert len(runner.graphs.bounds) == (1 if piece_layers == 0 else len(runner.model.layers))
     assert graphed.engine.capture_graphs() > 0  # no adapter resident yet: the loads below drop these graphs
     agree = total = 0
     for names in mixes:

@@ -128,6 +128,12 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
         self._copied = torch.cuda.Event()
 
+    def set_piece_layers(self, layers: int) -> None:
+        """Capture steps from now on in pieces of ``layers`` layers (`piece_bounds`; 0: one graph a step);
+        the graphs captured so far are dropped."""
+        self.bounds = piece_bounds(len(self.model.layers), layers)
+        self._drop()
+
     def accepts(self, num_scheduled: list[int], tables: list[list[int]]) -> bool:
         """Whether the step is a decode step these graphs cover."""
         return (len(num_scheduled) <= self.buckets[-1] and all(n == 1 for n in num_scheduled)
