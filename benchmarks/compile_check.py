@@ -38,7 +38,8 @@ from triton.compiler.errors import CompilationError
 from triton.runtime import driver
 
 TUNED_DEVICE = "nvidia_h100_80gb_hbm3"
-PATCHED = ("launch", "fused_moe", "fused_moe_lora", "moe_lora_sum", "moe_align")  # unipage.kernels modules
+PATCHED = ("launch", "fused_moe", "fused_moe_lora", "moe_lora_plan", "moe_lora_sum",  # unipage.kernels modules
+           "moe_align")
 SHARED_LIMIT = 232448  # bytes of shared memory one program may use on an H100 or H200 (227 KiB)
 
 
@@ -102,7 +103,7 @@ def patch(compiled: list, tuned_device: str = TUNED_DEVICE) -> None:
         module.launch = launch
         if hasattr(module, "device_key"):
             module.device_key = lambda device=None: tuned_device
-        if hasattr(module, "config_devices"):  # the lookups of the tuned configs (fused_moe, fused_moe_lora)
+        if hasattr(module, "config_devices"):  # the lookups of the tuned configs (fused_moe, moe_lora_plan)
             module.config_devices = lambda device=None: (tuned_device,)
         if hasattr(module, "hopper_or_later"):  # the Hopper-only variants (PDL launches) the GPU compiles
             module.hopper_or_later = lambda device=None: True
@@ -124,7 +125,7 @@ def main() -> int:
     import kernels_moe as km
     km.configure(args.adapters, args.rank)
     from unipage.kernels.fused_moe import fused_experts, route_topk
-    from unipage.kernels.fused_moe_lora import lora_config
+    from unipage.kernels.moe_lora_plan import lora_config
 
     km.DEVICE = "cpu"
     failed = False

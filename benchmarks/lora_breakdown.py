@@ -48,7 +48,7 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
-from unipage.kernels import fused_moe_lora, lora_meta
+from unipage.kernels import lora_meta, moe_lora_plan
 from unipage.engine import Engine
 from unipage.models.weights import read_config
 
@@ -268,8 +268,8 @@ def main(argv=None) -> None:
 def _no_moe_pdl() -> None:
     """Every MoE LoRA launch config (tuned or default) with ``"pdl": false``: is the base expert GEMM
     slower in LoRA runs because the expands' early programs share its SMs?"""
-    lookup = fused_moe_lora.launch_config
-    fused_moe_lora.launch_config = lambda kind, *a: {**lookup(kind, *a), "pdl": False}
+    lookup = moe_lora_plan.launch_config
+    moe_lora_plan.launch_config = lambda kind, *a: {**lookup(kind, *a), "pdl": False}
 
 
 def record(args, engine: Engine, runs: dict, window: str) -> dict:

@@ -339,7 +339,8 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64): the
     extra K of one step, so ``lora_k // rank pad`` slot ids go into one step; ``"lora_steps"``
     (default 2): the steps unrolled (`gate_up_delta`)."""
-    from unipage.kernels.fused_moe_lora import _chunk, _split_k, lora_pads
+    from unipage.kernels.fused_moe_lora import _chunk
+    from unipage.kernels.moe_lora_plan import _split_k, lora_pads
 
     lora, meta = plan.lora, plan.lora.meta
     r_pad, rk_pad, rd_pad = lora_pads(meta)

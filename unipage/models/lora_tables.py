@@ -40,7 +40,7 @@ import torch
 
 from unipage.config import EXPERT_TARGETS, ModelConfig
 from unipage.kernels import DenseLoraMeta, MoeLoraMeta
-from unipage.kernels.fused_moe_lora import lora_pads, tile_ranks
+from unipage.kernels.moe_lora_plan import lora_pads, tile_ranks
 from unipage.kernels.lora_meta import COL_TILE_WIDTHS, HostRows, next_pow2
 from unipage.lora_layout import AdapterLayout, TargetSpec, build_layout
 from unipage.models.lora_buffer import TableBuffer
