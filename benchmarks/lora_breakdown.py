@@ -1,7 +1,8 @@
 """Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
-                                        [--no-early] [--no-moe-pdl] [--out FILE]
+                                        [--no-early] [--no-moe-pdl] [--piece-layers N] [--trace DIR]
+                                        [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
@@ -12,8 +13,9 @@ are timed without the profiler (median wall time per step, synchronised) and
 before each step's decode graph run call and of that call (``*_pre_graph_ms``, ``*_graph_call_ms``:
 is a step bound by the host?), and as many steps more are timed queued behind a sleep kernel that keeps
 the GPU busy while the host prepares them (``*_hidden_host_ms``: the step time less the host time the
-GPU waits for; ``--piece-layers N`` times both again with the decode graphs in pieces of N layers,
-``*_pieces``); then ``--prefill``
+GPU waits for; ``*_unhidden_steps``: those whose host work outlasted the sleep); ``--piece-layers N``
+times both again with the decode graphs in pieces of N layers, then with one graph again (``*_pieces``:
+``pieces`` and ``after``, an A-B-A within the process); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -60,7 +62,7 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     model_dir = sm.write_model_dir(root, args.shape, False, args.layers)
     model = ModelConfig.from_hf(read_config(model_dir), "bfloat16")
     paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.adapters, args.rank, "all")
-    max_len = max(args.prompt + 4 * args.timed_steps + args.steps + 82, args.prefill[1] + 8)
+    max_len = max(args.prompt + 6 * args.timed_steps + args.steps + 102, args.prefill[1] + 8)
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
                     lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.adapters),
                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
@@ -132,12 +134,20 @@ def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None
     return statistics.median(times), median(pre), median(calls)
 
 
-def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> float:
+def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> tuple[float, int]:
     """The median wall seconds of ``steps`` engine steps each queued behind a sleep kernel that holds the
     GPU about ``hold_ms``, less that kernel's time: the step as if its host work before the forward pass
     (scheduling, inputs, the graph launch) were hidden.  A plain step's wall time less this is the host
-    time the GPU waits for."""
+    time the GPU waits for.  Also how many of those steps reached their decode graph's run call after the
+    sleep had ended (their host work was not wholly hidden: the median then understates the wait)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graphs, late = engine.runner.graphs, []
+    real = graphs.run if graphs is not None else None
+
+    def run(seqs):
+        late.append(end.query())  # True: the GPU went idle before the host got here
+        return real(seqs)
+
     cycles = 1 << 20
     for _ in range(2):  # cycles per ms of this GPU, then the cycles for hold_ms
         torch.cuda.synchronize()
@@ -147,32 +157,46 @@ def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> float:
         end.synchronize()
         cycles = max(1, int(cycles * hold_ms / start.elapsed_time(end)))
     times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - begin - start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    if graphs is not None:
+        graphs.run = run
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - begin - start.elapsed_time(end) / 1e3)
+    finally:
+        if graphs is not None:
+            del graphs.run
+    return statistics.median(times), sum(late)
+
+
+def decode_times(engine: Engine, steps: int) -> dict:
+    """`timed` and `busy_wait` over ``steps`` decode steps each, in milliseconds."""
+    step, pre, call = timed(engine, steps)
+    hidden, late = busy_wait(engine, steps)
+    ms = lambda s: None if s is None else round(s * 1e3, 3)  # noqa: E731
+    return {"step_ms": ms(step), "hidden_host_ms": ms(hidden), "unhidden_steps": late, "pre_graph_ms": ms(pre),
+            "graph_call_ms": ms(call)}
 
 
 def pieces_ab(engine: Engine, args) -> dict:
     """Decode steps timed with the decode graphs in pieces of ``--piece-layers`` layers (captured anew), as
-    `timed` and `busy_wait` time them; the graphs are one a step again after."""
+    `decode_times` times them, then again with the graphs as they were (``after``: the contexts grow over
+    the run, so the first timing alone would favour the graphs timed first)."""
     graphs = engine.runner.graphs
-    graphs.set_piece_layers(args.piece_layers)
-    for _ in range(args.warmup_steps):
-        engine.step()
-    step, pre, call = timed(engine, args.timed_steps)
-    hidden = busy_wait(engine, args.timed_steps)
-    graphs.set_piece_layers(0)
-    for _ in range(args.warmup_steps):
-        engine.step()
-    return {"layers": args.piece_layers, "step_ms": round(step * 1e3, 3), "hidden_host_ms": round(hidden * 1e3, 3),
-            "pre_graph_ms": round(pre * 1e3, 3), "graph_call_ms": round(call * 1e3, 3)}
+    before = graphs.piece_layers
+    out = {"layers": args.piece_layers}
+    for layers, key in ((args.piece_layers, "pieces"), (before, "after")):
+        graphs.set_piece_layers(layers)
+        for _ in range(args.warmup_steps):
+            engine.step()
+        out[key] = decode_times(engine, args.timed_steps)
+    return out
 
 
 def trace(engine: Engine, steps: int, path: str) -> None:
@@ -195,15 +219,15 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
     prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
     for i in range(args.running):
         engine.add_request(Request(f"{tag}-d{i}", prompt(args.prompt), adapters[i % len(adapters)], GREEDY,
-                                   max_tokens=4 * args.timed_steps + args.steps + 80))
+                                   max_tokens=6 * args.timed_steps + args.steps + 100))
     started: set[str] = set()
     while len(started) < args.running:  # adapters loaded, every prompt prefilled
         started.update(out[0] for out in engine.step())
     for _ in range(args.warmup_steps):  # the decode graph of the full batch captured and replayed
         engine.step()
     step, pre, call = timed(engine, args.timed_steps)
-    hidden = busy_wait(engine, args.timed_steps)
-    out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "hidden_ms": hidden * 1e3}
+    hidden, late = busy_wait(engine, args.timed_steps)
+    out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "hidden_ms": hidden * 1e3, "unhidden": late}
     if args.piece_layers:  # the same steps with the decode graphs cut into pieces, then one graph again
         out["pieces"] = pieces_ab(engine, args)
     out["decode"] = profiled(engine, args.steps)[:2]
@@ -250,6 +274,8 @@ def main(argv=None) -> None:
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.piece_layers < 0:
+        p.error(f"--piece-layers must be >= 0, got {args.piece_layers}")
     if args.no_early:  # the default config of every path, which the tuned entries overlay
         for path in lora_meta._load_json()["default"].values():
             path["early"] = False
@@ -287,6 +313,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
                 "lora_step_ms": round(runs["lora"]["decode_ms"], 3)}
         for kind in ("base", "lora"):  # the step with its host work hidden behind a busy GPU
             row[f"{kind}_hidden_host_ms"] = round(runs[kind]["hidden_ms"], 3)
+            row[f"{kind}_unhidden_steps"] = runs[kind]["unhidden"]
         for kind in ("base", "lora"):
             if "pieces" in runs[kind]:
                 row[f"{kind}_pieces"] = runs[kind]["pieces"]

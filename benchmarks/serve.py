@@ -121,7 +121,7 @@ def graphs_label(ctx: Context) -> str:
     return ctx.args.cuda_graphs if ctx.device.type == "cuda" else "off"
 
 
-def decode_pieces(engine: Engine) -> int | None:
+def decode_graph_pieces(engine: Engine) -> int | None:
     """How many graphs a decode step replays (`unipage.graphs.piece_bounds`); None without decode graphs."""
     graphs = engine.runner.graphs
     return None if graphs is None else len(graphs.bounds)
@@ -158,7 +158,8 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "bandwidth": drv.bandwidth_kind(ctx.device),
               "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
-              "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_pieces(engine), "commit": ctx.commit}
+              "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_graph_pieces(engine),
+              "commit": ctx.commit}
     emit(record, ctx.out)
     if a.log_dir:
         write_run_log(ctx, engine, work, timeline, rows, disk, record, warm, names, targets, rank, steps)
@@ -230,7 +231,7 @@ def piece_variants(ctx: Context, engine: Engine, work: drv.Workload):
         yield work
         return
     if engine.runner.graphs is None:
-        raise SystemExit("--piece-layers needs the decode CUDA graphs (a CUDA device, --cuda-graphs on)")
+        raise SystemExit("--piece-layers needs the decode CUDA graphs (a CUDA device, --cuda-graphs all or decode)")
     for i, layers in enumerate(values):
         engine.runner.graphs.set_piece_layers(layers)
         prompts = drv.make_workload("", len(work.prompts), len(work.prompts[0]), 1, work.adapters,
@@ -466,6 +467,8 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.piece_layers and min(args.piece_layers) < 0:
         p.error(f"--piece-layers must be >= 0, got {args.piece_layers}")
+    if args.piece_layers and args.setup not in ("a", "b"):
+        p.error(f"--piece-layers is for setups a and b, not {args.setup}")
     if args.setup == "c" and min(args.counts) < 1:
         p.error(f"--counts must be >= 1, got {args.counts}")
     return args

@@ -292,7 +292,7 @@ def _weight_source(w: torch.Tensor, cfg: dict):
 def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, gated: bool,
                  weights=None, raw=None, token_slots=None, slot_flags=None, bias=None,
                  activation: GatedActivation = SILU, fused=None) -> None:
-    """``fused``: a `fused_moe_lora.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`)."""
+    """``fused``: a `moe_lora_plan.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`)."""
     k_dim, has_lora = a.shape[1], raw is not None
     w_src, tma = _weight_source(w, cfg)
     grid = (align.max_blocks * cdiv(n, cfg["block_n"]),)
@@ -387,7 +387,7 @@ def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_s
     their ``act`` row is left for the LoRA pass.  ``config``: base launch config entry.
     ``bias`` [E, 2I] (optional): added to gate | up before the activation (and into ``raw``).
     ``activation``: `GatedActivation` (default silu).  ``lora_plan`` (instead of ``raw``): a
-    `fused_moe_lora.MoeLoraPlan` after `moe_lora_shrink`: the LoRA pairs' gate/up deltas are added
+    `moe_lora_plan.MoeLoraPlan` after `moe_lora_shrink`: the LoRA pairs' gate/up deltas are added
     before the activation and their down shrink left in ``lora_plan.down_z`` (`moe_lora_fused`).
     """
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2

@@ -103,13 +103,13 @@ from unipage.kernels.moe_align import (
     swizzle,
 )
 from unipage.kernels.moe_lora_plan import (
-    GATHER_SLOTS,
     MoeLora,
     MoeLoraPlan,
     _field,
     _num_tiles,
     _skip,
     _slot_row,
+    _slots_pad,
     _split_k,
     _tile,
     lora_config,
@@ -414,13 +414,6 @@ def _tile_args(plan: MoeLoraPlan) -> tuple:
             align.sorted_pairs if align else ids, align.block_group if align else ids,
             align.num_blocks if align else ids, ids.numel(), ids.shape[1], lora.meta.num_experts,
             lora.meta.table.shape[0])
-
-
-def _slots_pad(plan: MoeLoraPlan) -> int:
-    """`_slot_row`'s S_PAD: in pair mode the table's rows padded to a power of two; 0 (the row read
-    through the slot) in group mode and above `GATHER_SLOTS` rows."""
-    slots = plan.lora.meta.table.shape[0]
-    return next_pow2(slots) if plan.config["block_m"] == 1 and slots <= GATHER_SLOTS else 0
 
 
 def _num_tile_bound(plan: MoeLoraPlan) -> int:

@@ -335,7 +335,7 @@ def down_shrink_in_epilogue(plan) -> bool:
 
 def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     """``(args, constexprs)`` of `fused_moe._moe_gemm_kernel`'s fused LoRA for ``plan``
-    (`fused_moe_lora.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
+    (`moe_lora_plan.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
     table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64): the
     extra K of one step, so ``lora_k // rank pad`` slot ids go into one step; ``"lora_steps"``
     (default 2): the steps unrolled (`gate_up_delta`)."""

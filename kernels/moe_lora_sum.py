@@ -28,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels.common import cdiv, gdc_launch_dependents, gdc_wait, load_runs, next_pow2
-from unipage.kernels.fused_moe_lora import (_col_mask, _launch_opts, _slots_pad, _use_pdl, check_weights,
-                                            moe_lora_down_ref)
-from unipage.kernels.moe_lora_plan import MoeLoraPlan, _field, _skip, _slot_row, lora_pads, tile_ranks
+from unipage.kernels.fused_moe_lora import _col_mask, _launch_opts, _use_pdl, check_weights, moe_lora_down_ref
+from unipage.kernels.moe_lora_plan import MoeLoraPlan, _field, _skip, _slot_row, _slots_pad, lora_pads, tile_ranks
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_align import F_BASE, F_DOWN_B, F_DOWN_RANK, F_STRIDE
 

@@ -268,6 +268,7 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
     (["--setup", "c", "--counts", "0", "5"], "--counts must be >= 1"),
     (["--setup", "c", "--repeats", "0"], "--repeats must be >= 1"),
     (["--setup", "a", "--piece-layers", "4", "-1"], "--piece-layers must be >= 0"),
+    (["--setup", "c", "--piece-layers", "4"], "--piece-layers is for setups a and b"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):

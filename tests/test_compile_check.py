@@ -6,13 +6,15 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import compile_check  # noqa: E402
 from unipage.kernels.fused_moe import base_config  # noqa: E402
-from unipage.kernels.moe_align import launch_config, shape_key  # noqa: E402
+from unipage.kernels.moe_align import expected_load, launch_config, shape_key  # noqa: E402
+from unipage.kernels.moe_lora_plan import lora_config  # noqa: E402
 
 
 def test_patch_selects_the_tuned_configs(monkeypatch):
@@ -25,5 +27,10 @@ def test_patch_selects_the_tuned_configs(monkeypatch):
     tuned = launch_config("base", key, ids.numel() / 128, compile_check.TUNED_DEVICE)
     assert tuned != launch_config("base", key, ids.numel() / 128, "cpu")  # else the test shows nothing
     assert base_config(128, 2048, 768, ids, None) != tuned  # a CPU tensor: the defaults
+    meta = SimpleNamespace(hidden=2048, inter=768, num_experts=128, num_lora_slots=16)
+    lora = SimpleNamespace(meta=meta, active_slots=16)  # what lora_config reads of a MoeLora
+    tuned_lora = launch_config("lora", key, expected_load(ids.numel(), 16 * 128), compile_check.TUNED_DEVICE)
+    assert lora_config(lora, ids) != tuned_lora
     compile_check.patch([])
     assert base_config(128, 2048, 768, ids, None) == tuned
+    assert lora_config(lora, ids) == tuned_lora  # the LoRA plan's lookup (moe_lora_plan) is patched too

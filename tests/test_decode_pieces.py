@@ -29,7 +29,7 @@ def test_piece_bounds():
     assert piece_bounds(24, 4)[-1] == (21, 24) and len(piece_bounds(24, 4)) == 7
     assert piece_bounds(3, 1) == [(0, 1), (1, 2), (2, 3)]
     assert piece_bounds(5, 0) == [(0, 5)] and piece_bounds(1, 4) == [(0, 1)]
-    assert piece_bounds(2) == piece_bounds(2, PIECE_LAYERS)
+    assert PIECE_LAYERS == 0 and piece_bounds(7) == [(0, 7)]  # one graph a step unless asked
 
 
 @pytest.mark.parametrize("size", [1, 0])

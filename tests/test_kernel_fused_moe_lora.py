@@ -224,9 +224,19 @@ def test_pair_mode_metadata_read_through_the_slot(monkeypatch):
     """Tables above `GATHER_SLOTS` rows: a pair-mode program reads its slot's metadata through the
     slot, as group mode does (threshold lowered so a small table takes that path)."""
     from unipage.kernels import fused_moe_lora as fl
-    monkeypatch.setattr(fl, "GATHER_SLOTS", 0)
+    from unipage.kernels import moe_lora_plan
+    monkeypatch.setattr(moe_lora_plan, "GATHER_SLOTS", 0)
+    launched = []
+    real = fl.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        launched.append(kwargs.get("S_PAD"))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(fl, "launch", spy)
     c = _case(40, torch.float16, "zipf", seed=13)
     _close(_run(fused_experts, c, PAIR), _run(fused_experts_ref, c, PAIR), torch.float16)
+    assert launched and all(pad == 0 for pad in launched)  # every LoRA kernel read through the slot
 
 
 @pytest.mark.parametrize("inter, block_n", [(48, 64), (96, 64), (96, 128)])

@@ -59,7 +59,7 @@ def test_down_sum_ragged_tiles(hidden, block_n):
 def test_pair_tiles_shorter_than_the_pads(slots, sums):
     """Ranks below 16: pair mode's tiles (`tile_ranks`: 4 / 8 rows, or 2 for rank 1) are shorter than
     the scratch rows' 16-wide stride; both down paths."""
-    from unipage.kernels.fused_moe_lora import lora_pads, tile_ranks
+    from unipage.kernels.moe_lora_plan import lora_pads, tile_ranks
 
     c = base._case(13, torch.float32, "uniform", seed=26, slots=slots)
     meta = c["lora"].meta

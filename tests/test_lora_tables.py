@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from unipage.kernels import dense_lora_meta, moe_lora_meta
-from unipage.kernels.fused_moe_lora import lora_pads
+from unipage.kernels.moe_lora_plan import lora_pads
 from unipage.kernels.lora_meta import next_pow2
 
 from unipage.config import ModelConfig

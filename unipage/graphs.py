@@ -5,7 +5,7 @@ pass is the same sequence of kernels whatever the requests, so `DecodeGraphs`
 captures it once per bucket of batch sizes (`bucket_sizes`) — twice where
 adapters are resident: with the LoRA kernels, and without them for steps in
 which no request has an adapter — and replays it:
-a few launches instead of hundreds, and no Python in the loop over layers.
+one launch instead of hundreds, and no Python in the loop over layers.
 
 A bucket's step can be captured as *pieces*, consecutive graphs replayed in
 order (`piece_bounds`: the embedding and the first layer, then `PIECE_LAYERS`
@@ -14,12 +14,18 @@ graph's work only once its launch call returns, and that call's host time
 grows with the graph's kernels; with pieces the GPU waits only for the first
 one while the host launches the rest.  On an H200 (setup (a)'s GPT-OSS-20B
 decode batch, one process) pieces of 4 layers took the LoRA step from 12.34
-to 11.91 ms (base 9.48 to 9.41), but setup (a) end to end ran 12.21 against
-11.72 ms a step, so they stay off (`benchmarks/results/lora-breakdown-h200.jsonl`,
-`serve-h200.jsonl`).  The pieces pass the residual stream, the next layer's
-input and the step's context (rope tables, the LoRA plan) as tensors of the
-graphs' memory pool: all of them live within one step, so the pieces of
-other buckets may reuse that memory.
+to 11.91 ms (base 9.48 to 9.41), but runs of setup (a) end to end, each in a
+process of its own, did not show it (11.93 and 12.21 ms a step with pieces,
+11.72 and 11.88 with one graph: within their spread), so they stay off until
+an A/B in one process (`serve.py --piece-layers 0 4 0 4`) says otherwise
+(`benchmarks/results/lora-breakdown-h200.jsonl`, `serve-h200.jsonl`).
+`DecodeGraphs.set_piece_layers` changes it on a running engine.  The pieces
+pass the residual stream, the next layer's input and the step's context (rope
+tables, the LoRA plan) as tensors of the graphs' memory pool: all of them
+live within one step, so the pieces of other buckets may reuse that memory —
+safe because the pieces of one key are replayed back to back, never
+interleaved with another key's, all on one stream, and the step consumes
+``hidden`` before the next replay (as with one graph a step).
 
 What a replay reads lives in static device buffers, refreshed by one or two
 host-to-device copies from pinned memory per step (no sync):
@@ -121,7 +127,8 @@ class DecodeGraphs:
         self.max_blocks, self.groups = max_blocks, groups
         self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(rows, dtype=torch.int64, device=device)
-        self.bounds = piece_bounds(len(model.layers))
+        self.piece_layers = PIECE_LAYERS
+        self.bounds = piece_bounds(len(model.layers), self.piece_layers)
         self.graphs: dict[tuple[int, bool], tuple[list[torch.cuda.CUDAGraph], torch.Tensor]] = {}  # (bucket, LoRA) ->
         self.generation = -1  # the LoRA tables' generation the graphs were captured with
         self.replays = self.captures = 0  # counters, for tests and benchmarks
@@ -131,7 +138,7 @@ class DecodeGraphs:
     def set_piece_layers(self, layers: int) -> None:
         """Capture steps from now on in pieces of ``layers`` layers (`piece_bounds`; 0: one graph a step);
         the graphs captured so far are dropped."""
-        self.bounds = piece_bounds(len(self.model.layers), layers)
+        self.piece_layers, self.bounds = layers, piece_bounds(len(self.model.layers), layers)
         self._drop()
 
     def accepts(self, num_scheduled: list[int], tables: list[list[int]]) -> bool:

@@ -196,7 +196,7 @@ class DecoderLM:
     def run_layers(self, start: int, end: int, h: torch.Tensor, x: torch.Tensor, pool: torch.Tensor,
                    ctx: _Context, block_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Layers ``[start, end)`` on the residual stream ``h`` and its input norm ``x``: ``(h, x)`` after them
-        (after the last layer, as `layer_out` gives it: None and the final norm of ``batch.logits_rows``)."""
+        (after the last layer, as `layer_out` gives it: None and the final norm of ``ctx.batch.logits_rows``)."""
         for i in range(start, end):
             q = self.attention_in(i, x, pool, ctx)
             attended = self.attend(i, q, pool, ctx.batch, block_tokens)
