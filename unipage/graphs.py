@@ -100,6 +100,63 @@ def decode_pieces(model: DecoderLM, batch: StepBatch, pool: torch.Tensor, lora: 
     return [partial(piece, a, b) for a, b in bounds], state
 
 
+class DecodeInputs:
+    """The host side of the decode graphs' inputs: the pinned buffers of the module docstring, one row
+    per sequence, filled each step.  Block tables are written incrementally: a row that holds the same
+    sequence as at its last fill gets only the pages added since (a running sequence's tables only
+    grow); a row padded or given to another sequence is written whole.  Entries past a table's end are
+    left as they were (no kernel reads them)."""
+
+    def __init__(self, rows: int, groups: int, max_blocks: int, block_tokens: int, pin: bool) -> None:
+        host64 = torch.zeros(2 + groups, rows, dtype=torch.int64)
+        host32 = torch.zeros(rows * (2 + groups * max_blocks), dtype=torch.int32)
+        self.host64, self.host32 = (host64.pin_memory(), host32.pin_memory()) if pin else (host64, host32)
+        self.rows, self.groups, self.max_blocks, self.block_tokens = rows, groups, max_blocks, block_tokens
+        self.np64 = self.host64.numpy()
+        self.lens, self.slots = self.host32[:rows].numpy(), self.host32[rows:2 * rows].numpy()
+        self.tables = self.host32[2 * rows:].view(rows, groups, max_blocks).numpy()
+        self._held: list = [None] * rows  # the sequence whose tables row i holds (None: rewrite it)
+        self._written = [[0] * groups for _ in range(rows)]  # pages of each table written in row i
+
+    def fill(self, seqs, bucket: int) -> None:
+        """Rows ``[0, len(seqs))`` from ``seqs`` (`SeqState`s, one token each), padding up to ``bucket``."""
+        n, bt, np64 = len(seqs), self.block_tokens, self.np64
+        pos = [seq.num_computed for seq in seqs]
+        np64[0, :n] = [seq.token_ids[p] for seq, p in zip(seqs, pos)]
+        np64[1, :n] = pos
+        self.lens[:n] = [p + 1 for p in pos]
+        self.slots[:n] = [seq.slot for seq in seqs]
+        for group in range(self.groups):
+            tables = [seq.window_table if group else seq.block_table for seq in seqs]
+            np64[2 + group, :n] = [t[p // bt] * bt + p % bt for t, p in zip(tables, pos)]
+        for i, seq in enumerate(seqs):
+            self._write_tables(i, seq)
+        self.pad(n, bucket)
+
+    def _write_tables(self, row: int, seq) -> None:
+        written, same = self._written[row], self._held[row] is seq
+        for group in range(self.groups):
+            table = seq.window_table if group else seq.block_table
+            end = len(table)
+            start = written[group] if same and written[group] <= end else 0
+            if start == 0:
+                self.tables[row, group, :end] = table
+            elif start < end:
+                self.tables[row, group, start:end] = table[start:]
+            written[group] = end
+        self._held[row] = seq
+
+    def pad(self, start: int, end: int) -> None:
+        """Rows ``[start, end)`` as padding: token 0 at position 0, no KV write, no adapter, one key in
+        page 0."""
+        self.np64[:, start:end] = 0
+        self.np64[2:, start:end] = -1  # no KV write
+        self.lens[start:end] = 1
+        self.slots[start:end] = -1  # no adapter
+        self.tables[start:end, :, 0] = 0  # the one key read: a real page (a window table may hold -1)
+        self._held[start:end] = [None] * (end - start)
+
+
 def bucket_sizes(max_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond; the last is ``max_seqs``."""
     sizes, b = [], 1
@@ -117,13 +174,9 @@ class DecodeGraphs:
         self.model, self.pool, self.lora, self.block_tokens = model, pool, lora, block_tokens
         self.buckets, self.max_adapters, self.device = bucket_sizes(max_seqs), max_adapters, device
         rows, groups = self.buckets[-1], 2 if model.model.hybrid_kv else 1
-        self.host64 = torch.zeros(2 + groups, rows, dtype=torch.int64).pin_memory()
-        self.host32 = torch.zeros(rows * (2 + groups * max_blocks), dtype=torch.int32).pin_memory()
+        self.inputs = DecodeInputs(rows, groups, max_blocks, block_tokens, pin=True)
         self.dev64 = torch.zeros(2 + groups, rows, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(rows * (2 + groups * max_blocks), dtype=torch.int32, device=device)
-        self.np64 = self.host64.numpy()
-        self.np_lens, self.np_slots = self.host32[:rows].numpy(), self.host32[rows:2 * rows].numpy()
-        self.np_tables = self.host32[2 * rows:].view(rows, groups, max_blocks).numpy()
         self.max_blocks, self.groups = max_blocks, groups
         self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(rows, dtype=torch.int64, device=device)
@@ -172,7 +225,8 @@ class DecodeGraphs:
         variants = (False, True) if self.lora.page_table is not None else (False,)
         before = len(self.graphs)
         for bucket in reversed(self.buckets):
-            self._pad(0, bucket)
+            self._copied.synchronize()
+            self.inputs.pad(0, bucket)
             self._copy(bucket)
             for lora in variants:
                 if (bucket, lora) not in self.graphs:
@@ -190,29 +244,14 @@ class DecodeGraphs:
     # -- inputs ------------------------------------------------------------
     def _fill(self, seqs, bucket: int) -> None:
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
-        np64, lens, slots, tables, bt = self.np64, self.np_lens, self.np_slots, self.np_tables, self.block_tokens
-        for i, seq in enumerate(seqs):
-            pos = seq.num_computed
-            np64[0, i], np64[1, i] = seq.token_ids[pos], pos
-            lens[i], slots[i] = pos + 1, seq.slot
-            for group, table in enumerate((seq.block_table, seq.window_table)[:self.groups]):
-                np64[2 + group, i] = table[pos // bt] * bt + pos % bt
-                tables[i, group, :len(table)] = table
-        self._pad(len(seqs), bucket)
+        self.inputs.fill(seqs, bucket)
         self._copy(bucket)
 
     def _copy(self, bucket: int) -> None:
         used = self.buckets[-1] * 2 + bucket * self.groups * self.max_blocks  # lengths, slots, the bucket's tables
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32[:used].copy_(self.host32[:used], non_blocking=True)
+        self.dev64.copy_(self.inputs.host64, non_blocking=True)
+        self.dev32[:used].copy_(self.inputs.host32[:used], non_blocking=True)
         self._copied.record()
-
-    def _pad(self, start: int, end: int) -> None:
-        self.np64[:, start:end] = 0
-        self.np64[2:, start:end] = -1  # no KV write
-        self.np_lens[start:end] = 1
-        self.np_slots[start:end] = -1  # no adapter
-        self.np_tables[start:end, :, 0] = 0  # the one key read: a real page (a window table may hold -1)
 
     def _batch(self, bucket: int, lora: bool) -> StepBatch:
         adapters, rows = min(bucket, self.max_adapters), self.buckets[-1]
