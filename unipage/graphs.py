@@ -48,6 +48,7 @@ per bucket would pin hundreds of MB).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
 
@@ -104,18 +105,19 @@ class DecodeInputs:
     """The host side of the decode graphs' inputs: the pinned buffers of the module docstring, one row
     per sequence, filled each step.  Block tables are written incrementally: a row that holds the same
     sequence as at its last fill gets only the pages added since (a running sequence's tables only
-    grow); a row padded or given to another sequence is written whole.  Entries past a table's end are
-    left as they were (no kernel reads them)."""
+    grow: `runner.SeqState`); a row padded or given to another sequence is written whole.  Entries past a
+    table's end are left as they were (no kernel reads them).  Rows hold their sequence by weak reference,
+    so a finished one is not kept alive."""
 
     def __init__(self, rows: int, groups: int, max_blocks: int, block_tokens: int, pin: bool) -> None:
         host64 = torch.zeros(2 + groups, rows, dtype=torch.int64)
         host32 = torch.zeros(rows * (2 + groups * max_blocks), dtype=torch.int32)
         self.host64, self.host32 = (host64.pin_memory(), host32.pin_memory()) if pin else (host64, host32)
-        self.rows, self.groups, self.max_blocks, self.block_tokens = rows, groups, max_blocks, block_tokens
+        self.groups, self.block_tokens = groups, block_tokens
         self.np64 = self.host64.numpy()
         self.lens, self.slots = self.host32[:rows].numpy(), self.host32[rows:2 * rows].numpy()
         self.tables = self.host32[2 * rows:].view(rows, groups, max_blocks).numpy()
-        self._held: list = [None] * rows  # the sequence whose tables row i holds (None: rewrite it)
+        self._held: list[weakref.ref | None] = [None] * rows  # the sequence whose tables row i holds
         self._written = [[0] * groups for _ in range(rows)]  # pages of each table written in row i
 
     def fill(self, seqs, bucket: int) -> None:
@@ -134,7 +136,9 @@ class DecodeInputs:
         self.pad(n, bucket)
 
     def _write_tables(self, row: int, seq) -> None:
-        written, same = self._written[row], self._held[row] is seq
+        held, written = self._held[row], self._written[row]
+        same = held is not None and held() is seq
+        self._held[row] = None  # until every group is written
         for group in range(self.groups):
             table = seq.window_table if group else seq.block_table
             end = len(table)
@@ -144,7 +148,7 @@ class DecodeInputs:
             elif start < end:
                 self.tables[row, group, start:end] = table[start:]
             written[group] = end
-        self._held[row] = seq
+        self._held[row] = held if same else weakref.ref(seq)
 
     def pad(self, start: int, end: int) -> None:
         """Rows ``[start, end)`` as padding: token 0 at position 0, no KV write, no adapter, one key in

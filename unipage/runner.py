@@ -30,6 +30,9 @@ from unipage.step_inputs import host_batch, upload
 
 @dataclass
 class SeqState:
+    """A running request as the runner sees it.  Its tables are only ever extended, never edited or
+    replaced (the decode graphs' `DecodeInputs` copies only the pages added since a row's last fill)."""
+
     token_ids: list[int]  # prompt + generated
     block_table: list[int]  # page ids of its KV blocks
     slot: int  # adapter slot, -1 = base model
