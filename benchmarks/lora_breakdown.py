@@ -99,24 +99,37 @@ def profiled(engine: Engine, steps: int) -> tuple[float, dict[str, float], set[s
     return wall, {k: v / steps for k, v in kernel_times(prof).items()}, finished
 
 
+@contextlib.contextmanager
+def graph_calls(engine: Engine, hook):
+    """Meanwhile the engine's decode graph run calls go through ``hook(real_run, seqs)`` (nothing to wrap
+    without decode graphs)."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        yield
+        return
+    real = graphs.run
+    graphs.run = lambda seqs: hook(real, seqs)
+    try:
+        yield
+    finally:
+        del graphs.run  # the bound method again
+
+
 def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None]:
     """Medians over ``steps`` engine steps, each synchronised (no profiler): the wall seconds of a step;
     the host seconds from its start to its decode graph's run call, and of that call (filling the graph's
     inputs and launching its replay; no sync inside): a step whose call takes longer than its GPU work,
     or starts late, is bound by the host.  None for the two without decode graphs."""
-    graphs, marks = engine.runner.graphs, {}
-    real = graphs.run if graphs is not None else None
+    marks = {}
 
-    def run(seqs):
+    def run(real, seqs):
         marks["call"] = time.perf_counter()
         hidden = real(seqs)
         marks["back"] = time.perf_counter()
         return hidden
 
     times, pre, calls = [], [], []
-    if graphs is not None:
-        graphs.run = run
-    try:
+    with graph_calls(engine, run):
         for _ in range(steps):
             torch.cuda.synchronize()
             marks.clear()
@@ -127,9 +140,6 @@ def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None
             if marks:
                 pre.append(marks["call"] - start)
                 calls.append(marks["back"] - marks["call"])
-    finally:
-        if graphs is not None:
-            del graphs.run  # the bound method again
     median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return statistics.median(times), median(pre), median(calls)
 
@@ -141,10 +151,9 @@ def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> tuple[float, 
     time the GPU waits for.  Also how many of those steps reached their decode graph's run call after the
     sleep had ended (their host work was not wholly hidden: the median then understates the wait)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graphs, late = engine.runner.graphs, []
-    real = graphs.run if graphs is not None else None
+    late = []
 
-    def run(seqs):
+    def run(real, seqs):
         late.append(end.query())  # True: the GPU went idle before the host got here
         return real(seqs)
 
@@ -157,9 +166,7 @@ def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> tuple[float, 
         end.synchronize()
         cycles = max(1, int(cycles * hold_ms / start.elapsed_time(end)))
     times = []
-    if graphs is not None:
-        graphs.run = run
-    try:
+    with graph_calls(engine, run):
         for _ in range(steps):
             torch.cuda.synchronize()
             begin = time.perf_counter()
@@ -169,9 +176,6 @@ def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> tuple[float, 
             engine.step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - begin - start.elapsed_time(end) / 1e3)
-    finally:
-        if graphs is not None:
-            del graphs.run
     return statistics.median(times), sum(late)
 
 
@@ -213,8 +217,8 @@ def trace(engine: Engine, steps: int, path: str) -> None:
 
 
 def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
-    """One run (base or LoRA): ``{"decode_ms": median step, "decode": (wall s/step, {kernel: us/step}),
-    "mixed": (...)}``."""
+    """One run (base or LoRA): ``{"times": `decode_times`, "decode": (wall s/step, {kernel: us/step}),
+    "mixed": (...)}`` (and "pieces" with ``--piece-layers``)."""
     rng, vocab = random.Random(0), min(engine.vocab_size, 30000)
     prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
     for i in range(args.running):
@@ -225,9 +229,7 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
         started.update(out[0] for out in engine.step())
     for _ in range(args.warmup_steps):  # the decode graph of the full batch captured and replayed
         engine.step()
-    step, pre, call = timed(engine, args.timed_steps)
-    hidden, late = busy_wait(engine, args.timed_steps)
-    out = {"decode_ms": step * 1e3, "host_ms": (pre, call), "hidden_ms": hidden * 1e3, "unhidden": late}
+    out = {"times": decode_times(engine, args.timed_steps)}
     if args.piece_layers:  # the same steps with the decode graphs cut into pieces, then one graph again
         out["pieces"] = pieces_ab(engine, args)
     out["decode"] = profiled(engine, args.steps)[:2]
@@ -309,17 +311,14 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
            "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early,
            "moe_pdl": not args.no_moe_pdl}
     if window == "decode":  # the medians of the unprofiled steps
-        row |= {"base_step_ms": round(runs["base"]["decode_ms"], 3),
-                "lora_step_ms": round(runs["lora"]["decode_ms"], 3)}
-        for kind in ("base", "lora"):  # the step with its host work hidden behind a busy GPU
-            row[f"{kind}_hidden_host_ms"] = round(runs[kind]["hidden_ms"], 3)
-            row[f"{kind}_unhidden_steps"] = runs[kind]["unhidden"]
+        for kind in ("base", "lora"):  # step time, with the host hidden, the host's share before the graph
+            times = runs[kind]["times"]
+            row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
             if "pieces" in runs[kind]:
                 row[f"{kind}_pieces"] = runs[kind]["pieces"]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call
-            for name, seconds in zip(("pre_graph_ms", "graph_call_ms"), runs[kind]["host_ms"]):
-                row[f"{kind}_{name}"] = None if seconds is None else round(seconds * 1e3, 3)
+            row |= {f"{kind}_{name}": runs[kind]["times"][name] for name in ("pre_graph_ms", "graph_call_ms")}
     return row | {"base_profiled_ms": round(base_wall * 1e3, 3), "lora_profiled_ms": round(lora_wall * 1e3, 3),
                   "base_device_us": round(sum(base.values()), 1), "lora_device_us": round(sum(lora.values()), 1),
                   "lora_extra_us_per_layer": extra,
