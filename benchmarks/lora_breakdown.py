@@ -1,8 +1,8 @@
 """Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
-                                        [--no-early] [--no-moe-pdl] [--piece-layers N] [--trace DIR]
-                                        [--out FILE]
+                                        [--no-early] [--no-moe-pdl] [--piece-layers N] [--separate-ab]
+                                        [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
@@ -15,7 +15,10 @@ is a step bound by the host?), and as many steps more are timed queued behind a 
 the GPU busy while the host prepares them (``*_hidden_host_ms``: the step time less the host time the
 GPU waits for; ``*_unhidden_steps``: those whose host work outlasted the sleep); ``--piece-layers N``
 times both again with the decode graphs in pieces of N layers, then with one graph again (``*_pieces``:
-``pieces`` and ``after``, an A-B-A within the process); then ``--prefill``
+``pieces`` and ``after``, an A-B-A within the process); ``--separate-ab`` times the LoRA run's steps
+with each projection's LoRA as separate launches (matmul, bias, shrink, expand) instead of the fused
+decode projection (`lora_linear`), then fused again (``lora_separate``: ``separate`` and ``after``); then
+``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -50,7 +53,7 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
-from unipage.kernels import lora_meta, moe_lora_plan
+from unipage.kernels import lora_linear, lora_meta, moe_lora_plan
 from unipage.engine import Engine
 from unipage.models.weights import read_config
 
@@ -194,9 +197,27 @@ def pieces_ab(engine: Engine, args) -> dict:
     the run, so the first timing alone would favour the graphs timed first)."""
     graphs = engine.runner.graphs
     before = graphs.piece_layers
-    out = {"layers": args.piece_layers}
-    for layers, key in ((args.piece_layers, "pieces"), (before, "after")):
-        graphs.set_piece_layers(layers)
+    return {"layers": args.piece_layers,
+            **_a_b_a(engine, args, "pieces", lambda: graphs.set_piece_layers(args.piece_layers),
+                     lambda: graphs.set_piece_layers(before))}
+
+
+def separate_ab(engine: Engine, args) -> dict:
+    """Decode steps timed with the projections and their LoRA as separate launches (`lora_linear.LINEAR`'s
+    ``max_tokens`` 0, graphs captured anew), then fused again (``after``), as `pieces_ab` does."""
+    fused = lora_linear.LINEAR["max_tokens"]
+
+    def switch(max_tokens: int) -> None:
+        lora_linear.LINEAR["max_tokens"] = max_tokens
+        engine.runner.graphs.set_piece_layers(engine.runner.graphs.piece_layers)  # drops the captured graphs
+
+    return _a_b_a(engine, args, "separate", lambda: switch(0), lambda: switch(fused))
+
+
+def _a_b_a(engine: Engine, args, name: str, change, restore) -> dict:
+    out = {}
+    for apply, key in ((change, name), (restore, "after")):
+        apply()
         for _ in range(args.warmup_steps):
             engine.step()
         out[key] = decode_times(engine, args.timed_steps)
@@ -232,6 +253,8 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
     out = {"times": decode_times(engine, args.timed_steps)}
     if args.piece_layers:  # the same steps with the decode graphs cut into pieces, then one graph again
         out["pieces"] = pieces_ab(engine, args)
+    if args.separate_ab and any(adapters):  # the projections' LoRA as separate launches, then fused again
+        out["separate"] = separate_ab(engine, args)
     out["decode"] = profiled(engine, args.steps)[:2]
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
@@ -273,6 +296,9 @@ def main(argv=None) -> None:
                    help="launch the MoE LoRA expands plainly, not as dependents of the kernels before them")
     p.add_argument("--piece-layers", type=int, default=0,
                    help="also time the decode steps with the decode graphs in pieces of this many layers")
+    p.add_argument("--separate-ab", action="store_true",
+                   help="also time the LoRA run's decode steps with the projections' LoRA launched separately "
+                        "(not fused into the projection: `lora_linear`), then fused again")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -309,14 +335,15 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
            "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early,
-           "moe_pdl": not args.no_moe_pdl}
+           "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR)}
     if window == "decode":  # the medians of the unprofiled steps
         for kind in ("base", "lora"):  # step time, with the host hidden, the host's share before the graph
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            if "pieces" in runs[kind]:
-                row[f"{kind}_pieces"] = runs[kind]["pieces"]
+            for ab in ("pieces", "separate"):
+                if ab in runs[kind]:
+                    row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call
             row |= {f"{kind}_{name}": runs[kind]["times"][name] for name in ("pre_graph_ms", "graph_call_ms")}
     return row | {"base_profiled_ms": round(base_wall * 1e3, 3), "lora_profiled_ms": round(lora_wall * 1e3, 3),

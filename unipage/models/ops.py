@@ -21,6 +21,7 @@ class Ops:
     lora: Callable  # lora_shrink_expand signature
     lora_shrink: Callable  # its shrink half (lora_shrink signature), for:
     lora_silu_mul: Callable  # (gate_up, shrunk) -> silu(gate) * up of gate_up plus its LoRA delta
+    linear_lora: Callable  # linear_lora signature: x @ w.T (+ bias) plus its LoRA delta
     write_kv: Callable
     attention_prefill: Callable
     attention_decode: Callable | None  # None: decode batches go through attention_prefill
@@ -33,12 +34,13 @@ class Ops:
     silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up
 
 
-TORCH = Ops("torch", K.lora_shrink_expand_ref, K.lora_shrink_ref, K.lora_silu_mul_ref, K.write_kv_ref,
-            K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref, plans_lora=False,
-            rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref, silu_mul=K.silu_mul_ref)
-TRITON = Ops("triton", K.lora_shrink_expand, K.lora_shrink, K.lora_silu_mul, K.write_kv, K.paged_attention_prefill,
-             K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True, rms_norm=K.rms_norm,
-             add_rms_norm=K.add_rms_norm, rope=K.rope_qk, silu_mul=K.silu_mul)
+TORCH = Ops("torch", K.lora_shrink_expand_ref, K.lora_shrink_ref, K.lora_silu_mul_ref, K.linear_lora_ref,
+            K.write_kv_ref, K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref,
+            plans_lora=False, rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref,
+            silu_mul=K.silu_mul_ref)
+TRITON = Ops("triton", K.lora_shrink_expand, K.lora_shrink, K.lora_silu_mul, K.linear_lora, K.write_kv,
+             K.paged_attention_prefill, K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True,
+             rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope=K.rope_qk, silu_mul=K.silu_mul)
 
 
 def ops_for(device: torch.device, kernels: str | None = None) -> Ops:

@@ -1,0 +1,190 @@
+"""A decode-size projection with its LoRA delta in one kernel: ``y = x @ W.T (+ bias) + LoRA``.
+
+Shape legend as in `lora`: T tokens (at most ``BM``), D = d_in, C output columns (the slices of
+``meta``, in order, covering ``W``'s rows), J slices, RB the rank block.
+
+At decode sizes a projection is a read of ``W`` (T is 16 at setup (a)), and its LoRA used to take
+four launches after it: the bias add, the shrink, the expand (a read-modify-write of ``y``) and the
+launch gaps between them.  Here the shrink runs first (`lora.lora_shrink`, which writes the
+Split-K partials of ``h = x @ A.T``) and one kernel then does the rest: each program takes all T
+tokens and a column tile of ``BN`` columns inside one slice, streams its rows of ``W`` over
+``D``, and in its epilogue adds the bias and, per token, ``round(h) @ B[slot]`` for its columns,
+the B rows read from the slot's pool pages.  Rounding is the separate path's: the product is
+rounded to the model dtype, the bias added and rounded, then the delta added in fp32 and rounded.
+
+On Hopper+ the kernel is a programmatic dependent of the shrink: it streams ``W`` while the
+shrink runs and waits (``gdc_wait``) only before it reads the partials, so the shrink costs
+little beyond its own launch.  ``x`` was complete before the shrink started (a plain shrink
+starts after the kernel that wrote it; an early one starts its dependents only after waiting
+for that kernel), and nothing else writes what the kernel reads before the wait.
+
+Used by the engine for batches of at most ``LINEAR["max_tokens"]`` tokens; otherwise `linear_lora` runs the matmul, the bias add and `lora.lora_shrink_expand`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from unipage.kernels.common import finish_early, gdc_wait
+from unipage.kernels.launch import launch
+from unipage.kernels.lora import _sum_splits, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
+from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, next_pow2, plan_lora_batch
+
+__all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear"]
+
+# Launch settings (H200, GPT-OSS-20B and Qwen3-30B-A3B attention projections at 16 tokens: see
+# docs/design.md).  max_tokens 0 turns the fused kernel off (the separate launches run instead).
+LINEAR = {"max_tokens": 16, "block_n": 32, "block_k": 128, "rank_chunk": 8, "num_warps": 4, "num_stages": 5}
+TILE = 64  # width of the column tiles of `DenseLoraMeta.col_tile_table` that a program's tile lies in
+
+
+@triton.jit(do_not_specialize=["num_tokens", "split_k"])
+def _linear_lora_kernel(
+    x_ptr, x_stride, w_ptr, bias_ptr, y_ptr, y_stride,
+    pool_ptr, table_ptr, table_stride, token_slots_ptr, rank_ptr, b_off_ptr, part_ptr, col_tiles_ptr,
+    num_tokens, d_in, split_k, scale,
+    J: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, SPLITS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    LOG2_P: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    sub: tl.constexpr = 64 // BN  # programs per 64-column tile
+    col_tile = col_tiles_ptr + (tl.program_id(0) // sub) * 4
+    piece = tl.load(col_tile)
+    width = tl.load(col_tile + 2)
+    n_lo = tl.load(col_tile + 1) + (tl.program_id(0) % sub) * BN  # first column in the slice
+    if n_lo >= width:
+        finish_early(USE_PDL)
+        return
+    n = n_lo + tl.arange(0, BN)
+    n_ok = n < width
+    col = tl.load(col_tile + 3) + n  # column of y, row of W
+    m = tl.arange(0, BM)
+    m_ok = m < num_tokens
+    k = tl.arange(0, BK)
+    w_cols = w_ptr + col[None, :].to(tl.int64) * d_in  # [1, BN]
+    x_rows = x_ptr + m[:, None] * x_stride  # [BM, 1]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, d_in, BK):
+        if EVEN_K and EVEN_N:
+            xk = tl.load(x_rows + (k0 + k)[None, :], mask=m_ok[:, None], other=0.0)
+            wk = tl.load(w_cols + (k0 + k)[:, None])
+        else:
+            k_ok = k0 + k < d_in
+            xk = tl.load(x_rows + (k0 + k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wk = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP32:
+            acc += tl.dot(xk, wk, input_precision="ieee")
+        else:
+            acc += tl.dot(xk, wk)
+    dtype = y_ptr.dtype.element_ty
+    out = acc.to(dtype)
+    if HAS_BIAS:
+        out = (out.to(tl.float32) + tl.load(bias_ptr + col, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+    # the LoRA delta: per token, round(h) @ B[slot] over this tile's columns (B rows from pool pages)
+    slots = tl.load(token_slots_ptr + m, mask=m_ok, other=-1)
+    has = slots >= 0
+    rank = tl.load(rank_ptr + slots * J + piece, mask=has, other=0)
+    b_virt = tl.load(b_off_ptr + slots * J + piece, mask=has, other=0)
+    b_stride = (width + 63) // 64 * 64
+    tables = table_ptr + slots.to(tl.int64) * table_stride  # [BM]
+    part_rows = part_ptr + m[:, None] * (J * RB) + piece * RB  # [BM, 1]
+    lanes = tl.arange(0, BN)
+    delta = tl.zeros((BM, BN), dtype=tl.float32)
+    if USE_PDL:
+        gdc_wait()  # the shrink's partials are complete and visible from here on
+    for r0 in tl.static_range(0, RB, RC):
+        i = r0 + tl.arange(0, RC)
+        ok = has[:, None] & (i[None, :] < rank[:, None])  # [BM, RC]
+        h = _sum_splits(part_rows, i, m_ok & has, i < RB, split_k, num_tokens * (J * RB), SPLITS)
+        h = tl.where(ok, h.to(dtype).to(tl.float32), 0.0)
+        virt = b_virt[:, None] + i[None, :] * b_stride + n_lo  # [BM, RC]: BN columns, inside one 64-run
+        page = tl.load(tables[:, None] + (virt >> LOG2_P), mask=ok, other=0)
+        start = page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1))
+        b = tl.load(pool_ptr + start[:, :, None] + lanes[None, None, :],
+                    mask=ok[:, :, None] & n_ok[None, None, :], other=0.0)
+        delta += tl.sum(h[:, :, None] * b.to(tl.float32), axis=1)
+    out = (out.to(tl.float32) + scale * delta).to(dtype)
+    tl.store(y_ptr + m[:, None] * y_stride + col[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check_weight(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, meta: DenseLoraMeta) -> None:
+    if not isinstance(w, torch.Tensor) or tuple(w.shape) != (meta.out_cols, meta.d_in):
+        raise ValueError(f"linear_lora: w must be [{meta.out_cols}, {meta.d_in}] (the slices' columns by d_in), "
+                         f"got {getattr(w, 'shape', type(w).__name__)}")
+    if w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
+        raise ValueError(f"linear_lora: w must be contiguous, {x.dtype} on {x.device}, got {w.dtype} on "
+                         f"{w.device} with strides {w.stride()}")
+    if bias is not None and (tuple(bias.shape) != (meta.out_cols,) or bias.dtype != x.dtype
+                             or bias.device != x.device or not bias.is_contiguous()):
+        raise ValueError(f"linear_lora: bias must be a contiguous [{meta.out_cols}] {x.dtype} tensor on "
+                         f"{x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
+
+
+def _covers(meta: DenseLoraMeta) -> bool:
+    """Whether the slices lie end to end from column 0 (the fused kernel writes only their columns)."""
+    ends = [s + c for s, c in zip(meta.slice_starts, meta.slice_cols)]
+    return meta.slice_starts[0] == 0 and list(meta.slice_starts[1:]) == ends[:-1]
+
+
+def fused_linear(count: int, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None = None) -> bool:
+    """Whether `linear_lora` takes the fused kernel for ``count`` tokens: at most ``max_tokens`` of them,
+    some rank, and slices that cover the output.  (Either path of the shrink's ``batch`` leaves its
+    partials per token.)"""
+    cfg = LINEAR | (config or {})
+    return 0 < count <= cfg["max_tokens"] and meta.max_rank > 0 and _covers(meta)
+
+
+def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pool: torch.Tensor,
+                page_table: torch.Tensor, token_slots: torch.Tensor, meta: DenseLoraMeta, *,
+                batch: LoraBatch | None = None, scale: float = 1.0, config: dict | None = None,
+                early: bool = False) -> torch.Tensor:
+    """``y = x @ w.T (+ bias)`` plus ``scale * round(x @ A[s, j].T) @ B[s, j]`` on slice ``j`` of the tokens
+    with slot ``s = token_slots[t] >= 0`` (`lora.lora_shrink_expand`'s delta); returns the new ``y [T, C]``.
+
+    ``w`` [C, D] contiguous, the model dtype (the slices' columns in order); ``bias`` [C] or None; the
+    rest as for `lora.lora_shrink_expand`.  ``config`` overrides `LINEAR`.  ``early``: the shrink is
+    launched as a programmatic dependent of the kernel before it (see `lora.lora_shrink`; the engine:
+    whatever wrote ``x``).  Batches `fused_linear` refuses run the matmul, the bias add and
+    `lora.lora_shrink_expand` instead.
+    """
+    _check_weight(x, w, bias, meta)
+    if batch is None:
+        batch = plan_lora_batch(token_slots, meta.num_slots)
+    cfg = LINEAR | (config or {})
+    if not fused_linear(x.shape[0], meta, batch, cfg):
+        y = x @ w.T
+        if bias is not None:
+            y = y + bias
+        return lora_shrink_expand(y, x, pool, page_table, token_slots, meta, batch=batch, scale=scale, early=early)
+    block_n = cfg["block_n"]
+    if block_n not in (16, 32, 64):
+        raise ValueError(f"linear_lora: config block_n must be 16, 32 or 64, got {block_n}")
+    shrunk = lora_shrink(x, pool, page_table, token_slots, meta, batch=batch, early=early)
+    plan, count = shrunk.plan, x.shape[0]
+    y = torch.empty(count, meta.out_cols, dtype=x.dtype, device=x.device)
+    tiles = meta.col_tile_table(TILE)
+    pdl = "launch_pdl" in plan.expand_options
+    launch(_linear_lora_kernel, (tiles.shape[0] * (TILE // block_n),),
+           x, x.stride(0), w, bias if bias is not None else w, y, y.stride(0),
+           pool, page_table, page_table.stride(0), token_slots, meta.rank, meta.b_offset, shrunk.part, tiles,
+           count, meta.d_in, plan.split_k, float(scale),
+           J=meta.num_slices, RB=meta.rank_block, RC=min(cfg["rank_chunk"], meta.rank_block),
+           SPLITS=next_pow2(plan.split_k), BM=max(16, next_pow2(cfg["max_tokens"])), BN=block_n, BK=cfg["block_k"],
+           EVEN_K=meta.d_in % cfg["block_k"] == 0, EVEN_N=all(c % block_n == 0 for c in meta.slice_cols),
+           HAS_BIAS=bias is not None, LOG2_P=pool.shape[1].bit_length() - 1,
+           FP32=x.dtype == torch.float32, USE_PDL=pdl,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
+    return y
+
+
+def linear_lora_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pool: torch.Tensor,
+                    page_table: torch.Tensor, token_slots: torch.Tensor, meta: DenseLoraMeta, *,
+                    batch: LoraBatch | None = None, scale: float = 1.0, config: dict | None = None,
+                    early: bool = False) -> torch.Tensor:
+    """Torch version of `linear_lora` (same signature): the matmul, the bias add, `lora_shrink_expand_ref`."""
+    _check_weight(x, w, bias, meta)
+    y = x @ w.T
+    if bias is not None:
+        y = y + bias
+    return lora_shrink_expand_ref(y, x, pool, page_table, token_slots, meta, scale=scale)

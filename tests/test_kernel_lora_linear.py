@@ -1,0 +1,139 @@
+"""The fused decode projection `linear_lora`: Triton (interpreter on CPU) vs its torch reference, over
+adapter mixes with tokens without adapter, slots lacking a target, biases, uneven widths, and its fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernel_lora import MIXES, QKV, build_world, token_mix
+from unipage.kernels import lora_linear
+from unipage.kernels.lora_linear import fused_linear, linear_lora, linear_lora_ref
+from unipage.kernels.lora_meta import dense_lora_meta, plan_lora_batch
+
+
+def inputs(world, count, layer=0, targets=QKV, bias=True, mix="uniform", seed=1):
+    meta = dense_lora_meta(world.layouts, layer, targets, device=world.pool.device, model=world.model)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = world.pool.dtype
+    x = torch.randn(count, meta.d_in, generator=gen).to(dtype)
+    w = (torch.randn(meta.out_cols, meta.d_in, generator=gen) / meta.d_in ** 0.5).to(dtype)
+    b = torch.randn(meta.out_cols, generator=gen).to(dtype) if bias else None
+    slots = token_mix(mix, count, [0, 1, 3, 4], gen)
+    return meta, x, w, b, slots
+
+
+def run_both(world, meta, x, w, b, slots, layer=0, **kwargs):
+    args = (x, w, b, world.pool[layer], world.page_table, slots, meta)
+    return linear_lora_ref(*args), linear_lora(*args, **kwargs)
+
+
+def assert_close(out, ref, base):
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[out.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    assert not torch.allclose(ref.float(), base.float(), atol=tol)  # some LoRA delta was added
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("count, bias", [(1, True), (5, False), (16, True)])
+def test_fused_kernel_matches_reference(dtype, mix, count, bias):
+    world = build_world(dtype=dtype)
+    meta, x, w, b, slots = inputs(world, count, bias=bias, mix=mix)
+    assert fused_linear(count, meta, plan_lora_batch(slots, meta.num_slots))
+    ref, out = run_both(world, meta, x, w, b, slots)
+    base = x @ w.T + (b if bias else 0)
+    assert_close(out, ref, base)
+    for t in torch.nonzero(slots < 0).flatten().tolist():  # no adapter: the projection alone
+        torch.testing.assert_close(out[t].float(), base[t].float(), rtol=1e-5, atol=2e-3)
+
+
+@pytest.mark.parametrize("block_n, block_k", [(16, 64), (32, 32), (64, 64)])
+def test_layer_without_a_target_uneven_d_in_and_tile_widths(block_n, block_k):
+    """Layer 1: slots lack v_proj (rank-0 columns get no delta); d_in 96 is not a multiple of 64 (a
+    masked K tail); k and v are 32 wide, so 64-wide tiles are part masked and narrower ones part idle."""
+    world = build_world(d_in=96)
+    meta, x, w, b, slots = inputs(world, 7, layer=1, mix="distinct")
+    config = {"block_n": block_n, "block_k": block_k}
+    ref, out = run_both(world, meta, x, w, b, slots, layer=1, config=config)
+    assert_close(out, ref, x @ w.T + b)
+
+
+def test_rank_chunks_and_scale():
+    world = build_world(slots=[{"q_proj": 24, "k_proj": 3, "v_proj": 16}, {"q_proj": 2, "k_proj": 2, "v_proj": 2}])
+    meta, x, w, b, _ = inputs(world, 9)
+    slots = torch.tensor([0, 1, -1, 0, 0, 1, -1, 1, 0], dtype=torch.int32)
+    args = (x, w, b, world.pool[0], world.page_table, slots, meta)
+    ref = linear_lora_ref(*args, scale=0.5)
+    assert_close(linear_lora(*args, scale=0.5, config={"rank_chunk": 4}), ref, x @ w.T + b)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_either_path_of_the_shrink_feeds_the_fused_kernel(grouped):
+    world = build_world()
+    meta, x, w, b, slots = inputs(world, 12, mix="skewed")
+    batch = plan_lora_batch(slots, meta.num_slots, grouped=grouped, block_m=16 if grouped else None)
+    assert batch.grouped == grouped and fused_linear(12, meta, batch)
+    ref, out = run_both(world, meta, x, w, b, slots, batch=batch)
+    assert_close(out, ref, x @ w.T + b)
+
+
+def test_larger_batches_and_max_tokens_0_take_the_separate_launches(monkeypatch):
+    world = build_world()
+    meta, x, w, b, slots = inputs(world, 20)
+    assert not fused_linear(20, meta, plan_lora_batch(slots, meta.num_slots))
+    assert not fused_linear(8, meta, plan_lora_batch(slots[:8], meta.num_slots), {"max_tokens": 0})
+    launched = []
+    monkeypatch.setattr(lora_linear, "launch", lambda *a, **k: launched.append(a[0]))
+    ref, out = run_both(world, meta, x, w, b, slots)
+    assert_close(out, ref, x @ w.T + b)
+    ref, out = run_both(world, meta, x[:8], w, b, slots[:8], config={"max_tokens": 0})
+    assert_close(out, ref, x[:8] @ w.T + b)
+    assert launched == []  # neither ran the fused kernel
+
+
+def test_bad_weights_and_config_are_refused():
+    world = build_world()
+    meta, x, w, b, slots = inputs(world, 4)
+    args = (world.pool[0], world.page_table, slots, meta)
+    with pytest.raises(ValueError, match="w must be"):
+        linear_lora(x, w[:, :-1], b, *args)
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        linear_lora(x, w.T.contiguous().T, b, *args)
+    with pytest.raises(ValueError, match="bias must be"):
+        linear_lora(x, w, b[:-1], *args)
+    with pytest.raises(ValueError, match="block_n"):
+        linear_lora(x, w, b, *args, config={"block_n": 128})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 16])
+@pytest.mark.parametrize("shape, targets, rank", [
+    ((2880, 64, 8, 64), QKV, 32), ((2880, 64, 8, 64), ("o_proj",), 32), ((2048, 32, 4, 128), QKV, 8)])
+def test_gpu_matches_reference_at_model_shapes(count, shape, targets, rank):
+    """bf16 at GPT-OSS-20B's qkv and o and Qwen3-30B-A3B's qkv, 8 adapters in shuffled pages, a bias,
+    tokens without adapter; PDL where the GPU has it."""
+    from unipage.adapter_pack import pack_adapter, random_lora_weights
+    from unipage.config import ModelConfig
+    from unipage.lora_layout import TargetSpec, build_layout
+
+    hidden, heads, kv_heads, head_dim = shape
+    model = ModelConfig(num_layers=1, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                        head_dim=head_dim, intermediate_size=hidden)
+    gen, page = torch.Generator().manual_seed(0), 4096
+    layout = build_layout(model, [tuple(TargetSpec(t, (rank,)) for t in targets)])
+    n = layout.num_pages(page)
+    pool = torch.randn(8 * n + 64, page, generator=gen).bfloat16()
+    ids = torch.randperm(pool.shape[0], generator=gen)[: 8 * n].view(8, n)
+    for slot in range(8):
+        pool[ids[slot]] = pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), page, torch.bfloat16)[0]
+    pool, table = pool.cuda(), ids.to(torch.int32).cuda()
+    meta = dense_lora_meta([layout] * 8, 0, targets, device="cuda", model=model)
+    x = torch.randn(count, meta.d_in, generator=gen).bfloat16().cuda()
+    w = (torch.randn(meta.out_cols, meta.d_in, generator=gen) / meta.d_in ** 0.5).bfloat16().cuda()
+    b = torch.randn(meta.out_cols, generator=gen).bfloat16().cuda()
+    slots = (torch.arange(count, dtype=torch.int32) % 9 - 1).cuda()  # -1 (no adapter) and slots 0-7
+    args = (x, w, b, pool, table, slots, meta)
+    assert fused_linear(count, meta, plan_lora_batch(slots, meta.num_slots))
+    ref, out = linear_lora_ref(*args), linear_lora(*args)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(ref[1:].float(), (x @ w.T + b)[1:].float(), atol=2e-2)  # the deltas count
