@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import json
 import os
 import random
 import statistics
@@ -299,6 +300,8 @@ def main(argv=None) -> None:
     p.add_argument("--separate-ab", action="store_true",
                    help="also time the LoRA run's decode steps with the projections' LoRA launched separately "
                         "(not fused into the projection: `lora_linear`), then fused again")
+    p.add_argument("--linear-config", default=None, metavar="JSON",
+                   help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -309,6 +312,7 @@ def main(argv=None) -> None:
             path["early"] = False
     if args.no_moe_pdl:
         _no_moe_pdl()
+    lora_linear.LINEAR.update(json.loads(args.linear_config or "{}"))
     if not torch.cuda.is_available():
         raise SystemExit("lora_breakdown.py needs a CUDA device")
     sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115

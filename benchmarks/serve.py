@@ -76,6 +76,7 @@ from unipage.sim import CostProfile
 
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig
 from unipage.engine import Engine
+from unipage.kernels import lora_linear
 from unipage.models.weights import read_config
 
 GRAPHS = {"all": True, "decode": "decode", "off": False}  # --cuda-graphs -> Engine(cuda_graphs=...)
@@ -159,6 +160,7 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
               "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_graph_pieces(engine),
+              "linear": dict(lora_linear.LINEAR),
               "commit": ctx.commit}
     emit(record, ctx.out)
     if a.log_dir:
@@ -445,6 +447,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--piece-layers", nargs="+", type=int, default=None, metavar="N",
                    help="a, b: run each workload once per value, the decode graphs in pieces of N layers (0: one "
                         "graph a step; unipage.graphs.PIECE_LAYERS), in one process")
+    p.add_argument("--linear-config", default=None, metavar="JSON",
+                   help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--workdir", default=None, help="model configs and adapters (kept; default: a temp dir)")
     p.add_argument("--out", default=None, help="append JSON lines here (default: stdout)")
     p.add_argument("--log-dir", default=None, help="write one run log per run here (for --setup calibrate)")
@@ -476,6 +480,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse(argv)
+    lora_linear.LINEAR.update(json.loads(args.linear_config or "{}"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115

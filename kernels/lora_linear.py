@@ -35,8 +35,46 @@ __all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear"]
 
 # Launch settings (H200, GPT-OSS-20B and Qwen3-30B-A3B attention projections at 16 tokens: see
 # docs/design.md).  max_tokens 0 turns the fused kernel off (the separate launches run instead).
-LINEAR = {"max_tokens": 16, "block_n": 32, "block_k": 128, "rank_chunk": 8, "num_warps": 4, "num_stages": 5}
+LINEAR = {"max_tokens": 16, "block_n": 32, "block_k": 128, "rank_chunk": 32, "stacked": True, "num_warps": 4,
+          "num_stages": 4}
 TILE = 64  # width of the column tiles of `DenseLoraMeta.col_tile_table` that a program's tile lies in
+
+
+@triton.jit
+def _k_step(x_rows, w_cols, k, m_ok, n_ok, d_in, MASK_K: tl.constexpr, MASK_N: tl.constexpr, FP32: tl.constexpr):
+    """``x[:, k] @ W[cols, k].T`` for one K step ``k`` [BK] (fp32 [BM, BN])."""
+    x_mask = m_ok[:, None]
+    w_mask = None
+    if MASK_K:
+        x_mask = x_mask & (k < d_in)[None, :]
+        w_mask = (k < d_in)[:, None]
+    if MASK_N:
+        w_mask = n_ok[None, :] if w_mask is None else w_mask & n_ok[None, :]
+    xk = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+    if w_mask is None:
+        wk = tl.load(w_cols + k[:, None])
+    else:
+        wk = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)
+    if FP32:
+        return tl.dot(xk, wk, input_precision="ieee")
+    return tl.dot(xk, wk)
+
+
+@triton.jit
+def _b_starts(tables, virt, ok, LOG2_P: tl.constexpr):
+    """Pool element offsets (int64) of the B columns from virtual element ``virt`` of each row's slot buffer
+    (page-table rows ``tables``): a row's BN columns lie inside one 64-run, so inside one page."""
+    page = tl.load(tables + (virt >> LOG2_P), mask=ok, other=0)
+    return page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1))
+
+
+@triton.jit
+def _stacked_b(pool_ptr, tables, row_virt, row_slot, row_rank, i_row, b_stride, n_ok, lanes, LOG2_P: tl.constexpr):
+    """``[BM * RC, BN]``: row ``t * RC + j`` = rank row ``i_row`` of token t's B (zero past its rank or
+    without a slot), this tile's columns."""
+    ok = (row_slot >= 0) & (i_row < row_rank)
+    start = _b_starts(tables, row_virt + i_row * b_stride, ok, LOG2_P)
+    return tl.load(pool_ptr + start[:, None] + lanes[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "split_k"])
@@ -46,7 +84,7 @@ def _linear_lora_kernel(
     num_tokens, d_in, split_k, scale,
     J: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, SPLITS: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    LOG2_P: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
+    LOG2_P: tl.constexpr, FP32: tl.constexpr, STACKED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     sub: tl.constexpr = 64 // BN  # programs per 64-column tile
     col_tile = col_tiles_ptr + (tl.program_id(0) // sub) * 4
@@ -65,18 +103,10 @@ def _linear_lora_kernel(
     w_cols = w_ptr + col[None, :].to(tl.int64) * d_in  # [1, BN]
     x_rows = x_ptr + m[:, None] * x_stride  # [BM, 1]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, d_in, BK):
-        if EVEN_K and EVEN_N:
-            xk = tl.load(x_rows + (k0 + k)[None, :], mask=m_ok[:, None], other=0.0)
-            wk = tl.load(w_cols + (k0 + k)[:, None])
-        else:
-            k_ok = k0 + k < d_in
-            xk = tl.load(x_rows + (k0 + k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wk = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP32:
-            acc += tl.dot(xk, wk, input_precision="ieee")
-        else:
-            acc += tl.dot(xk, wk)
+    for k0 in range(0, d_in // BK * BK, BK):  # whole K steps: only masks the tile shape needs
+        acc += _k_step(x_rows, w_cols, k0 + k, m_ok, n_ok, d_in, False, not EVEN_N, FP32)
+    if not EVEN_K:  # the tail of K
+        acc += _k_step(x_rows, w_cols, d_in // BK * BK + k, m_ok, n_ok, d_in, True, True, FP32)
     dtype = y_ptr.dtype.element_ty
     out = acc.to(dtype)
     if HAS_BIAS:
@@ -85,25 +115,46 @@ def _linear_lora_kernel(
     slots = tl.load(token_slots_ptr + m, mask=m_ok, other=-1)
     has = slots >= 0
     rank = tl.load(rank_ptr + slots * J + piece, mask=has, other=0)
-    b_virt = tl.load(b_off_ptr + slots * J + piece, mask=has, other=0)
-    b_stride = (width + 63) // 64 * 64
-    tables = table_ptr + slots.to(tl.int64) * table_stride  # [BM]
     part_rows = part_ptr + m[:, None] * (J * RB) + piece * RB  # [BM, 1]
+    b_stride = (width + 63) // 64 * 64
+    if STACKED:  # the B rows of every token stacked, [BM * RC, BN], under a block-diagonal h: one dot
+        r = tl.arange(0, BM * RC)
+        row_tok = r // RC
+        row_slot = tl.load(token_slots_ptr + row_tok, mask=row_tok < num_tokens, other=-1)
+        row_rank = tl.load(rank_ptr + row_slot * J + piece, mask=row_slot >= 0, other=0)
+        row_virt = tl.load(b_off_ptr + row_slot * J + piece, mask=row_slot >= 0, other=0) + n_lo
+        tables = table_ptr + row_slot.to(tl.int64) * table_stride  # [BM * RC]
+    else:  # per token, a broadcast-reduce over its [RC, BN] B rows
+        b_virt = tl.load(b_off_ptr + slots * J + piece, mask=has, other=0)
+        tables = table_ptr + slots.to(tl.int64) * table_stride  # [BM]
     lanes = tl.arange(0, BN)
     delta = tl.zeros((BM, BN), dtype=tl.float32)
+    if STACKED:  # the first chunk's B rows before the wait: weights, read while the shrink finishes
+        b_first = _stacked_b(pool_ptr, tables, row_virt, row_slot, row_rank, r % RC, b_stride, n_ok, lanes, LOG2_P)
     if USE_PDL:
         gdc_wait()  # the shrink's partials are complete and visible from here on
     for r0 in tl.static_range(0, RB, RC):
         i = r0 + tl.arange(0, RC)
-        ok = has[:, None] & (i[None, :] < rank[:, None])  # [BM, RC]
         h = _sum_splits(part_rows, i, m_ok & has, i < RB, split_k, num_tokens * (J * RB), SPLITS)
-        h = tl.where(ok, h.to(dtype).to(tl.float32), 0.0)
-        virt = b_virt[:, None] + i[None, :] * b_stride + n_lo  # [BM, RC]: BN columns, inside one 64-run
-        page = tl.load(tables[:, None] + (virt >> LOG2_P), mask=ok, other=0)
-        start = page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1))
-        b = tl.load(pool_ptr + start[:, :, None] + lanes[None, None, :],
-                    mask=ok[:, :, None] & n_ok[None, None, :], other=0.0)
-        delta += tl.sum(h[:, :, None] * b.to(tl.float32), axis=1)
+        h = tl.where(has[:, None] & (i[None, :] < rank[:, None]), h.to(dtype).to(tl.float32), 0.0)  # [BM, RC]
+        if STACKED:
+            if r0 == 0:
+                b = b_first
+            else:  # [BM * RC, BN]
+                b = _stacked_b(pool_ptr, tables, row_virt, row_slot, row_rank, r0 + r % RC, b_stride, n_ok, lanes,
+                               LOG2_P)
+            diag = m[:, None, None] == tl.arange(0, BM)[None, :, None]
+            h_big = tl.reshape(tl.where(diag, h[:, None, :], 0.0), (BM, BM * RC)).to(dtype)
+            if FP32:
+                delta += tl.dot(h_big, b, input_precision="ieee")
+            else:
+                delta += tl.dot(h_big, b)
+        else:
+            ok = has[:, None] & (i[None, :] < rank[:, None])  # [BM, RC]
+            start = _b_starts(tables[:, None], b_virt[:, None] + i[None, :] * b_stride + n_lo, ok, LOG2_P)
+            b = tl.load(pool_ptr + start[:, :, None] + lanes[None, None, :],
+                        mask=ok[:, :, None] & n_ok[None, None, :], other=0.0)  # [BM, RC, BN]
+            delta += tl.sum(h[:, :, None] * b.to(tl.float32), axis=1)
     out = (out.to(tl.float32) + scale * delta).to(dtype)
     tl.store(y_ptr + m[:, None] * y_stride + col[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
@@ -173,7 +224,7 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
            SPLITS=next_pow2(plan.split_k), BM=max(16, next_pow2(cfg["max_tokens"])), BN=block_n, BK=cfg["block_k"],
            EVEN_K=meta.d_in % cfg["block_k"] == 0, EVEN_N=all(c % block_n == 0 for c in meta.slice_cols),
            HAS_BIAS=bias is not None, LOG2_P=pool.shape[1].bit_length() - 1,
-           FP32=x.dtype == torch.float32, USE_PDL=pdl,
+           FP32=x.dtype == torch.float32, STACKED=cfg["stacked"], USE_PDL=pdl,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
     return y
 

@@ -1,0 +1,158 @@
+"""GPU benchmark of the fused decode projection (`lora_linear.linear_lora`) against the separate launches it
+replaces (``x @ W.T``, the bias add, `lora.lora_shrink_expand`), JSON lines.
+
+    python benchmarks/kernels_lora_linear.py [--tokens 1 16] [--out FILE]
+    python benchmarks/kernels_lora_linear.py --tune [--best FILE]   # sweep the launch settings
+
+Shapes: the attention projections (qkv with its bias, o) of GPT-OSS-20B (rank 32) and Qwen3-30B-A3B
+(rank 8), bf16, 8 adapters in shuffled pool pages, tokens round-robin over the adapters with every
+ninth token without one.  Each timing is a CUDA graph of ``LAYERS`` such projections with weights of
+their own (so W comes from HBM, as in a decode step), L2 flushed before each replay, per projection.
+Per row: ``fused_us`` and ``separate_us``; ``floor_us``: the bytes a projection must read (W, the bias,
+x, the LoRA weights of the adapters present) over the read bandwidth measured in the run.  ``--tune``
+times every setting of `SWEEP` on every shape and writes the best over them all to ``--best`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import emit, read_bandwidth, time_graph
+from unipage.adapter_pack import pack_adapter, random_lora_weights
+from unipage.config import ModelConfig
+from unipage.kernels.lora import lora_shrink_expand
+from unipage.kernels.lora_linear import LINEAR, linear_lora
+from unipage.kernels.lora_meta import dense_lora_meta, plan_lora_batch
+from unipage.lora_layout import TargetSpec, build_layout
+
+LAYERS = 24
+ADAPTERS = 8
+PAGE = 4096
+QKV = ("q_proj", "k_proj", "v_proj")
+# name: (hidden, heads, kv heads, head dim), targets, rank, bias
+SHAPES = {"gpt-oss-20b qkv": ((2880, 64, 8, 64), QKV, 32, True),
+          "gpt-oss-20b o": ((2880, 64, 8, 64), ("o_proj",), 32, True),
+          "qwen3-30b-a3b qkv": ((2048, 32, 4, 128), QKV, 8, False),
+          "qwen3-30b-a3b o": ((2048, 32, 4, 128), ("o_proj",), 8, False)}
+SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256), "num_warps": (4, 8), "stacked": (True, False)}
+
+
+def setup(name: str, tokens: int) -> dict:
+    (hidden, heads, kv_heads, head_dim), targets, rank, bias = SHAPES[name]
+    model = ModelConfig(num_layers=1, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                        intermediate_size=hidden)
+    gen = torch.Generator().manual_seed(0)
+    layout = build_layout(model, [tuple(TargetSpec(t, (rank,)) for t in targets)])
+    n = layout.num_pages(PAGE)
+    pool = torch.randn(ADAPTERS * n + 64, PAGE, generator=gen).bfloat16()
+    ids = torch.randperm(pool.shape[0], generator=gen)[: ADAPTERS * n].view(ADAPTERS, n)
+    for slot in range(ADAPTERS):
+        pool[ids[slot]] = pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), PAGE, torch.bfloat16)[0]
+    meta = dense_lora_meta([layout] * ADAPTERS, 0, targets, device="cuda", model=model)
+    slots = torch.arange(tokens, dtype=torch.int32) % ADAPTERS
+    slots[8::9] = -1
+    w = [torch.randn(meta.out_cols, meta.d_in, device="cuda").bfloat16() * 0.02 for _ in range(LAYERS)]
+    present = len(set(slots.tolist()) - {-1})
+    lora_bytes = present * rank * (meta.d_in * len(targets) + meta.out_cols) * 2
+    return {"meta": meta, "pool": pool.cuda(), "table": ids.to(torch.int32).cuda(), "slots": slots.cuda(), "w": w,
+            "bias": torch.randn(meta.out_cols, device="cuda").bfloat16() if bias else None,
+            "x": torch.randn(tokens, meta.d_in, device="cuda").bfloat16(), "rank": rank,
+            "bytes": (meta.out_cols * meta.d_in + meta.out_cols + tokens * meta.d_in) * 2 + lora_bytes}
+
+
+def fused(s: dict, config: dict | None = None):
+    batch = plan_lora_batch(s["slots"], s["meta"].num_slots)
+
+    def run():
+        for w in s["w"]:
+            linear_lora(s["x"], w, s["bias"], s["pool"], s["table"], s["slots"], s["meta"], batch=batch,
+                        config=config, early=True)
+    return run
+
+
+def separate(s: dict):
+    batch = plan_lora_batch(s["slots"], s["meta"].num_slots)
+
+    def run():
+        for w in s["w"]:
+            y = s["x"] @ w.T
+            if s["bias"] is not None:
+                y = y + s["bias"]
+            lora_shrink_expand(y, s["x"], s["pool"], s["table"], s["slots"], s["meta"], batch=batch, early=True)
+    return run
+
+
+def check(s: dict, config: dict | None = None) -> float:
+    """Largest difference of the fused result from the separate one, over the largest value."""
+    args = (s["x"], s["w"][0], s["bias"], s["pool"], s["table"], s["slots"], s["meta"])
+    want = linear_lora(*args, config={"max_tokens": 0})
+    got = linear_lora(*args, config=config)
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def per_layer_us(fn) -> float:
+    return time_graph(fn) / LAYERS * 1e6
+
+
+def tune(args, out) -> None:
+    """Every `SWEEP` setting on every shape; the best is the least time summed over the shapes (`LINEAR` is
+    one setting for all projections)."""
+    shapes = {name: setup(name, max(args.tokens)) for name in args.shapes}
+    results = []
+    for values in itertools.product(*SWEEP.values()):
+        config = dict(zip(SWEEP, values))
+        try:
+            times = {name: round(per_layer_us(fused(s, config)), 2) for name, s in shapes.items()}
+        except Exception as exc:  # noqa: BLE001 (out of resources: that setting is skipped, and said so)
+            print(f"{config}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            continue
+        results.append((sum(times.values()), times, config))
+    results.sort(key=lambda r: r[0])
+    separate_us = {name: round(per_layer_us(separate(s)), 2) for name, s in shapes.items()}
+    emit({"bench": "lora_linear_tune", "tokens": max(args.tokens), "best": results[0][2], "best_us": results[0][1],
+          "separate_us": separate_us, "top5": [[t, c] for _, t, c in results[:5]],
+          "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
+    if args.best:
+        with open(args.best, "w") as f:
+            json.dump(results[0][2], f)
+
+
+def bench(args, out) -> None:
+    bandwidth = read_bandwidth()
+    for name, tokens in itertools.product(args.shapes, args.tokens):
+        s = setup(name, tokens)
+        floor = s["bytes"] / bandwidth * 1e6
+        fused_us, separate_us = per_layer_us(fused(s)), per_layer_us(separate(s))
+        emit({"bench": "lora_linear", "shape": name, "tokens": tokens, "adapters": ADAPTERS, "rank": s["rank"],
+              "fused_us": round(fused_us, 2), "separate_us": round(separate_us, 2), "floor_us": round(floor, 2),
+              "fused_over_floor": round(fused_us / floor, 2), "read_gbps": round(bandwidth / 1e9, 1),
+              "max_rel_diff": round(check(s), 5), "config": dict(LINEAR),
+              "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--tune", action="store_true", help="sweep the launch settings instead")
+    p.add_argument("--best", default=None, help="--tune: write the best setting here (JSON)")
+    p.add_argument("--config", default=None, help="JSON merged into lora_linear.LINEAR first")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels_lora_linear.py needs a CUDA device")
+    LINEAR.update(json.loads(args.config or "{}"))
+    with open(args.out, "a") if args.out else open(os.devnull, "w") as f:
+        out = f if args.out else sys.stdout
+        (tune if args.tune else bench)(args, out)
+
+
+if __name__ == "__main__":
+    main()
