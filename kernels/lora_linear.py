@@ -18,7 +18,18 @@ little beyond its own launch.  ``x`` was complete before the shrink started (a p
 starts after the kernel that wrote it; an early one starts its dependents only after waiting
 for that kernel), and nothing else writes what the kernel reads before the wait.
 
-Used by the engine for batches of at most ``LINEAR["max_tokens"]`` tokens; otherwise `linear_lora` runs the matmul, the bias add and `lora.lora_shrink_expand`.
+`linear_lora` takes the kernel for batches of at most ``LINEAR["max_tokens"]`` tokens; otherwise it runs
+the matmul, the bias add and `lora.lora_shrink_expand`.
+
+Status (H200, bf16, 16 tokens over 8 adapters of rank 32, GPT-OSS-20B's attention; rows in
+benchmarks/results/kernels-lora-linear-h200.jsonl and lora-breakdown-h200.jsonl): exact, and it
+saves launches, but it is not faster.  Per layer over a 24-layer chain, the best setting of the sweep
+took 33.3 us for qkv (2880 -> 5120) against 27.9 us for the separate launches, and 20.9 us for o
+(4096 -> 2880) against 23.6 us.  In the engine (setup (a)'s batch, one process, separate then fused)
+the LoRA decode step took 11.60 / 11.67 ms with the host hidden.  qkv's 29.5 MB of W in 33.3 us (the
+shrink included) is under 1 TB/s, a quarter of the read bandwidth: the GEMM part is what is slow, so
+``max_tokens`` is 0 by default: the engine runs the separate launches, and the kernel is there for
+``LINEAR["max_tokens"] = 16`` (benchmarks: ``--linear-config``).
 """
 
 from __future__ import annotations
@@ -33,9 +44,9 @@ from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, next_pow2, plan_
 
 __all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear"]
 
-# Launch settings (H200, GPT-OSS-20B and Qwen3-30B-A3B attention projections at 16 tokens: see
-# docs/design.md).  max_tokens 0 turns the fused kernel off (the separate launches run instead).
-LINEAR = {"max_tokens": 16, "block_n": 32, "block_k": 128, "rank_chunk": 32, "stacked": True, "num_warps": 4,
+# Launch settings: the best of benchmarks/kernels_lora_linear.py --tune on an H200 (GPT-OSS-20B's qkv and o at
+# 16 tokens).  max_tokens 0 (the default: see the status above) turns the kernel off.
+LINEAR = {"max_tokens": 0, "block_n": 32, "block_k": 128, "rank_chunk": 32, "stacked": True, "num_warps": 4,
           "num_stages": 4}
 TILE = 64  # width of the column tiles of `DenseLoraMeta.col_tile_table` that a program's tile lies in
 

@@ -11,6 +11,12 @@ from unipage.kernels.lora_linear import fused_linear, linear_lora, linear_lora_r
 from unipage.kernels.lora_meta import dense_lora_meta, plan_lora_batch
 
 
+@pytest.fixture(autouse=True)
+def fused_on(monkeypatch):
+    """The kernel is off by default (`lora_linear` says why); these tests turn it on for 16 tokens."""
+    monkeypatch.setitem(lora_linear.LINEAR, "max_tokens", 16)
+
+
 def inputs(world, count, layer=0, targets=QKV, bias=True, mix="uniform", seed=1):
     meta = dense_lora_meta(world.layouts, layer, targets, device=world.pool.device, model=world.model)
     gen = torch.Generator().manual_seed(seed)
