@@ -1,8 +1,8 @@
 """Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
-                                        [--no-early] [--no-moe-pdl] [--piece-layers N] [--separate-ab]
-                                        [--trace DIR] [--out FILE]
+                                        [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
+                                        [--linear-config JSON] [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
@@ -15,10 +15,10 @@ is a step bound by the host?), and as many steps more are timed queued behind a 
 the GPU busy while the host prepares them (``*_hidden_host_ms``: the step time less the host time the
 GPU waits for; ``*_unhidden_steps``: those whose host work outlasted the sleep); ``--piece-layers N``
 times both again with the decode graphs in pieces of N layers, then with one graph again (``*_pieces``:
-``pieces`` and ``after``, an A-B-A within the process); ``--separate-ab`` times the LoRA run's steps
-with each projection's LoRA as separate launches (matmul, bias, shrink, expand) instead of the fused
-decode projection (`lora_linear`), then fused again (``lora_separate``: ``separate`` and ``after``); then
-``--prefill``
+``pieces`` and ``after``, an A-B-A within the process); ``--linear-ab`` times the LoRA run's steps with
+the projections' LoRA the other way, the fused decode projection (`lora_linear`) against separate launches
+(matmul, bias, shrink, expand), then as before (``lora_linear_ab``: ``max_tokens`` of the other way,
+``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -59,6 +59,7 @@ from unipage.engine import Engine
 from unipage.models.weights import read_config
 
 GREEDY = SamplingParams(temperature=0)
+FUSED_TOKENS = 16  # --linear-ab: the fused decode projection for up to this many tokens
 NAME_CHARS = 60  # kernel names are cut to this many characters (templated names run to pages)
 
 
@@ -203,16 +204,18 @@ def pieces_ab(engine: Engine, args) -> dict:
                      lambda: graphs.set_piece_layers(before))}
 
 
-def separate_ab(engine: Engine, args) -> dict:
-    """Decode steps timed with the projections and their LoRA as separate launches (`lora_linear.LINEAR`'s
-    ``max_tokens`` 0, graphs captured anew), then fused again (``after``), as `pieces_ab` does."""
-    fused = lora_linear.LINEAR["max_tokens"]
+def linear_ab(engine: Engine, args) -> dict:
+    """Decode steps timed with the projections' LoRA the other way (`lora_linear.LINEAR`'s ``max_tokens``: the
+    fused decode projection if the engine runs the separate launches, else those), graphs captured anew,
+    then as before (``after``), as `pieces_ab` does."""
+    before = lora_linear.LINEAR["max_tokens"]
+    other = 0 if before else FUSED_TOKENS
 
     def switch(max_tokens: int) -> None:
         lora_linear.LINEAR["max_tokens"] = max_tokens
         engine.runner.graphs.set_piece_layers(engine.runner.graphs.piece_layers)  # drops the captured graphs
 
-    return _a_b_a(engine, args, "separate", lambda: switch(0), lambda: switch(fused))
+    return {"max_tokens": other, **_a_b_a(engine, args, "other", lambda: switch(other), lambda: switch(before))}
 
 
 def _a_b_a(engine: Engine, args, name: str, change, restore) -> dict:
@@ -254,8 +257,8 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
     out = {"times": decode_times(engine, args.timed_steps)}
     if args.piece_layers:  # the same steps with the decode graphs cut into pieces, then one graph again
         out["pieces"] = pieces_ab(engine, args)
-    if args.separate_ab and any(adapters):  # the projections' LoRA as separate launches, then fused again
-        out["separate"] = separate_ab(engine, args)
+    if args.linear_ab and any(adapters):  # the projections' LoRA the other way (fused / separate), then back
+        out["linear_ab"] = linear_ab(engine, args)
     out["decode"] = profiled(engine, args.steps)[:2]
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
@@ -297,9 +300,9 @@ def main(argv=None) -> None:
                    help="launch the MoE LoRA expands plainly, not as dependents of the kernels before them")
     p.add_argument("--piece-layers", type=int, default=0,
                    help="also time the decode steps with the decode graphs in pieces of this many layers")
-    p.add_argument("--separate-ab", action="store_true",
-                   help="also time the LoRA run's decode steps with the projections' LoRA launched separately "
-                        "(not fused into the projection: `lora_linear`), then fused again")
+    p.add_argument("--linear-ab", action="store_true",
+                   help="also time the LoRA run's decode steps with the projections' LoRA the other way (fused "
+                        "into the decode projection, `lora_linear`, or separate launches), then as before")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
@@ -345,7 +348,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            for ab in ("pieces", "separate"):
+            for ab in ("pieces", "linear_ab"):
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call

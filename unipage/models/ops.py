@@ -18,8 +18,7 @@ from unipage import kernels as K
 @dataclass(frozen=True)
 class Ops:
     name: str  # "torch" or "triton"
-    lora: Callable  # lora_shrink_expand signature
-    lora_shrink: Callable  # its shrink half (lora_shrink signature), for:
+    lora_shrink: Callable  # the dense LoRA shrink (lora_shrink signature), for:
     lora_silu_mul: Callable  # (gate_up, shrunk) -> silu(gate) * up of gate_up plus its LoRA delta
     linear_lora: Callable  # linear_lora signature: x @ w.T (+ bias) plus its LoRA delta
     write_kv: Callable
@@ -27,18 +26,18 @@ class Ops:
     attention_decode: Callable | None  # None: decode batches go through attention_prefill
     route: Callable  # route_topk signature
     experts: Callable  # fused_experts signature
-    plans_lora: bool  # whether lora() uses a LoraBatch plan (the references ignore it)
+    plans_lora: bool  # whether the LoRA ops use a LoraBatch plan (the references ignore it)
     rms_norm: Callable  # (x, weight, eps) -> normed
     add_rms_norm: Callable  # (h, delta, weight, eps) -> (h + delta, normed)
     rope: Callable  # rope_qk signature: (q, k, cos, sin) -> (q', k')
     silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up
 
 
-TORCH = Ops("torch", K.lora_shrink_expand_ref, K.lora_shrink_ref, K.lora_silu_mul_ref, K.linear_lora_ref,
+TORCH = Ops("torch", K.lora_shrink_ref, K.lora_silu_mul_ref, K.linear_lora_ref,
             K.write_kv_ref, K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref,
             plans_lora=False, rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref,
             silu_mul=K.silu_mul_ref)
-TRITON = Ops("triton", K.lora_shrink_expand, K.lora_shrink, K.lora_silu_mul, K.linear_lora, K.write_kv,
+TRITON = Ops("triton", K.lora_shrink, K.lora_silu_mul, K.linear_lora, K.write_kv,
              K.paged_attention_prefill, K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True,
              rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope=K.rope_qk, silu_mul=K.silu_mul)
 
