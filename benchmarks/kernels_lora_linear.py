@@ -44,7 +44,8 @@ SHAPES = {"gpt-oss-20b qkv": ((2880, 64, 8, 64), QKV, 32, True),
 SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256), "num_warps": (4, 8), "stacked": (True, False)}
 
 
-def setup(name: str, tokens: int) -> dict:
+def setup(name: str, tokens: int, layers: int = LAYERS) -> dict:
+    """One shape's projections (``layers`` weights of their own), pool, adapters and ``tokens`` tokens."""
     (hidden, heads, kv_heads, head_dim), targets, rank, bias = SHAPES[name]
     model = ModelConfig(num_layers=1, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                         intermediate_size=hidden)
@@ -58,7 +59,7 @@ def setup(name: str, tokens: int) -> dict:
     meta = dense_lora_meta([layout] * ADAPTERS, 0, targets, device="cuda", model=model)
     slots = torch.arange(tokens, dtype=torch.int32) % ADAPTERS
     slots[8::9] = -1
-    w = [torch.randn(meta.out_cols, meta.d_in, device="cuda").bfloat16() * 0.02 for _ in range(LAYERS)]
+    w = [torch.randn(meta.out_cols, meta.d_in, device="cuda").bfloat16() * 0.02 for _ in range(layers)]
     present = len(set(slots.tolist()) - {-1})
     lora_bytes = present * rank * (meta.d_in * len(targets) + meta.out_cols) * 2
     return {"meta": meta, "pool": pool.cuda(), "table": ids.to(torch.int32).cuda(), "slots": slots.cuda(), "w": w,
