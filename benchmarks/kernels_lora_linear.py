@@ -27,8 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import emit, read_bandwidth, time_graph
 from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
-from unipage.kernels.lora import lora_shrink_expand
-from unipage.kernels.lora_linear import LINEAR, linear_lora
+from unipage.kernels.lora_linear import LINEAR, fused_linear, linear_lora
 from unipage.kernels.lora_meta import dense_lora_meta, plan_lora_batch
 from unipage.lora_layout import TargetSpec, build_layout
 
@@ -44,7 +43,7 @@ SHAPES = {"gpt-oss-20b qkv": ((2880, 64, 8, 64), QKV, 32, True),
 SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256), "num_warps": (4, 8), "stacked": (True, False)}
 
 
-def setup(name: str, tokens: int, layers: int = LAYERS) -> dict:
+def setup(name: str, tokens: int, layers: int = LAYERS, device: str = "cuda", dtype=torch.bfloat16) -> dict:
     """One shape's projections (``layers`` weights of their own), pool, adapters and ``tokens`` tokens."""
     (hidden, heads, kv_heads, head_dim), targets, rank, bias = SHAPES[name]
     model = ModelConfig(num_layers=1, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -52,23 +51,26 @@ def setup(name: str, tokens: int, layers: int = LAYERS) -> dict:
     gen = torch.Generator().manual_seed(0)
     layout = build_layout(model, [tuple(TargetSpec(t, (rank,)) for t in targets)])
     n = layout.num_pages(PAGE)
-    pool = torch.randn(ADAPTERS * n + 64, PAGE, generator=gen).bfloat16()
+    pool = torch.randn(ADAPTERS * n + 64, PAGE, generator=gen).to(dtype)
     ids = torch.randperm(pool.shape[0], generator=gen)[: ADAPTERS * n].view(ADAPTERS, n)
     for slot in range(ADAPTERS):
-        pool[ids[slot]] = pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), PAGE, torch.bfloat16)[0]
-    meta = dense_lora_meta([layout] * ADAPTERS, 0, targets, device="cuda", model=model)
+        pool[ids[slot]] = pack_adapter(layout, random_lora_weights(layout, gen, std=0.02), PAGE, dtype)[0]
+    meta = dense_lora_meta([layout] * ADAPTERS, 0, targets, device=device, model=model)
     slots = torch.arange(tokens, dtype=torch.int32) % ADAPTERS
     slots[8::9] = -1
-    w = [torch.randn(meta.out_cols, meta.d_in, device="cuda").bfloat16() * 0.02 for _ in range(layers)]
+    random = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(device)  # noqa: E731
     present = len(set(slots.tolist()) - {-1})
-    lora_bytes = present * rank * (meta.d_in * len(targets) + meta.out_cols) * 2
-    return {"meta": meta, "pool": pool.cuda(), "table": ids.to(torch.int32).cuda(), "slots": slots.cuda(), "w": w,
-            "bias": torch.randn(meta.out_cols, device="cuda").bfloat16() if bias else None,
-            "x": torch.randn(tokens, meta.d_in, device="cuda").bfloat16(), "rank": rank,
-            "bytes": (meta.out_cols * meta.d_in + meta.out_cols + tokens * meta.d_in) * 2 + lora_bytes}
+    lora_bytes = present * rank * (meta.d_in * len(targets) + meta.out_cols) * pool.element_size()
+    return {"meta": meta, "pool": pool.to(device), "table": ids.to(torch.int32).to(device), "slots": slots.to(device),
+            "w": [random(meta.out_cols, meta.d_in) * 0.02 for _ in range(layers)],
+            "bias": random(meta.out_cols) if bias else None, "x": random(tokens, meta.d_in), "rank": rank,
+            "bytes": (meta.out_cols * meta.d_in + meta.out_cols + tokens * meta.d_in) * pool.element_size()
+            + lora_bytes}
 
 
 def fused(s: dict, config: dict | None = None):
+    """The fused kernel (on whatever `LINEAR` says: ``max_tokens`` is set to cover the batch)."""
+    config = on(s, config)
     batch = plan_lora_batch(s["slots"], s["meta"].num_slots)
 
     def run():
@@ -78,15 +80,22 @@ def fused(s: dict, config: dict | None = None):
     return run
 
 
+def on(s: dict, config: dict | None) -> dict:
+    """``config`` with ``max_tokens`` covering the batch, checked to take the fused kernel."""
+    config = {**(config or {}), "max_tokens": max(16, len(s["slots"]))}
+    if not fused_linear(len(s["slots"]), s["meta"], config):
+        raise SystemExit(f"the fused kernel does not take this batch ({len(s['slots'])} tokens)")
+    return config
+
+
 def separate(s: dict):
+    """The separate launches: `linear_lora` with the kernel off (the engine's default path)."""
     batch = plan_lora_batch(s["slots"], s["meta"].num_slots)
 
     def run():
         for w in s["w"]:
-            y = s["x"] @ w.T
-            if s["bias"] is not None:
-                y = y + s["bias"]
-            lora_shrink_expand(y, s["x"], s["pool"], s["table"], s["slots"], s["meta"], batch=batch, early=True)
+            linear_lora(s["x"], w, s["bias"], s["pool"], s["table"], s["slots"], s["meta"], batch=batch,
+                        config={"max_tokens": 0}, early=True)
     return run
 
 
@@ -94,7 +103,7 @@ def check(s: dict, config: dict | None = None) -> float:
     """Largest difference of the fused result from the separate one, over the largest value."""
     args = (s["x"], s["w"][0], s["bias"], s["pool"], s["table"], s["slots"], s["meta"])
     want = linear_lora(*args, config={"max_tokens": 0})
-    got = linear_lora(*args, config=config)
+    got = linear_lora(*args, config=on(s, config))
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
@@ -134,7 +143,7 @@ def bench(args, out) -> None:
         emit({"bench": "lora_linear", "shape": name, "tokens": tokens, "adapters": ADAPTERS, "rank": s["rank"],
               "fused_us": round(fused_us, 2), "separate_us": round(separate_us, 2), "floor_us": round(floor, 2),
               "fused_over_floor": round(fused_us / floor, 2), "read_gbps": round(bandwidth / 1e9, 1),
-              "max_rel_diff": round(check(s), 5), "config": dict(LINEAR),
+              "max_rel_diff": round(check(s), 5), "config": on(s, dict(LINEAR)),
               "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
 
 

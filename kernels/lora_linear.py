@@ -3,9 +3,9 @@
 Shape legend as in `lora`: T tokens (at most ``BM``), D = d_in, C output columns (the slices of
 ``meta``, in order, covering ``W``'s rows), J slices, RB the rank block.
 
-At decode sizes a projection is a read of ``W`` (T is 16 at setup (a)), and its LoRA used to take
-four launches after it: the bias add, the shrink, the expand (a read-modify-write of ``y``) and the
-launch gaps between them.  Here the shrink runs first (`lora.lora_shrink`, which writes the
+At decode sizes a projection is a read of ``W`` (T is 16 at setup (a)), and the separate path launches
+three kernels after it, with a gap before each: the bias add, the shrink and the expand (a
+read-modify-write of ``y``).  Here the shrink runs first (`lora.lora_shrink`, which writes the
 Split-K partials of ``h = x @ A.T``) and one kernel then does the rest: each program takes all T
 tokens and a column tile of ``BN`` columns inside one slice, streams its rows of ``W`` over
 ``D``, and in its epilogue adds the bias and, per token, ``round(h) @ B[slot]`` for its columns,
@@ -22,13 +22,15 @@ for that kernel), and nothing else writes what the kernel reads before the wait.
 the matmul, the bias add and `lora.lora_shrink_expand`.
 
 Status (H200, bf16, 16 tokens over 8 adapters of rank 32, GPT-OSS-20B's attention; rows in
-benchmarks/results/kernels-lora-linear-h200.jsonl and lora-breakdown-h200.jsonl): exact, and it
-saves launches, but it is not faster.  Per layer over a 24-layer chain, the best setting of the sweep
-took 33.3 us for qkv (2880 -> 5120) against 27.9 us for the separate launches, and 20.9 us for o
-(4096 -> 2880) against 23.6 us.  In the engine (setup (a)'s batch, one process, separate then fused)
-the LoRA decode step took 11.60 / 11.67 ms with the host hidden.  qkv's 29.5 MB of W in 33.3 us (the
-shrink included) is under 1 TB/s, a quarter of the read bandwidth: the GEMM part is what is slow, so
-``max_tokens`` is 0 by default: the engine runs the separate launches, and the kernel is there for
+benchmarks/results/kernels-lora-linear-h200.jsonl and lora-breakdown-h200.jsonl): it agrees with the
+separate path within bf16 rounding (its sums run in another order: the GPU tests at model shapes and
+the engine's parity test against transformers + PEFT passed with it on, at 29e3a9c), and it saves
+launches, but it is not faster.  Per layer over a 24-layer chain, the setting best over both shapes
+took 33.3 us for qkv (2880 -> 5120; 32.0 us the best for qkv alone) against 27.9 us for the separate
+launches, and 20.9 us for o (4096 -> 2880) against 23.6 us.  In the engine (setup (a)'s batch, one
+process: fused, separate, fused again) the LoRA decode step took 11.76, 11.60 and 11.67 ms with the host
+hidden.  qkv's 29.5 MB of W in 33.3 us (the shrink included) is 0.9 TB/s, a fifth of the read
+bandwidth: the GEMM part is what is slow, so ``max_tokens`` is 0 by default: the engine runs the separate launches, and the kernel is there for
 ``LINEAR["max_tokens"] = 16`` (benchmarks: ``--linear-config``).
 """
 
@@ -44,10 +46,12 @@ from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, next_pow2, plan_
 
 __all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear"]
 
-# Launch settings: the best of benchmarks/kernels_lora_linear.py --tune on an H200 (GPT-OSS-20B's qkv and o at
-# 16 tokens).  max_tokens 0 (the default: see the status above) turns the kernel off.
+# Launch settings: block_n, block_k, num_warps and stacked are the best of benchmarks/kernels_lora_linear.py
+# --tune on an H200 (GPT-OSS-20B's qkv and o at 16 tokens); rank_chunk and num_stages were not swept.
+# max_tokens 0 (the default: see the status above) turns the kernel off; at most MAX_TOKENS.
 LINEAR = {"max_tokens": 0, "block_n": 32, "block_k": 128, "rank_chunk": 32, "stacked": True, "num_warps": 4,
           "num_stages": 4}
+MAX_TOKENS = 64  # the kernel holds every token in one tile (and BM x rank_chunk stacked B rows)
 TILE = 64  # width of the column tiles of `DenseLoraMeta.col_tile_table` that a program's tile lies in
 
 
@@ -189,12 +193,29 @@ def _covers(meta: DenseLoraMeta) -> bool:
     return meta.slice_starts[0] == 0 and list(meta.slice_starts[1:]) == ends[:-1]
 
 
-def fused_linear(count: int, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None = None) -> bool:
+def fused_linear(count: int, meta: DenseLoraMeta, config: dict | None = None) -> bool:
     """Whether `linear_lora` takes the fused kernel for ``count`` tokens: at most ``max_tokens`` of them,
-    some rank, and slices that cover the output.  (Either path of the shrink's ``batch`` leaves its
+    some rank, and slices that cover the output.  (Either path of the shrink's batch plan leaves its
     partials per token.)"""
     cfg = LINEAR | (config or {})
     return 0 < count <= cfg["max_tokens"] and meta.max_rank > 0 and _covers(meta)
+
+
+def _check_config(cfg: dict) -> None:
+    pow2 = lambda n: isinstance(n, int) and n > 0 and n & (n - 1) == 0  # noqa: E731
+    if cfg["block_n"] not in (16, 32, 64):
+        raise ValueError(f"linear_lora: config block_n must be 16, 32 or 64, got {cfg['block_n']}")
+    if not (pow2(cfg["block_k"]) and cfg["block_k"] >= 16 and pow2(cfg["rank_chunk"])):
+        raise ValueError(f"linear_lora: config block_k (>= 16) and rank_chunk must be powers of two, got "
+                         f"{cfg['block_k']} and {cfg['rank_chunk']}")
+    if not 0 <= cfg["max_tokens"] <= MAX_TOKENS:
+        raise ValueError(f"linear_lora: config max_tokens must be in [0, {MAX_TOKENS}], got {cfg['max_tokens']}")
+
+
+def _projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in torch: the separate path's first two launches, and the reference's."""
+    y = x @ w.T
+    return y if bias is None else y + bias
 
 
 def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pool: torch.Tensor,
@@ -211,17 +232,14 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
     `lora.lora_shrink_expand` instead.
     """
     _check_weight(x, w, bias, meta)
+    cfg = LINEAR | (config or {})
+    _check_config(cfg)
     if batch is None:
         batch = plan_lora_batch(token_slots, meta.num_slots)
-    cfg = LINEAR | (config or {})
-    if not fused_linear(x.shape[0], meta, batch, cfg):
-        y = x @ w.T
-        if bias is not None:
-            y = y + bias
+    if not fused_linear(x.shape[0], meta, cfg):
+        y = _projection(x, w, bias)
         return lora_shrink_expand(y, x, pool, page_table, token_slots, meta, batch=batch, scale=scale, early=early)
     block_n = cfg["block_n"]
-    if block_n not in (16, 32, 64):
-        raise ValueError(f"linear_lora: config block_n must be 16, 32 or 64, got {block_n}")
     shrunk = lora_shrink(x, pool, page_table, token_slots, meta, batch=batch, early=early)
     plan, count = shrunk.plan, x.shape[0]
     y = torch.empty(count, meta.out_cols, dtype=x.dtype, device=x.device)
@@ -246,7 +264,4 @@ def linear_lora_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                     early: bool = False) -> torch.Tensor:
     """Torch version of `linear_lora` (same signature): the matmul, the bias add, `lora_shrink_expand_ref`."""
     _check_weight(x, w, bias, meta)
-    y = x @ w.T
-    if bias is not None:
-        y = y + bias
-    return lora_shrink_expand_ref(y, x, pool, page_table, token_slots, meta, scale=scale)
+    return lora_shrink_expand_ref(_projection(x, w, bias), x, pool, page_table, token_slots, meta, scale=scale)

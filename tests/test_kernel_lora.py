@@ -28,9 +28,10 @@ SLOTS = [{"q_proj": 8, "k_proj": 8, "v_proj": 8}, {"q_proj": 4, "k_proj": 16, "v
          {"q_proj": 16, "v_proj": 8}, {"q_proj": 4, "k_proj": 4, "v_proj": 4}]
 
 
-def tiny_model(d_in: int = 64, inter: int = 64) -> ModelConfig:
-    """q_proj d_in -> 64, k_proj and v_proj d_in -> 32, gate_proj and up_proj d_in -> inter."""
-    return ModelConfig(num_layers=2, hidden_size=d_in, num_heads=2, num_kv_heads=1, head_dim=32,
+def tiny_model(d_in: int = 64, inter: int = 64, head_dim: int = 32) -> ModelConfig:
+    """q_proj d_in -> 2 x head_dim (64), k_proj and v_proj d_in -> head_dim (32), gate_proj and up_proj
+    d_in -> inter."""
+    return ModelConfig(num_layers=2, hidden_size=d_in, num_heads=2, num_kv_heads=1, head_dim=head_dim,
                        intermediate_size=inter, dtype="float32")
 
 
@@ -44,11 +45,11 @@ class World:
 
 
 def build_world(slots=SLOTS, d_in=64, page=64, dtype=torch.float32, seed=0, layer1_drop="v_proj",
-                inter=64) -> World:
+                inter=64, head_dim=32) -> World:
     """Adapters packed with pack_adapter at shuffled page ids; every other page (and every
     unused page-table entry) is random noise, so a wrong page read shows up in the result."""
     gen = torch.Generator().manual_seed(seed)
-    model = tiny_model(d_in, inter)
+    model = tiny_model(d_in, inter, head_dim)
     layouts, weights, packed = [], [], []
     for ranks in slots:
         if ranks is None:

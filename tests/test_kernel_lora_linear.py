@@ -48,7 +48,7 @@ def assert_close(out, ref, base):
 def test_fused_kernel_matches_reference(dtype, mix, count, bias):
     world = build_world(dtype=dtype)
     meta, x, w, b, slots = inputs(world, count, bias=bias, mix=mix)
-    assert fused_linear(count, meta, plan_lora_batch(slots, meta.num_slots))
+    assert fused_linear(count, meta)
     ref, out = run_both(world, meta, x, w, b, slots)
     base = x @ w.T + (b if bias else 0)
     assert_close(out, ref, base)
@@ -67,6 +67,57 @@ def test_layer_without_a_target_uneven_d_in_and_tile_widths(block_n, block_k, st
     assert_close(out, ref, x @ w.T + b)
 
 
+def nan_padded(shrink):
+    """`lora_shrink`, then NaN in every partial the kernel must not read: rows past a slot's rank in each
+    slice, and whole rows of tokens without adapter (which the shrink leaves unwritten)."""
+    def wrapped(x, pool, page_table, token_slots, meta, **kwargs):
+        shrunk = shrink(x, pool, page_table, token_slots, meta, **kwargs)
+        rb = meta.rank_block
+        for t, slot in enumerate(token_slots.tolist()):
+            if slot < 0:
+                shrunk.part[:, t] = float("nan")
+                continue
+            for j, rank in enumerate(meta.ranks[slot]):
+                shrunk.part[:, t, j * rb + rank:(j + 1) * rb] = float("nan")
+        return shrunk
+    return wrapped
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("page", [64, 256])
+def test_partials_past_the_rank_and_of_tokens_without_adapter_are_never_read(monkeypatch, stacked, page):
+    monkeypatch.setattr(lora_linear, "lora_shrink", nan_padded(lora_linear.lora_shrink))
+    world = build_world(page=page, layer1_drop="k_proj")
+    for layer in (0, 1):  # layer 1: no slot has k_proj (rank 0 in every row of that slice)
+        meta, x, w, b, slots = inputs(world, 11, layer=layer, mix="uniform")
+        ref, out = run_both(world, meta, x, w, b, slots, layer=layer, config={"stacked": stacked})
+        assert not out.isnan().any()
+        assert_close(out, ref, x @ w.T + b)
+
+
+@pytest.mark.parametrize("head_dim, block_n", [(24, 16), (24, 32), (40, 32)])
+def test_slices_narrower_than_or_not_a_multiple_of_the_tile(head_dim, block_n):
+    """k and v of 24 or 40 columns, q of 48 or 80: tiles that end inside a slice, and sub-tiles past its end."""
+    world = build_world(head_dim=head_dim, page=128)
+    meta, x, w, b, slots = inputs(world, 9, mix="distinct")
+    assert meta.slice_cols == (2 * head_dim, head_dim, head_dim)
+    ref, out = run_both(world, meta, x, w, b, slots, config={"block_n": block_n})
+    assert_close(out, ref, x @ w.T + b)
+
+
+def test_split_k_partials_in_half_precision(monkeypatch):
+    """d_in 512 in fp16: the shrink splits K, so the kernel sums several partials per rank row."""
+    splits = []
+    shrink = lora_linear.lora_shrink
+    monkeypatch.setattr(lora_linear, "lora_shrink", lambda *a, **k: (s := shrink(*a, **k), splits.append(
+        s.plan.split_k))[0])
+    world = build_world(d_in=512, dtype=torch.float16, page=256)
+    meta, x, w, b, slots = inputs(world, 6, mix="zipf")
+    ref, out = run_both(world, meta, x, w, b, slots)
+    assert splits and splits[0] > 1
+    assert_close(out, ref, x @ w.T + b)
+
+
 @pytest.mark.parametrize("stacked", [True, False])
 def test_rank_chunks_and_scale(stacked):
     world = build_world(slots=[{"q_proj": 24, "k_proj": 3, "v_proj": 16}, {"q_proj": 2, "k_proj": 2, "v_proj": 2}])
@@ -82,7 +133,7 @@ def test_either_path_of_the_shrink_feeds_the_fused_kernel(grouped):
     world = build_world()
     meta, x, w, b, slots = inputs(world, 12, mix="skewed")
     batch = plan_lora_batch(slots, meta.num_slots, grouped=grouped, block_m=16 if grouped else None)
-    assert batch.grouped == grouped and fused_linear(12, meta, batch)
+    assert batch.grouped == grouped and fused_linear(12, meta)
     ref, out = run_both(world, meta, x, w, b, slots, batch=batch)
     assert_close(out, ref, x @ w.T + b)
 
@@ -90,8 +141,8 @@ def test_either_path_of_the_shrink_feeds_the_fused_kernel(grouped):
 def test_larger_batches_and_max_tokens_0_take_the_separate_launches(monkeypatch):
     world = build_world()
     meta, x, w, b, slots = inputs(world, 20)
-    assert not fused_linear(20, meta, plan_lora_batch(slots, meta.num_slots))
-    assert not fused_linear(8, meta, plan_lora_batch(slots[:8], meta.num_slots), {"max_tokens": 0})
+    assert not fused_linear(20, meta)
+    assert not fused_linear(8, meta, {"max_tokens": 0})
     launched = []
     monkeypatch.setattr(lora_linear, "launch", lambda *a, **k: launched.append(a[0]))
     ref, out = run_both(world, meta, x, w, b, slots)
@@ -126,9 +177,28 @@ def test_gpu_matches_reference_at_model_shapes(count, shape):
 
     s = bench.setup(shape, count, layers=1)
     args = (s["x"], s["w"][0], s["bias"], s["pool"], s["table"], s["slots"], s["meta"])
-    assert fused_linear(count, s["meta"], plan_lora_batch(s["slots"], s["meta"].num_slots))
+    assert fused_linear(count, s["meta"])
     ref, out = linear_lora_ref(*args), linear_lora(*args)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     base = s["x"] @ s["w"][0].T + (0 if s["bias"] is None else s["bias"])
     lora = s["slots"] >= 0
     assert not torch.allclose(ref[lora].float(), base[lora].float(), atol=2e-2)  # the deltas count
+
+
+def test_benchmark_times_the_fused_kernel_against_the_separate_launches(monkeypatch):
+    """benchmarks/kernels_lora_linear.py at a toy shape on the CPU: its fused runs launch the kernel though
+    the engine's default has it off, its separate runs do not, and its check compares the two."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import kernels_lora_linear as bench
+
+    monkeypatch.setitem(lora_linear.LINEAR, "max_tokens", 0)  # the default
+    monkeypatch.setitem(bench.SHAPES, "toy", ((64, 2, 1, 32), QKV, 8, True))
+    s = bench.setup("toy", 10, layers=2, device="cpu", dtype=torch.float32)
+    launched = []
+    real = lora_linear.launch
+    monkeypatch.setattr(lora_linear, "launch", lambda kernel, *a, **k: (launched.append(kernel), real(kernel, *a, **k)))
+    bench.separate(s)()
+    assert launched == []
+    bench.fused(s)()
+    assert len(launched) == 2  # one per layer
+    assert bench.check(s) < 1e-5

@@ -266,7 +266,7 @@ class DecoderLM:
     def _project(self, x, w, bias, pool_l, meta, ctx: _Context) -> torch.Tensor:
         """``x @ w.T (+ bias)`` plus the LoRA delta of ``meta``'s targets (None: the layer has no LoRA
         for them)."""
-        if self._has_lora(meta, ctx):  # decode sizes: the shrink, then the projection with the delta in one kernel
+        if self._has_lora(meta, ctx):  # the projection and its delta (`linear_lora`: separate launches or one kernel)
             return self.ops.linear_lora(x, w, bias, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
                                         batch=ctx.plan, early=True)  # (the shrink may start as x's writer drains)
         y = x @ w.T
