@@ -30,8 +30,8 @@ took 33.3 us for qkv (2880 -> 5120; 32.0 us the best for qkv alone) against 27.9
 launches, and 20.9 us for o (4096 -> 2880) against 23.6 us.  In the engine (setup (a)'s batch, one
 process: fused, separate, fused again) the LoRA decode step took 11.76, 11.60 and 11.67 ms with the host
 hidden.  qkv's 29.5 MB of W in 33.3 us (the shrink included) is 0.9 TB/s, a fifth of the read
-bandwidth: the GEMM part is what is slow, so ``max_tokens`` is 0 by default: the engine runs the separate launches, and the kernel is there for
-``LINEAR["max_tokens"] = 16`` (benchmarks: ``--linear-config``).
+bandwidth: the GEMM part is what is slow.  So ``max_tokens`` is 0 by default and the engine runs the
+separate launches; ``LINEAR["max_tokens"] = 16`` turns the kernel on (benchmarks: ``--linear-config``).
 """
 
 from __future__ import annotations

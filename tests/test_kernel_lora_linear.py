@@ -56,7 +56,8 @@ def test_fused_kernel_matches_reference(dtype, mix, count, bias):
         torch.testing.assert_close(out[t].float(), base[t].float(), rtol=1e-5, atol=2e-3)
 
 
-@pytest.mark.parametrize("block_n, block_k, stacked", [(16, 64, True), (32, 32, False), (64, 64, True), (32, 64, False)])
+@pytest.mark.parametrize("block_n, block_k, stacked",
+                         [(16, 64, True), (32, 32, False), (64, 64, True), (32, 64, False)])
 def test_layer_without_a_target_uneven_d_in_and_tile_widths(block_n, block_k, stacked):
     """Layer 1: slots lack v_proj (rank-0 columns get no delta); d_in 96 is not a multiple of 64 (a
     masked K tail); k and v are 32 wide, so 64-wide tiles are part masked and narrower ones part idle."""
