@@ -133,6 +133,12 @@ class DecodeFloor:
                 total += 3 * h * m.intermediate_size
         return total
 
+    def experts(self, per_layer: float) -> float:
+        """Elements of ``per_layer`` experts' weights in every MoE layer (`weights` counts `experts_touched`)."""
+        m = self.model
+        return sum(m.is_moe_layer(i) for i in range(m.num_layers)) * per_layer * 3 * m.hidden_size \
+            * m.expert_intermediate_size
+
     def lora(self, adapter_tokens: list[int]) -> float:
         """Elements of LoRA weights read: each adapter's dense targets, and the experts its tokens touch."""
         return sum(self.lora_dense + experts_touched(self.model, t) * self.lora_expert for t in adapter_tokens)

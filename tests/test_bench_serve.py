@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import serve
@@ -55,6 +56,43 @@ def test_setup_a_reports_throughput_ttft_and_the_decode_floor(runs):
     assert a["floor_bytes"] == a["floor_weights_bytes"] + a["floor_lora_bytes"] + a["floor_kv_bytes"]
     assert min(a["floor_lora_bytes"], a["floor_kv_bytes"]) > 0 and a["step_over_floor"] > 0
     assert a["floor_s"] == pytest.approx(a["floor_bytes"] / a["memory_bytes_per_s"], rel=1e-3, abs=1e-6)
+
+
+def test_setup_a_counts_the_experts_its_decode_steps_touch(runs):
+    (a,) = runs[0]["a"]
+    (probe,) = runs[0]["a-experts"]
+    assert probe["label"] == a["label"] and probe["decode_batch"] == a["decode_batch"] == 3
+    assert probe["layer_calls"] > 0  # full-batch decode steps of every MoE layer were watched
+    assert probe["top_k"] <= probe["experts_touched"] <= min(probe["experts"], 3 * probe["top_k"])
+    e, k = probe["experts"], probe["top_k"]
+    assert probe["experts_touched_uniform"] == pytest.approx(e * (1 - (1 - k / e) ** 3), abs=0.01)
+    more = probe["experts_touched"] > probe["experts_touched_uniform"]  # more experts: a larger floor
+    assert (probe["floor_bytes_measured"] > probe["floor_bytes"]) == more
+    assert (probe["step_over_measured_floor"] < probe["step_over_floor"]) == more
+
+
+def test_the_expert_probe_watches_routing_of_the_batch_only_and_restores_the_engine(monkeypatch):
+    """`serve_experts.probe` on a stand-in engine: graphs off and ops swapped while it drives, both back after."""
+    import serve_experts
+    from unipage.models.ops import TORCH
+
+    seen = {}
+    runner = type("Runner", (), {"graphs": "graphs", "mixed": "mixed", "model": type("M", (), {"ops": TORCH})()})()
+    engine = type("Engine", (), {"runner": runner, "vocab_size": 50})()
+
+    def drive(eng, work, progress_s):
+        seen["graphs"] = (runner.graphs, runner.mixed)
+        route = runner.model.ops.route
+        for tokens in (5, 2, 2):  # a prefill of 5 tokens, then two decode steps of the batch
+            route(torch.randn(tokens, 8), 2, True)
+        seen["work"] = work
+
+    monkeypatch.setattr(serve_experts.drv, "drive", drive)
+    work = serve_experts.drv.Workload("w", [[1, 2, 3]] * 4, ["x", "y", "x", "y"], [4] * 4, 2)
+    counts = serve_experts.probe(engine, work, batch=2, steps=3, seed=0)
+    assert len(counts) == 2 and all(2 <= c <= 4 for c in counts)
+    assert seen["graphs"] == (None, None) and seen["work"].outputs == [3, 3] and seen["work"].concurrency == 2
+    assert (runner.graphs, runner.mixed, runner.model.ops) == ("graphs", "mixed", TORCH)
 
 
 def test_setup_b_compares_lora_with_the_base_model(runs):
@@ -268,6 +306,7 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
     (["--setup", "c", "--counts", "0", "5"], "--counts must be >= 1"),
     (["--setup", "c", "--repeats", "0"], "--repeats must be >= 1"),
     (["--setup", "a", "--piece-layers", "4", "-1"], "--piece-layers must be >= 0"),
+    (["--setup", "a", "--expert-probe-steps", "-1"], "--expert-probe-steps must be >= 0"),
     (["--setup", "c", "--piece-layers", "4"], "--piece-layers is for setups a and b"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
