@@ -19,10 +19,11 @@ every request is greedy with an exact output length, no stop tokens):
   ``"bandwidth": "read"`` used the copy bandwidth (bytes read and written),
   which is well below what reads reach (H200: 2.7 against 4.4 TB/s), so
   their ``step_over_floor`` flatters the engine.  The floor counts the experts
-  a step reads as under uniform routing; a row ``a-experts`` follows, from
-  ``--expert-probe-steps`` eager decode steps of the same batch after the run
-  (`serve_experts`): the experts each MoE layer really touched, and the step
-  over the floor with that count (``step_over_measured_floor``).
+  a step reads as under uniform routing; a row ``a-experts`` follows, from an
+  eager probe of the same batch after the run (`serve_experts`; requests of
+  ``--expert-probe-tokens`` output tokens): the experts each MoE layer's
+  full-batch decode step really touched, and the step over the floor with that
+  count for the base experts (``step_over_measured_floor``).
 - ``b``: Llama-3.1-8B and Qwen3-30B-A3B shapes, N requests submitted at once,
   1K in / 1K out, up to 256 running; first with no adapter, then 16 adapters
   round-robin on every linear layer: the throughput ratio.
@@ -227,9 +228,9 @@ def setup_a(ctx: Context) -> None:
     key, engine, _, names, work = round_robin_run(ctx, "gpt-oss-20b", "all", "a", "", a.concurrency)
     for variant in piece_variants(ctx, engine, work):
         record = measure(ctx, engine, variant, setup="a", key=key, targets="all", rank=a.rank, names=names)
-    if a.expert_probe_steps:  # the experts the decode steps really touch, against the floor's uniform count
-        steps = min(a.expert_probe_steps, a.output)  # (the engine's max_model_len fits the workload's lengths)
-        counts = serve_experts.probe(engine, work, record["decode_batch"], steps, a.seed + 1000)
+    if a.expert_probe_tokens and "decode_batch" in record:  # the experts decode steps really touch
+        tokens = min(a.expert_probe_tokens, a.output)  # (the engine's max_model_len fits the workload's lengths)
+        counts = serve_experts.probe(engine, work, record["decode_batch"], tokens, a.seed + 1000)
         floor = sm.DecodeFloor(engine.hf_config, engine.config.model, "all", a.rank)
         emit(serve_experts.row(record, counts, floor, ctx.bandwidth), ctx.out)
 
@@ -457,8 +458,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--piece-layers", nargs="+", type=int, default=None, metavar="N",
                    help="a, b: run each workload once per value, the decode graphs in pieces of N layers (0: one "
                         "graph a step; unipage.graphs.PIECE_LAYERS), in one process")
-    p.add_argument("--expert-probe-steps", type=int, default=16,
-                   help="a: decode steps of the eager probe counting the experts touched (0: none)")
+    p.add_argument("--expert-probe-tokens", type=int, default=32,
+                   help="a: output tokens of each request of the eager probe counting the experts touched (the "
+                        "first come out of prefill steps; 0: no probe)")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--workdir", default=None, help="model configs and adapters (kept; default: a temp dir)")
@@ -477,8 +479,8 @@ def parse(argv=None) -> argparse.Namespace:
         args.prefill_coalesce_steps = 0
     if args.prefill_coalesce_steps < 0:
         p.error(f"--prefill-coalesce-steps must be >= 0, got {args.prefill_coalesce_steps}")
-    if args.expert_probe_steps < 0:
-        p.error(f"--expert-probe-steps must be >= 0, got {args.expert_probe_steps}")
+    if args.expert_probe_tokens < 0:
+        p.error(f"--expert-probe-tokens must be >= 0, got {args.expert_probe_tokens}")
     for name in ("requests", "concurrency", "prompt", "output", "adapters", "rank", "max_running", "repeats"):
         value = getattr(args, name, None)
         if value is not None and value < 1:

@@ -62,13 +62,31 @@ def test_setup_a_counts_the_experts_its_decode_steps_touch(runs):
     (a,) = runs[0]["a"]
     (probe,) = runs[0]["a-experts"]
     assert probe["label"] == a["label"] and probe["decode_batch"] == a["decode_batch"] == 3
-    assert probe["layer_calls"] > 0  # full-batch decode steps of every MoE layer were watched
+    assert probe["layer_calls"] == 3 * 2  # 4 tokens a request: a prefill step, then 3 decode steps; 2 MoE layers
     assert probe["top_k"] <= probe["experts_touched"] <= min(probe["experts"], 3 * probe["top_k"])
     e, k = probe["experts"], probe["top_k"]
     assert probe["experts_touched_uniform"] == pytest.approx(e * (1 - (1 - k / e) ** 3), abs=0.01)
-    more = probe["experts_touched"] > probe["experts_touched_uniform"]  # more experts: a larger floor
-    assert (probe["floor_bytes_measured"] > probe["floor_bytes"]) == more
-    assert (probe["step_over_measured_floor"] < probe["step_over_floor"]) == more
+    config = serve_models.hf_config("gpt-oss-20b", tiny=True)  # one expert's gate/up and down, fp32
+    assert probe["expert_bytes"] == 2 * 3 * config.hidden_size * config.intermediate_size * 4
+    extra = (probe["experts_touched"] - probe["experts_touched_uniform"]) * probe["expert_bytes"]
+    assert probe["floor_bytes_measured"] == pytest.approx(probe["floor_bytes"] + extra,
+                                                          abs=0.01 * probe["expert_bytes"])
+    ratio = a["decode_step_s"] * a["memory_bytes_per_s"] / probe["floor_bytes_measured"]
+    assert probe["step_over_measured_floor"] == pytest.approx(ratio, rel=1e-2)
+
+
+def test_a_probe_too_short_for_a_decode_step_reports_no_measured_floor():
+    import serve_experts
+
+    floor = serve_models.DecodeFloor({"vocab_size": 10}, ModelConfig(
+        num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, num_experts=4, top_k=1,
+        expert_intermediate_size=4, dtype="float32"), "all", rank=1)
+    record = {"row": "a", "label": "a-x", "model": "x", "decode_batch": 2, "floor_bytes": 1000,
+              "step_over_floor": 2.0, "decode_step_s": 0.01, "commit": "c"}
+    row = serve_experts.row(record, [], floor, 1e5)
+    assert row["layer_calls"] == 0 and "experts_touched" not in row and "step_over_measured_floor" not in row
+    row = serve_experts.row(record, [1, 2], floor, 1e5)  # 1.5 experts against 1.75 uniform: a smaller floor
+    assert row["floor_bytes_measured"] == round(1000 - 0.25 * 3 * 8 * 4 * 4)
 
 
 def test_the_expert_probe_watches_routing_of_the_batch_only_and_restores_the_engine(monkeypatch):
@@ -89,7 +107,7 @@ def test_the_expert_probe_watches_routing_of_the_batch_only_and_restores_the_eng
 
     monkeypatch.setattr(serve_experts.drv, "drive", drive)
     work = serve_experts.drv.Workload("w", [[1, 2, 3]] * 4, ["x", "y", "x", "y"], [4] * 4, 2)
-    counts = serve_experts.probe(engine, work, batch=2, steps=3, seed=0)
+    counts = serve_experts.probe(engine, work, batch=2, tokens=3, seed=0)
     assert len(counts) == 2 and all(2 <= c <= 4 for c in counts)
     assert seen["graphs"] == (None, None) and seen["work"].outputs == [3, 3] and seen["work"].concurrency == 2
     assert (runner.graphs, runner.mixed, runner.model.ops) == ("graphs", "mixed", TORCH)
@@ -306,7 +324,7 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
     (["--setup", "c", "--counts", "0", "5"], "--counts must be >= 1"),
     (["--setup", "c", "--repeats", "0"], "--repeats must be >= 1"),
     (["--setup", "a", "--piece-layers", "4", "-1"], "--piece-layers must be >= 0"),
-    (["--setup", "a", "--expert-probe-steps", "-1"], "--expert-probe-steps must be >= 0"),
+    (["--setup", "a", "--expert-probe-tokens", "-1"], "--expert-probe-tokens must be >= 0"),
     (["--setup", "c", "--piece-layers", "4"], "--piece-layers is for setups a and b"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
