@@ -213,7 +213,7 @@ def linear_ab(engine: Engine, args) -> dict:
 
     def switch(max_tokens: int) -> None:
         lora_linear.LINEAR["max_tokens"] = max_tokens
-        engine.runner.graphs.set_piece_layers(engine.runner.graphs.piece_layers)  # drops the captured graphs
+        engine.runner.graphs.drop()  # the captured graphs hold the other launches
 
     return {"max_tokens": other, **_a_b_a(engine, args, "other", lambda: switch(other), lambda: switch(before))}
 

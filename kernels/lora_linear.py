@@ -78,7 +78,8 @@ def _k_step(x_rows, w_cols, k, m_ok, n_ok, d_in, MASK_K: tl.constexpr, MASK_N: t
 @triton.jit
 def _b_starts(tables, virt, ok, LOG2_P: tl.constexpr):
     """Pool element offsets (int64) of the B columns from virtual element ``virt`` of each row's slot buffer
-    (page-table rows ``tables``): a row's BN columns lie inside one 64-run, so inside one page."""
+    (page-table rows ``tables``): a row's BN columns lie inside one 64-run, so inside one page.  Not
+    `lora._run_starts`, whose offsets carry a 64-alignment hint: these start BN-aligned."""
     page = tl.load(tables + (virt >> LOG2_P), mask=ok, other=0)
     return page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1))
 
@@ -233,12 +234,12 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
     """
     _check_weight(x, w, bias, meta)
     cfg = LINEAR | (config or {})
-    _check_config(cfg)
     if batch is None:
         batch = plan_lora_batch(token_slots, meta.num_slots)
     if not fused_linear(x.shape[0], meta, cfg):
         y = _projection(x, w, bias)
         return lora_shrink_expand(y, x, pool, page_table, token_slots, meta, batch=batch, scale=scale, early=early)
+    _check_config(cfg)  # (only here: the engine's default path pays nothing for settings it does not use)
     block_n = cfg["block_n"]
     shrunk = lora_shrink(x, pool, page_table, token_slots, meta, batch=batch, early=early)
     plan, count = shrunk.plan, x.shape[0]

@@ -196,7 +196,7 @@ class DecodeGraphs:
         """Capture steps from now on in pieces of ``layers`` layers (`piece_bounds`; 0: one graph a step);
         the graphs captured so far are dropped."""
         self.piece_layers, self.bounds = layers, piece_bounds(len(self.model.layers), layers)
-        self._drop()
+        self.drop()
 
     def accepts(self, num_scheduled: list[int], tables: list[list[int]]) -> bool:
         """Whether the step is a decode step these graphs cover."""
@@ -206,7 +206,7 @@ class DecodeGraphs:
     def run(self, seqs) -> torch.Tensor:
         """Hidden states ``[B, H]`` (after the final norm) of one decode step of ``seqs`` (`SeqState`s)."""
         if self.lora.generation != self.generation:
-            self._drop()
+            self.drop()
         count = len(seqs)
         bucket = next(b for b in self.buckets if b >= count)
         key = (bucket, self.lora.page_table is not None and any(seq.slot >= 0 for seq in seqs))
@@ -225,7 +225,7 @@ class DecodeGraphs:
         without the LoRA kernels where adapters are resident; returns the graphs captured."""
         self.lora.refresh()
         if self.lora.generation != self.generation:
-            self._drop()
+            self.drop()
         variants = (False, True) if self.lora.page_table is not None else (False,)
         before = len(self.graphs)
         for bucket in reversed(self.buckets):
@@ -238,9 +238,10 @@ class DecodeGraphs:
                     self.captures += 1
         return len(self.graphs) - before
 
-    def _drop(self) -> None:
-        """Forget the graphs (the LoRA tables changed shape); their memory pool goes with them, so
-        later captures take a new one (PyTorch does not reuse a pool whose graphs are all gone)."""
+    def drop(self) -> None:
+        """Forget the graphs (the LoRA tables changed shape, or a launch setting the captures baked in did);
+        their memory pool goes with them, so later captures take a new one (PyTorch does not reuse a pool
+        whose graphs are all gone).  Steps capture again as they need them."""
         self.graphs.clear()
         self.mempool = torch.cuda.graph_pool_handle()
         self.generation = self.lora.generation
