@@ -11,7 +11,8 @@ the base model and for the adapters round-robin: ``--running`` requests with
 are timed without the profiler (median wall time per step, synchronised) and
 ``--steps`` more are profiled (CUDA graphs, as served); the timed steps also give the host time
 before each step's decode graph run call and of that call (``*_pre_graph_ms``, ``*_graph_call_ms``:
-is a step bound by the host?), and as many steps more are timed queued behind a sleep kernel that keeps
+is a step bound by the host?  ``*_graph_fill_ms``: the call's input fill, the rest being the replay's launch),
+and as many steps more are timed queued behind a sleep kernel that keeps
 the GPU busy while the host prepares them (``*_hidden_host_ms``: the step time less the host time the
 GPU waits for; ``*_unhidden_steps``: those whose host work outlasted the sleep); ``--piece-layers N``
 times both again with the decode graphs in pieces of N layers, then with one graph again (``*_pieces``:
@@ -120,11 +121,12 @@ def graph_calls(engine: Engine, hook):
         del graphs.run  # the bound method again
 
 
-def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None]:
+def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None, float | None]:
     """Medians over ``steps`` engine steps, each synchronised (no profiler): the wall seconds of a step;
     the host seconds from its start to its decode graph's run call, and of that call (filling the graph's
     inputs and launching its replay; no sync inside): a step whose call takes longer than its GPU work,
-    or starts late, is bound by the host.  None for the two without decode graphs."""
+    or starts late, is bound by the host; and of the call's input fill.  None for the three without decode
+    graphs."""
     marks = {}
 
     def run(real, seqs):
@@ -133,8 +135,8 @@ def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None
         marks["back"] = time.perf_counter()
         return hidden
 
-    times, pre, calls = [], [], []
-    with graph_calls(engine, run):
+    times, pre, calls, fills = [], [], [], []
+    with graph_calls(engine, run), _timed_fill(engine, fills):
         for _ in range(steps):
             torch.cuda.synchronize()
             marks.clear()
@@ -146,7 +148,29 @@ def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None
                 pre.append(marks["call"] - start)
                 calls.append(marks["back"] - marks["call"])
     median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
-    return statistics.median(times), median(pre), median(calls)
+    return statistics.median(times), median(pre), median(calls), median(fills)
+
+
+@contextlib.contextmanager
+def _timed_fill(engine: Engine, fills: list[float]):
+    """Meanwhile the host seconds of each decode graph input fill (`DecodeGraphs._fill`: the pinned rows
+    and their copies; the rest of a run call is the replay) go to ``fills``."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        yield
+        return
+    real = graphs._fill
+
+    def fill(seqs, bucket):
+        start = time.perf_counter()
+        real(seqs, bucket)
+        fills.append(time.perf_counter() - start)
+
+    graphs._fill = fill
+    try:
+        yield
+    finally:
+        del graphs._fill
 
 
 def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> tuple[float, int]:
@@ -186,11 +210,11 @@ def busy_wait(engine: Engine, steps: int, hold_ms: float = 6.0) -> tuple[float, 
 
 def decode_times(engine: Engine, steps: int) -> dict:
     """`timed` and `busy_wait` over ``steps`` decode steps each, in milliseconds."""
-    step, pre, call = timed(engine, steps)
+    step, pre, call, fill = timed(engine, steps)
     hidden, late = busy_wait(engine, steps)
     ms = lambda s: None if s is None else round(s * 1e3, 3)  # noqa: E731
     return {"step_ms": ms(step), "hidden_host_ms": ms(hidden), "unhidden_steps": late, "pre_graph_ms": ms(pre),
-            "graph_call_ms": ms(call)}
+            "graph_call_ms": ms(call), "graph_fill_ms": ms(fill)}
 
 
 def pieces_ab(engine: Engine, args) -> dict:
@@ -352,7 +376,8 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call
-            row |= {f"{kind}_{name}": runs[kind]["times"][name] for name in ("pre_graph_ms", "graph_call_ms")}
+            row |= {f"{kind}_{name}": runs[kind]["times"][name]
+                    for name in ("pre_graph_ms", "graph_call_ms", "graph_fill_ms")}
     return row | {"base_profiled_ms": round(base_wall * 1e3, 3), "lora_profiled_ms": round(lora_wall * 1e3, 3),
                   "base_device_us": round(sum(base.values()), 1), "lora_device_us": round(sum(lora.values()), 1),
                   "lora_extra_us_per_layer": extra,
