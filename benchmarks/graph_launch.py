@@ -14,7 +14,14 @@ the call never waits for queue space), and the replay's device time:
   launch, the kernel waiting on its predecessor with ``gdc_wait``);
 - ``triton_args<N>_ints``: N/2 tensors and N/2 int arguments.
 
-``us_per_node`` is the host time of the call over the nodes.
+``us_per_node`` is the host time of the call over the nodes.  Then the engine's own launches, ``--calls``
+of each in one graph at setup (a)'s decode batch (GPT-OSS-20B, 16 tokens, 8 adapters of rank 32), with
+``us_per_call`` the host time over the calls:
+
+- ``qkv_matmul``: the qkv projection with its bias (cuBLAS and an add);
+- ``qkv_lora``: the same with its LoRA as the engine runs it (`lora_linear` off: the matmul, the bias, the
+  shrink launched early as the matmul's dependent, the expand); ``qkv_lora_late``: the shrink not early;
+- ``experts`` and ``experts_lora``: `fused_experts` without and with the experts' LoRA (random routing).
 """
 
 from __future__ import annotations
@@ -91,10 +98,53 @@ def measure(kind: str, count: int, pdl: bool, nodes: int, reps: int) -> dict:
             "device_us": round(statistics.median(device), 1)}
 
 
+def _engine_ops(calls: int) -> dict:
+    """The engine-launch cases of the module docstring: name -> one call's launches."""
+    import kernels_lora_linear as kll
+    import kernels_moe as km
+
+    from unipage.kernels.fused_moe import fused_experts
+    from unipage.kernels.lora_linear import linear_lora
+    from unipage.kernels.lora_meta import plan_lora_batch
+
+    d = kll.setup("gpt-oss-20b qkv", 16, layers=1)
+    batch = plan_lora_batch(d["slots"], d["meta"].num_slots)
+    args = (d["x"], d["w"][0], d["bias"], d["pool"], d["table"], d["slots"], d["meta"])
+    off = {"max_tokens": 0}
+    m = km.setup("gpt-oss-20b")
+    b = km.batch(m, 16)
+    experts = (b["x"], m["w_gate_up"], m["w_down"], b["topk_weights"], b["topk_ids"])
+    return {"qkv_matmul": lambda: torch.addmm(d["bias"], d["x"], d["w"][0].T),
+            "qkv_lora": lambda: linear_lora(*args, batch=batch, config=off, early=True),
+            "qkv_lora_late": lambda: linear_lora(*args, batch=batch, config=off, early=False),
+            "experts": lambda: fused_experts(*experts),
+            "experts_lora": lambda: fused_experts(*experts, b["lora"])}
+
+
+def measure_op(name: str, one, calls: int, reps: int) -> dict:
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            one()
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        host.append(time.perf_counter() - t0)
+    us = statistics.median(host) * 1e6
+    return {"bench": "graph_launch", "kind": name, "calls": calls, "launch_us": round(us, 1),
+            "us_per_call": round(us / calls, 2)}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=200)
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--calls", type=int, default=24, help="engine launches per graph (a step's layers)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -108,6 +158,8 @@ def main(argv=None) -> None:
     with sink as out:
         for kind, count, pdl in cases:
             emit(measure(kind, count, pdl, args.nodes, args.reps), out)
+        for name, one in _engine_ops(args.calls).items():
+            emit(measure_op(name, one, args.calls, args.reps), out)
 
 
 if __name__ == "__main__":
