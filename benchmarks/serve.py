@@ -2,6 +2,7 @@
 
     python benchmarks/serve.py --setup a [--requests 48] [--layers N] [--out FILE] [--log-dir DIR]
                                          [--piece-layers 0 4 0 4]   # an A/B of the decode graphs' pieces
+                                         [--linear-configs '{"side_tokens": 0}' '{"side_tokens": 64}']
     python benchmarks/serve.py --setup b [--models llama3-8b qwen3-30b-a3b] [--requests 1024]
     python benchmarks/serve.py --setup c [--counts 5 50 500 5000] [--repeats 3] [--workdir DIR]
     python benchmarks/serve.py --setup d [--requests 128]
@@ -51,6 +52,9 @@ every request is greedy with an exact output length, no stop tokens):
 same engine, its decode CUDA graphs cut into pieces of N layers before each
 run (0: one graph a step), later runs on prompts of their own seed: an A/B
 free of the process-to-process spread (b's ratio row needs a single value).
+``--linear-configs JSON [JSON ...]`` (a, b) likewise, once per launch setting of the
+projections' LoRA (`lora_linear.LINEAR`, the run's ``--linear-config`` under each;
+the decode graphs captured anew for each run, whose row says ``linear``).
 
 Progress goes to stderr.  ``--tiny`` runs every setup at toy width on the CPU
 (the test does); ``--layers`` cuts a model's depth to fit a smaller GPU.
@@ -226,13 +230,40 @@ def adapters_for(ctx: Context, model, count: int, rank: int, targets: str, tag: 
 def setup_a(ctx: Context) -> None:
     a = ctx.args
     key, engine, _, names, work = round_robin_run(ctx, "gpt-oss-20b", "all", "a", "", a.concurrency)
-    for variant in piece_variants(ctx, engine, work):
+    for variant in variants(ctx, engine, work):
         record = measure(ctx, engine, variant, setup="a", key=key, targets="all", rank=a.rank, names=names)
     if a.expert_probe_tokens and "decode_batch" in record:  # the experts decode steps really touch
         tokens = min(a.expert_probe_tokens, a.output)  # (the engine's max_model_len fits the workload's lengths)
         counts = serve_experts.probe(engine, work, record["decode_batch"], tokens, a.seed + 1000)
         floor = sm.DecodeFloor(engine.hf_config, engine.config.model, "all", a.rank)
         emit(serve_experts.row(record, counts, floor, ctx.bandwidth), ctx.out)
+
+
+def variants(ctx: Context, engine: Engine, work: drv.Workload):
+    """`piece_variants` or, with ``--linear-configs``, `linear_variants` (they exclude each other)."""
+    return (linear_variants if ctx.args.linear_configs else piece_variants)(ctx, engine, work)
+
+
+def linear_variants(ctx: Context, engine: Engine, work: drv.Workload):
+    """``work`` once per ``--linear-configs`` entry, `lora_linear.LINEAR` set to the run's own settings updated by
+    that entry and the decode graphs dropped (they hold the launches of the settings they were captured with)
+    before each run: an A/B in one process.  Runs get prompts as in `piece_variants`, names ``-l<i>``;
+    `lora_linear.LINEAR` is left at the last entry's."""
+    if engine.runner.graphs is None:
+        raise SystemExit("--linear-configs needs the decode CUDA graphs (a CUDA device, --cuda-graphs all or decode)")
+    base = dict(lora_linear.LINEAR)
+    for i, entry in enumerate(ctx.args.linear_configs):
+        lora_linear.LINEAR.clear()
+        lora_linear.LINEAR.update(base | entry)
+        engine.runner.graphs.drop()
+        yield _fresh_prompts(ctx, engine, work, f"{work.name}-l{i}", i)
+
+
+def _fresh_prompts(ctx: Context, engine: Engine, work: drv.Workload, name: str, i: int) -> drv.Workload:
+    """``work`` named ``name``; after the first run (``i`` > 0) on prompts of their own seed (no prefix hits)."""
+    prompts = drv.make_workload("", len(work.prompts), len(work.prompts[0]), 1, work.adapters, work.concurrency,
+                                engine.vocab_size, ctx.args.seed + i).prompts
+    return dataclasses.replace(work, name=name, prompts=prompts)
 
 
 def piece_variants(ctx: Context, engine: Engine, work: drv.Workload):
@@ -247,9 +278,7 @@ def piece_variants(ctx: Context, engine: Engine, work: drv.Workload):
         raise SystemExit("--piece-layers needs the decode CUDA graphs (a CUDA device, --cuda-graphs all or decode)")
     for i, layers in enumerate(values):
         engine.runner.graphs.set_piece_layers(layers)
-        prompts = drv.make_workload("", len(work.prompts), len(work.prompts[0]), 1, work.adapters,
-                                    work.concurrency, engine.vocab_size, ctx.args.seed + i).prompts
-        yield dataclasses.replace(work, name=f"{work.name}-p{layers}-{i}", prompts=prompts)
+        yield _fresh_prompts(ctx, engine, work, f"{work.name}-p{layers}-{i}", i)
 
 
 def round_robin_run(ctx: Context, shape: str, targets: str, setup: str, suffix: str, concurrency: int):
@@ -280,10 +309,10 @@ def setup_b(ctx: Context) -> None:
                 continue
             work = drv.make_workload(f"b-{key}-{label}", a.requests, a.prompt, a.output, per_request, a.requests,
                                      engine.vocab_size, a.seed)
-            for variant in piece_variants(ctx, engine, work):
+            for variant in variants(ctx, engine, work):
                 results[label] = measure(ctx, engine, variant, setup="b", key=key, targets="all", rank=a.rank,
                                          names=names if label == "lora" else [])
-        if len(results) == 2 and len(a.piece_layers or [0]) == 1:  # (--b-runs may ask for one of the pair)
+        if len(results) == 2 and len(a.piece_layers or a.linear_configs or [0]) == 1:  # (--b-runs: one of them)
             emit_b_ratio(ctx, key, results)
         free(engine)
         engine = None
@@ -463,6 +492,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "first come out of prefill steps; 0: no probe)")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
+    p.add_argument("--linear-configs", nargs="+", type=json.loads, default=None, metavar="JSON",
+                   help="a, b: run each workload once per entry, each merged into lora_linear.LINEAR (after "
+                        "--linear-config), in one process")
     p.add_argument("--workdir", default=None, help="model configs and adapters (kept; default: a temp dir)")
     p.add_argument("--out", default=None, help="append JSON lines here (default: stdout)")
     p.add_argument("--log-dir", default=None, help="write one run log per run here (for --setup calibrate)")
@@ -489,6 +521,10 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--piece-layers must be >= 0, got {args.piece_layers}")
     if args.piece_layers and args.setup not in ("a", "b"):
         p.error(f"--piece-layers is for setups a and b, not {args.setup}")
+    if args.linear_configs and (args.setup not in ("a", "b") or args.piece_layers):
+        p.error("--linear-configs is for setups a and b, without --piece-layers")
+    if args.linear_configs and not all(isinstance(c, dict) for c in args.linear_configs):
+        p.error(f"--linear-configs entries must be JSON objects, got {args.linear_configs}")
     if args.setup == "c" and min(args.counts) < 1:
         p.error(f"--counts must be >= 1, got {args.counts}")
     return args

@@ -19,7 +19,11 @@ starts after the kernel that wrote it; an early one starts its dependents only a
 for that kernel), and nothing else writes what the kernel reads before the wait.
 
 `linear_lora` takes the kernel for batches of at most ``LINEAR["max_tokens"]`` tokens; otherwise it runs
-the matmul, the bias add and `lora.lora_shrink_expand`.
+the matmul, the bias add and `lora.lora_shrink_expand`.  Those separate launches have a variant for CUDA
+batches of at most ``LINEAR["side_tokens"]`` tokens: the shrink runs on a side stream beside the matmul
+and the bias add (it reads only ``x``, the tables and the plan), and the expand follows both on the
+current stream.  At decode sizes both the matmul and the shrink are latency-bound and far from the read
+bandwidth, so the shrink runs in what the matmul leaves idle instead of after it.
 
 Status (H200, bf16, 16 tokens over 8 adapters of rank 32, GPT-OSS-20B's attention; rows in
 benchmarks/results/kernels-lora-linear-h200.jsonl and lora-breakdown-h200.jsonl): it agrees with the
@@ -41,16 +45,17 @@ import triton
 import triton.language as tl
 from unipage.kernels.common import finish_early, gdc_wait
 from unipage.kernels.launch import launch
-from unipage.kernels.lora import _sum_splits, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
+from unipage.kernels.lora import _sum_splits, lora_expand, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
 from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, next_pow2, plan_lora_batch
 
-__all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear"]
+__all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear", "side_stream"]
 
 # Launch settings: block_n, block_k, num_warps and stacked are the best of benchmarks/kernels_lora_linear.py
 # --tune on an H200 (GPT-OSS-20B's qkv and o at 16 tokens); rank_chunk and num_stages were not swept.
 # max_tokens 0 (the default: see the status above) turns the kernel off; at most MAX_TOKENS.
+# side_tokens: the separate launches' shrink on a side stream for batches of at most this many tokens (0: never).
 LINEAR = {"max_tokens": 0, "block_n": 32, "block_k": 128, "rank_chunk": 32, "stacked": True, "num_warps": 4,
-          "num_stages": 4}
+          "num_stages": 4, "side_tokens": 0}
 MAX_TOKENS = 64  # the kernel holds every token in one tile (and BM x rank_chunk stacked B rows)
 TILE = 64  # width of the column tiles of `DenseLoraMeta.col_tile_table` that a program's tile lies in
 
@@ -230,13 +235,18 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
     rest as for `lora.lora_shrink_expand`.  ``config`` overrides `LINEAR`.  ``early``: the shrink is
     launched as a programmatic dependent of the kernel before it (see `lora.lora_shrink`; the engine:
     whatever wrote ``x``).  Batches `fused_linear` refuses run the matmul, the bias add and
-    `lora.lora_shrink_expand` instead.
+    `lora.lora_shrink_expand` instead, CUDA batches of at most ``side_tokens`` tokens with the shrink on
+    `side_stream` beside the matmul (not early then: no kernel before it on that stream).
     """
     _check_weight(x, w, bias, meta)
     cfg = LINEAR | (config or {})
+    if not isinstance(cfg["side_tokens"], int) or cfg["side_tokens"] < 0:
+        raise ValueError(f"linear_lora: config side_tokens must be an int >= 0, got {cfg['side_tokens']!r}")
     if batch is None:
         batch = plan_lora_batch(token_slots, meta.num_slots)
     if not fused_linear(x.shape[0], meta, cfg):
+        if x.is_cuda and 0 < x.shape[0] <= cfg["side_tokens"] and meta.max_rank > 0:
+            return _beside(x, w, bias, pool, page_table, token_slots, meta, batch, scale)
         y = _projection(x, w, bias)
         return lora_shrink_expand(y, x, pool, page_table, token_slots, meta, batch=batch, scale=scale, early=early)
     _check_config(cfg)  # (only here: the engine's default path pays nothing for settings it does not use)
@@ -257,6 +267,35 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
            FP32=x.dtype == torch.float32, STACKED=cfg["stacked"], USE_PDL=pdl,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
     return y
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of ``device`` on which `linear_lora` runs its beside-the-matmul shrinks (made once)."""
+    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def _beside(x, w, bias, pool, page_table, token_slots, meta, batch, scale) -> torch.Tensor:
+    """The separate launches with the shrink on the side stream, beside the matmul and the bias add; the
+    expand on the current stream after both (a plain launch: its programmatic primary would be the add).
+
+    Memory: the partials are allocated on the side stream and read by the expand here.  When they are freed,
+    the allocator may hand their block to the side stream's next allocation, the next call's partials; that
+    shrink runs after the next fork, which waits for this expand.  ``x`` (the current stream's) is last read
+    by the shrink, which the join orders before anything later on the current stream."""
+    main = torch.cuda.current_stream(x.device)
+    side = side_stream(x.device)
+    side.wait_stream(main)  # fork: x, the tables and the plan are ready
+    with torch.cuda.stream(side):
+        shrunk = lora_shrink(x, pool, page_table, token_slots, meta, batch=batch)
+    y = _projection(x, w, bias)
+    main.wait_stream(side)  # join
+    return lora_expand(y, shrunk, scale=scale)
 
 
 def linear_lora_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pool: torch.Tensor,

@@ -374,9 +374,13 @@ def test_the_committed_profiles_are_valid():
 class _Graphs:
     def __init__(self):
         self.calls = []
+        self.drops = 0
 
     def set_piece_layers(self, layers):
         self.calls.append(layers)
+
+    def drop(self):
+        self.drops += 1
 
 
 def _engine(graphs):
@@ -407,3 +411,29 @@ def test_piece_variants_without_the_flag_and_without_graphs():
     asked = type("Ctx", (), {"args": serve.parse(["--setup", "a", "--piece-layers", "4"])})()
     with pytest.raises(SystemExit, match="needs the decode CUDA graphs"):
         list(serve.piece_variants(asked, _engine(None), work))
+
+
+def test_linear_variants_set_each_entry_over_the_run_settings(monkeypatch):
+    monkeypatch.setattr(serve.lora_linear, "LINEAR", {"max_tokens": 0, "side_tokens": 0, "block_n": 32})
+    args = serve.parse(["--setup", "a", "--linear-configs", '{"side_tokens": 64}', '{}', '{"max_tokens": 16}'])
+    ctx = type("Ctx", (), {"args": args})()
+    work = serve.drv.make_workload("a-x", 3, 5, 2, ["p", None, "q"], 2, 50, args.seed)
+    graphs, seen = _Graphs(), []
+    for variant in serve.variants(ctx, _engine(graphs), work):
+        seen.append((variant.name, dict(serve.lora_linear.LINEAR), graphs.drops))
+    assert seen == [("a-x-l0", {"max_tokens": 0, "side_tokens": 64, "block_n": 32}, 1),
+                    ("a-x-l1", {"max_tokens": 0, "side_tokens": 0, "block_n": 32}, 2),  # not the entry before's
+                    ("a-x-l2", {"max_tokens": 16, "side_tokens": 0, "block_n": 32}, 3)]
+    with pytest.raises(SystemExit, match="needs the decode CUDA graphs"):
+        list(serve.variants(ctx, _engine(None), work))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--setup", "c", "--linear-configs", "{}"], "--linear-configs is for setups a and b"),
+    (["--setup", "a", "--piece-layers", "4", "--linear-configs", "{}"], "without --piece-layers"),
+    (["--setup", "a", "--linear-configs", "[1]"], "must be JSON objects"),
+])
+def test_linear_configs_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse(argv)
+    assert message in capsys.readouterr().err
