@@ -1,5 +1,5 @@
 """GPU benchmark of the fused decode projection (`lora_linear.linear_lora`) against the separate launches it
-replaces (``x @ W.T``, the bias add, `lora.lora_shrink_expand`), JSON lines.
+replaces (``x @ W.T`` with its bias, `lora.lora_shrink_expand`), JSON lines.
 
     python benchmarks/kernels_lora_linear.py [--tokens 1 16] [--out FILE]
     python benchmarks/kernels_lora_linear.py --tune [--best FILE]   # sweep the launch settings

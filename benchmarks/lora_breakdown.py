@@ -1,7 +1,7 @@
 """Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
-                                        [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab] [--side-ab]
+                                        [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
                                         [--linear-config JSON] [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
@@ -19,9 +19,7 @@ times both again with the decode graphs in pieces of N layers, then with one gra
 ``pieces`` and ``after``, an A-B-A within the process); ``--linear-ab`` times the LoRA run's steps with
 the projections' LoRA the other way, the fused decode projection (`lora_linear`) against separate launches
 (matmul, bias, shrink, expand), then as before (``lora_linear_ab``: ``max_tokens`` of the other way,
-``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); ``--side-ab`` likewise
-with the separate launches' shrinks on a side stream beside the matmul or not (``lora_side_ab``:
-``side_tokens`` of the other way); then ``--prefill``
+``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -63,7 +61,6 @@ from unipage.models.weights import read_config
 
 GREEDY = SamplingParams(temperature=0)
 FUSED_TOKENS = 16  # --linear-ab: the fused decode projection for up to this many tokens
-SIDE_TOKENS = 64  # --side-ab: the projections' LoRA shrinks on a side stream for up to this many tokens
 NAME_CHARS = 60  # kernel names are cut to this many characters (templated names run to pages)
 
 
@@ -231,19 +228,18 @@ def pieces_ab(engine: Engine, args) -> dict:
                      lambda: graphs.set_piece_layers(before))}
 
 
-def linear_ab(engine: Engine, args, key: str = "max_tokens", on: int = FUSED_TOKENS) -> dict:
-    """Decode steps timed with the projections' LoRA the other way (`lora_linear.LINEAR`'s ``key``, by default
-    ``max_tokens``: the fused decode projection if the engine runs the separate launches, else those; or
-    ``side_tokens``: their shrinks on a side stream or not), graphs captured anew, then as before
-    (``after``), as `pieces_ab` does."""
-    before = lora_linear.LINEAR[key]
-    other = 0 if before else on
+def linear_ab(engine: Engine, args) -> dict:
+    """Decode steps timed with the projections' LoRA the other way (`lora_linear.LINEAR`'s ``max_tokens``: the
+    fused decode projection if the engine runs the separate launches, else those), graphs captured anew,
+    then as before (``after``), as `pieces_ab` does."""
+    before = lora_linear.LINEAR["max_tokens"]
+    other = 0 if before else FUSED_TOKENS
 
-    def switch(value: int) -> None:
-        lora_linear.LINEAR[key] = value
+    def switch(max_tokens: int) -> None:
+        lora_linear.LINEAR["max_tokens"] = max_tokens
         engine.runner.graphs.drop()  # the captured graphs hold the other launches
 
-    return {key: other, **_a_b_a(engine, args, "other", lambda: switch(other), lambda: switch(before))}
+    return {"max_tokens": other, **_a_b_a(engine, args, "other", lambda: switch(other), lambda: switch(before))}
 
 
 def _a_b_a(engine: Engine, args, name: str, change, restore) -> dict:
@@ -287,8 +283,6 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
         out["pieces"] = pieces_ab(engine, args)
     if args.linear_ab and any(adapters):  # the projections' LoRA the other way (fused / separate), then back
         out["linear_ab"] = linear_ab(engine, args)
-    if args.side_ab and any(adapters):  # the projections' LoRA shrinks beside them or after them, then back
-        out["side_ab"] = linear_ab(engine, args, "side_tokens", SIDE_TOKENS)
     out["decode"] = profiled(engine, args.steps)[:2]
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
@@ -333,9 +327,6 @@ def main(argv=None) -> None:
     p.add_argument("--linear-ab", action="store_true",
                    help="also time the LoRA run's decode steps with the projections' LoRA the other way (fused "
                         "into the decode projection, `lora_linear`, or separate launches), then as before")
-    p.add_argument("--side-ab", action="store_true",
-                   help="also time the LoRA run's decode steps with the projections' LoRA shrinks on a side stream "
-                        "beside the matmul or not (the other way), then as before")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
@@ -381,7 +372,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            for ab in ("pieces", "linear_ab", "side_ab"):
+            for ab in ("pieces", "linear_ab"):
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call

@@ -4,13 +4,13 @@ Shape legend as in `lora`: T tokens (at most ``BM``), D = d_in, C output columns
 ``meta``, in order, covering ``W``'s rows), J slices, RB the rank block.
 
 At decode sizes a projection is a read of ``W`` (T is 16 at setup (a)), and the separate path launches
-three kernels after it, with a gap before each: the bias add, the shrink and the expand (a
-read-modify-write of ``y``).  Here the shrink runs first (`lora.lora_shrink`, which writes the
+two kernels after it, with a gap before each: the shrink and the expand (a read-modify-write of
+``y``).  Here the shrink runs first (`lora.lora_shrink`, which writes the
 Split-K partials of ``h = x @ A.T``) and one kernel then does the rest: each program takes all T
 tokens and a column tile of ``BN`` columns inside one slice, streams its rows of ``W`` over
 ``D``, and in its epilogue adds the bias and, per token, ``round(h) @ B[slot]`` for its columns,
-the B rows read from the slot's pool pages.  Rounding is the separate path's: the product is
-rounded to the model dtype, the bias added and rounded, then the delta added in fp32 and rounded.
+the B rows read from the slot's pool pages.  Rounding is the separate path's: the product plus the bias
+is rounded to the model dtype (`F.linear`), then the delta added in fp32 and rounded.
 
 On Hopper+ the kernel is a programmatic dependent of the shrink: it streams ``W`` while the
 shrink runs and waits (``gdc_wait``) only before it reads the partials, so the shrink costs
@@ -19,11 +19,7 @@ starts after the kernel that wrote it; an early one starts its dependents only a
 for that kernel), and nothing else writes what the kernel reads before the wait.
 
 `linear_lora` takes the kernel for batches of at most ``LINEAR["max_tokens"]`` tokens; otherwise it runs
-the matmul, the bias add and `lora.lora_shrink_expand`.  Those separate launches have a variant for CUDA
-batches of at most ``LINEAR["side_tokens"]`` tokens: the shrink runs on a side stream beside the matmul
-and the bias add (it reads only ``x``, the tables and the plan), and the expand follows both on the
-current stream.  At decode sizes both the matmul and the shrink are latency-bound and far from the read
-bandwidth, so the shrink runs in what the matmul leaves idle instead of after it.
+the matmul with its bias (`F.linear`) and `lora.lora_shrink_expand`.
 
 Status (H200, bf16, 16 tokens over 8 adapters of rank 32, GPT-OSS-20B's attention; rows in
 benchmarks/results/kernels-lora-linear-h200.jsonl and lora-breakdown-h200.jsonl): it agrees with the
@@ -41,21 +37,21 @@ separate launches; ``LINEAR["max_tokens"] = 16`` turns the kernel on (benchmarks
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from unipage.kernels.common import finish_early, gdc_wait
 from unipage.kernels.launch import launch
-from unipage.kernels.lora import _sum_splits, lora_expand, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
+from unipage.kernels.lora import _sum_splits, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
 from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, next_pow2, plan_lora_batch
 
-__all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear", "side_stream"]
+__all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear"]
 
 # Launch settings: block_n, block_k, num_warps and stacked are the best of benchmarks/kernels_lora_linear.py
 # --tune on an H200 (GPT-OSS-20B's qkv and o at 16 tokens); rank_chunk and num_stages were not swept.
 # max_tokens 0 (the default: see the status above) turns the kernel off; at most MAX_TOKENS.
-# side_tokens: the separate launches' shrink on a side stream for batches of at most this many tokens (0: never).
 LINEAR = {"max_tokens": 0, "block_n": 32, "block_k": 128, "rank_chunk": 32, "stacked": True, "num_warps": 4,
-          "num_stages": 4, "side_tokens": 0}
+          "num_stages": 4}
 MAX_TOKENS = 64  # the kernel holds every token in one tile (and BM x rank_chunk stacked B rows)
 TILE = 64  # width of the column tiles of `DenseLoraMeta.col_tile_table` that a program's tile lies in
 
@@ -129,9 +125,9 @@ def _linear_lora_kernel(
     if not EVEN_K:  # the tail of K
         acc += _k_step(x_rows, w_cols, d_in // BK * BK + k, m_ok, n_ok, d_in, True, True, FP32)
     dtype = y_ptr.dtype.element_ty
+    if HAS_BIAS:  # into the product before it is rounded, as the separate path's F.linear does
+        acc += tl.load(bias_ptr + col, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = acc.to(dtype)
-    if HAS_BIAS:
-        out = (out.to(tl.float32) + tl.load(bias_ptr + col, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
     # the LoRA delta: per token, round(h) @ B[slot] over this tile's columns (B rows from pool pages)
     slots = tl.load(token_slots_ptr + m, mask=m_ok, other=-1)
     has = slots >= 0
@@ -219,9 +215,9 @@ def _check_config(cfg: dict) -> None:
 
 
 def _projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` in torch: the separate path's first two launches, and the reference's."""
-    y = x @ w.T
-    return y if bias is None else y + bias
+    """``x @ w.T (+ bias)`` in torch, the bias in the GEMM's epilogue (one launch, one rounding, as
+    transformers' ``nn.Linear``): the separate path's first launch, and the reference's."""
+    return F.linear(x, w, bias)
 
 
 def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pool: torch.Tensor,
@@ -234,19 +230,14 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
     ``w`` [C, D] contiguous, the model dtype (the slices' columns in order); ``bias`` [C] or None; the
     rest as for `lora.lora_shrink_expand`.  ``config`` overrides `LINEAR`.  ``early``: the shrink is
     launched as a programmatic dependent of the kernel before it (see `lora.lora_shrink`; the engine:
-    whatever wrote ``x``).  Batches `fused_linear` refuses run the matmul, the bias add and
-    `lora.lora_shrink_expand` instead, CUDA batches of at most ``side_tokens`` tokens with the shrink on
-    `side_stream` beside the matmul (not early then: no kernel before it on that stream).
+    whatever wrote ``x``).  Batches `fused_linear` refuses run the matmul with its bias and
+    `lora.lora_shrink_expand` instead.
     """
     _check_weight(x, w, bias, meta)
     cfg = LINEAR | (config or {})
-    if not isinstance(cfg["side_tokens"], int) or cfg["side_tokens"] < 0:
-        raise ValueError(f"linear_lora: config side_tokens must be an int >= 0, got {cfg['side_tokens']!r}")
     if batch is None:
         batch = plan_lora_batch(token_slots, meta.num_slots)
     if not fused_linear(x.shape[0], meta, cfg):
-        if x.is_cuda and 0 < x.shape[0] <= cfg["side_tokens"] and meta.max_rank > 0:
-            return _beside(x, w, bias, pool, page_table, token_slots, meta, batch, scale)
         y = _projection(x, w, bias)
         return lora_shrink_expand(y, x, pool, page_table, token_slots, meta, batch=batch, scale=scale, early=early)
     _check_config(cfg)  # (only here: the engine's default path pays nothing for settings it does not use)
@@ -269,39 +260,10 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
     return y
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of ``device`` on which `linear_lora` runs its beside-the-matmul shrinks (made once)."""
-    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
-
-
-def _beside(x, w, bias, pool, page_table, token_slots, meta, batch, scale) -> torch.Tensor:
-    """The separate launches with the shrink on the side stream, beside the matmul and the bias add; the
-    expand on the current stream after both (a plain launch: its programmatic primary would be the add).
-
-    Memory: the partials are allocated on the side stream and read by the expand here.  When they are freed,
-    the allocator may hand their block to the side stream's next allocation, the next call's partials; that
-    shrink runs after the next fork, which waits for this expand.  ``x`` (the current stream's) is last read
-    by the shrink, which the join orders before anything later on the current stream."""
-    main = torch.cuda.current_stream(x.device)
-    side = side_stream(x.device)
-    side.wait_stream(main)  # fork: x, the tables and the plan are ready
-    with torch.cuda.stream(side):
-        shrunk = lora_shrink(x, pool, page_table, token_slots, meta, batch=batch)
-    y = _projection(x, w, bias)
-    main.wait_stream(side)  # join
-    return lora_expand(y, shrunk, scale=scale)
-
-
 def linear_lora_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pool: torch.Tensor,
                     page_table: torch.Tensor, token_slots: torch.Tensor, meta: DenseLoraMeta, *,
                     batch: LoraBatch | None = None, scale: float = 1.0, config: dict | None = None,
                     early: bool = False) -> torch.Tensor:
-    """Torch version of `linear_lora` (same signature): the matmul, the bias add, `lora_shrink_expand_ref`."""
+    """Torch version of `linear_lora` (same signature): `F.linear`, then `lora_shrink_expand_ref`."""
     _check_weight(x, w, bias, meta)
     return lora_shrink_expand_ref(_projection(x, w, bias), x, pool, page_table, token_slots, meta, scale=scale)

@@ -165,19 +165,6 @@ def test_bad_weights_and_config_are_refused():
         linear_lora(x, w, b[:-1], *args)
     with pytest.raises(ValueError, match="block_n"):
         linear_lora(x, w, b, *args, config={"block_n": 128})
-    for bad in (-1, 1.5, "16"):
-        with pytest.raises(ValueError, match="side_tokens"):
-            linear_lora(x, w, b, *args, config={"max_tokens": 0, "side_tokens": bad})
-
-
-def test_side_stream_setting_leaves_cpu_batches_on_one_path(monkeypatch):
-    """``side_tokens`` asks for the shrink on a CUDA side stream; a CPU batch (the interpreter) takes the
-    separate launches as before, with the same result."""
-    world = build_world()
-    meta, x, w, b, slots = inputs(world, 6)
-    monkeypatch.setattr(lora_linear, "side_stream", lambda device: pytest.fail("no side stream on the CPU"))
-    ref, out = run_both(world, meta, x, w, b, slots, config={"max_tokens": 0, "side_tokens": 64})
-    assert_close(out, ref, x @ w.T + b)
 
 
 @pytest.mark.gpu
@@ -197,30 +184,6 @@ def test_gpu_matches_reference_at_model_shapes(count, shape):
     base = s["x"] @ s["w"][0].T + (0 if s["bias"] is None else s["bias"])
     lora = s["slots"] >= 0
     assert not torch.allclose(ref[lora].float(), base[lora].float(), atol=2e-2)  # the deltas count
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["gpt-oss-20b qkv", "qwen3-30b-a3b o"])
-def test_gpu_side_stream_shrink_equals_one_stream(shape):
-    """The separate launches with the shrink on the side stream give the one-stream result bit for bit (the
-    same kernels), eagerly and replayed from a CUDA graph captured across both streams."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    import kernels_lora_linear as bench
-
-    s = bench.setup(shape, 16, layers=1)
-    args = (s["x"], s["w"][0], s["bias"], s["pool"], s["table"], s["slots"], s["meta"])
-    batch = plan_lora_batch(s["slots"], s["meta"].num_slots)
-    plain = linear_lora(*args, batch=batch, config={"max_tokens": 0}, early=True)
-    side = {"max_tokens": 0, "side_tokens": 16}
-    assert torch.equal(linear_lora(*args, batch=batch, config=side), plain)
-    graph, out = torch.cuda.CUDAGraph(), None
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = linear_lora(*args, batch=batch, config=side)
-    s["x"].copy_(torch.randn_like(s["x"]))  # new inputs in place: the replay must read them
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, linear_lora(*args, batch=batch, config={"max_tokens": 0}))
 
 
 def test_benchmark_times_the_fused_kernel_against_the_separate_launches(monkeypatch):

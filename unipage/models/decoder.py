@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from unipage.config import ModelConfig
 from unipage.errors import CheckpointError
@@ -269,8 +270,7 @@ class DecoderLM:
         if self._has_lora(meta, ctx):  # the projection and its delta (`linear_lora`: separate launches or one kernel)
             return self.ops.linear_lora(x, w, bias, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
                                         batch=ctx.plan, early=True)  # (the shrink may start as x's writer drains)
-        y = x @ w.T
-        return y if bias is None else y + bias
+        return F.linear(x, w, bias)  # (the bias in the GEMM's epilogue: one launch, one rounding)
 
     @staticmethod
     def _has_lora(meta, ctx: _Context) -> bool:
