@@ -3,6 +3,7 @@ replaces (``x @ W.T`` with its bias, `lora.lora_shrink_expand`), JSON lines.
 
     python benchmarks/kernels_lora_linear.py [--tokens 1 16] [--out FILE]
     python benchmarks/kernels_lora_linear.py --tune [--best FILE]   # sweep the launch settings
+    python benchmarks/kernels_lora_linear.py --projection [--tokens 1 16 64 256 2048]   # the bias, no LoRA
 
 Shapes: the attention projections (qkv with its bias, o) of GPT-OSS-20B (rank 32) and Qwen3-30B-A3B
 (rank 8), bf16, 8 adapters in shuffled pool pages, tokens round-robin over the adapters with every
@@ -11,6 +12,9 @@ their own (so W comes from HBM, as in a decode step), L2 flushed before each rep
 Per row: ``fused_us`` and ``separate_us``; ``floor_us``: the bytes a projection must read (W, the bias,
 x, the LoRA weights of the adapters present) over the read bandwidth measured in the run.  ``--tune``
 times every setting of `SWEEP` on every shape and writes the best over them all to ``--best`` as JSON.
+``--projection`` times the base projection alone at the shapes with a bias, three ways (rows
+``projection_bias``): ``x @ W.T`` then the bias add (two launches), ``F.linear`` (the bias in cuBLAS's
+epilogue, what the engine runs) and ``x @ W.T`` without the bias.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import emit, read_bandwidth, time_graph
@@ -147,11 +152,25 @@ def bench(args, out) -> None:
               "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
 
 
+def projection(args, out) -> None:
+    """The ``--projection`` rows: per shape with a bias and token count, the three ways of the docstring."""
+    for name, tokens in itertools.product([n for n in args.shapes if SHAPES[n][3]], args.tokens):
+        s = setup(name, tokens)
+        x, b = s["x"], s["bias"]
+        ways = {"matmul_add_us": lambda: [x @ w.T + b for w in s["w"]],
+                "linear_us": lambda: [F.linear(x, w, b) for w in s["w"]],
+                "matmul_only_us": lambda: [x @ w.T for w in s["w"]]}
+        emit({"bench": "projection_bias", "shape": name, "tokens": tokens,
+              **{key: round(per_layer_us(run), 2) for key, run in ways.items()},
+              "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
     p.add_argument("--tune", action="store_true", help="sweep the launch settings instead")
+    p.add_argument("--projection", action="store_true", help="time the projections' bias add three ways instead")
     p.add_argument("--best", default=None, help="--tune: write the best setting here (JSON)")
     p.add_argument("--config", default=None, help="JSON merged into lora_linear.LINEAR first")
     p.add_argument("--out", default=None)
@@ -161,7 +180,7 @@ def main(argv=None) -> None:
     LINEAR.update(json.loads(args.config or "{}"))
     with open(args.out, "a") if args.out else open(os.devnull, "w") as f:
         out = f if args.out else sys.stdout
-        (tune if args.tune else bench)(args, out)
+        (tune if args.tune else projection if args.projection else bench)(args, out)
 
 
 if __name__ == "__main__":

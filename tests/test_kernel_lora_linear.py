@@ -203,3 +203,32 @@ def test_benchmark_times_the_fused_kernel_against_the_separate_launches(monkeypa
     bench.fused(s)()
     assert len(launched) == 2  # one per layer
     assert bench.check(s) < 1e-5
+
+
+def test_benchmark_projection_rows_time_three_ways_at_the_shapes_with_a_bias(monkeypatch):
+    """kernels_lora_linear --projection on the CPU at toy shapes: one row per shape with a bias and token
+    count, its three timings each of calls that give the projection (the timer replaced: it needs CUDA)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import kernels_lora_linear as bench
+
+    shapes = {"toy": ((64, 2, 1, 32), QKV, 8, True), "toy-no-bias": ((64, 2, 1, 32), ("o_proj",), 8, False)}
+    monkeypatch.setattr(bench, "SHAPES", shapes)
+    real_setup = bench.setup
+    monkeypatch.setattr(bench, "setup", lambda name, tokens: real_setup(name, tokens, 2, "cpu", torch.float32))
+    results = []
+
+    def timed(run):
+        results.append(run())
+        return 1.0
+
+    monkeypatch.setattr(bench, "per_layer_us", timed)
+    rows = []
+    monkeypatch.setattr(bench, "emit", lambda row, out: rows.append(row))
+    args = type("Args", (), {"shapes": list(shapes), "tokens": [1, 3]})()
+    bench.projection(args, None)
+    assert [(r["shape"], r["tokens"]) for r in rows] == [("toy", 1), ("toy", 3)]
+    assert all(r["matmul_add_us"] == r["linear_us"] == r["matmul_only_us"] == 1.0 for r in rows)
+    add, linear, plain = results[:3]
+    for a, b, c in zip(add, linear, plain):  # two layers each
+        torch.testing.assert_close(a, b)
+        assert not torch.allclose(a, c)  # the bias counts
