@@ -71,16 +71,21 @@ def _launches(kind: str, count: int, pdl: bool, buf: torch.Tensor):
     return lambda: kernel[(1,)](*args, PDL=pdl, **extra)
 
 
-def measure(kind: str, count: int, pdl: bool, nodes: int, reps: int) -> dict:
-    buf = torch.zeros(64, device="cuda", dtype=torch.float32)
-    one = _launches(kind, count, pdl, buf)
+def _graph_of(one, count: int) -> torch.cuda.CUDAGraph:
+    """A graph of ``count`` calls of ``one`` (warmed up first: compiles, cuBLAS handles)."""
     for _ in range(3):
         one()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(nodes):
+        for _ in range(count):
             one()
+    return graph
+
+
+def _replays(graph: torch.cuda.CUDAGraph, reps: int) -> tuple[float, float]:
+    """Medians over ``reps`` replays, the GPU idle before each: the host microseconds of the ``replay()``
+    call and the replay's device microseconds."""
     host, device = [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(reps):
@@ -92,10 +97,14 @@ def measure(kind: str, count: int, pdl: bool, nodes: int, reps: int) -> dict:
         end.record()
         end.synchronize()
         device.append(start.elapsed_time(end) * 1e3)
-    us = statistics.median(host) * 1e6
+    return statistics.median(host) * 1e6, statistics.median(device)
+
+
+def measure(kind: str, count: int, pdl: bool, nodes: int, reps: int) -> dict:
+    buf = torch.zeros(64, device="cuda", dtype=torch.float32)
+    us, device_us = _replays(_graph_of(_launches(kind, count, pdl, buf), nodes), reps)
     return {"bench": "graph_launch", "kind": kind, "args": count, "pdl": pdl, "nodes": nodes,
-            "launch_us": round(us, 1), "us_per_node": round(us / nodes, 3),
-            "device_us": round(statistics.median(device), 1)}
+            "launch_us": round(us, 1), "us_per_node": round(us / nodes, 3), "device_us": round(device_us, 1)}
 
 
 def _engine_ops(calls: int) -> dict:
@@ -122,22 +131,9 @@ def _engine_ops(calls: int) -> dict:
 
 
 def measure_op(name: str, one, calls: int, reps: int) -> dict:
-    for _ in range(3):
-        one()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            one()
-    host = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graph.replay()
-        host.append(time.perf_counter() - t0)
-    us = statistics.median(host) * 1e6
+    us, device_us = _replays(_graph_of(one, calls), reps)
     return {"bench": "graph_launch", "kind": name, "calls": calls, "launch_us": round(us, 1),
-            "us_per_call": round(us / calls, 2)}
+            "us_per_call": round(us / calls, 2), "device_us": round(device_us, 1)}
 
 
 def main(argv=None) -> None:
