@@ -12,15 +12,16 @@ the call never waits for queue space), and the replay's device time:
 - ``triton_args<N>``: a Triton kernel of N tensor arguments (it reads the first
   and writes the last), plain, and with ``launch_pdl`` (programmatic dependent
   launch, the kernel waiting on its predecessor with ``gdc_wait``);
-- ``triton_args<N>_ints``: N/2 tensors and N/2 int arguments.
+- ``triton_args<N>_ints``: N/2 tensors and N/2 int arguments (values from 2: none that Triton
+  specialises away as 1).
 
 ``us_per_node`` is the host time of the call over the nodes.  Then the engine's own launches, ``--calls``
 of each in one graph at setup (a)'s decode batch (GPT-OSS-20B, 16 tokens, 8 adapters of rank 32), with
 ``us_per_call`` the host time over the calls:
 
-- ``qkv_matmul``: the qkv projection with its bias (cuBLAS and an add);
-- ``qkv_lora``: the same with its LoRA as the engine runs it (`lora_linear` off: the matmul, the bias, the
-  shrink launched early as the matmul's dependent, the expand); ``qkv_lora_late``: the shrink not early;
+- ``qkv_matmul``: the qkv projection with its bias (`F.linear`: one cuBLAS launch);
+- ``qkv_lora``: the same with its LoRA as the engine runs it (`lora_linear` off: the projection, the
+  shrink launched early as its dependent, the expand); ``qkv_lora_late``: the shrink not early;
 - ``experts`` and ``experts_lora``: `fused_experts` without and with the experts' LoRA (random routing).
 """
 
@@ -34,6 +35,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from timing import emit
@@ -64,7 +66,7 @@ def _launches(kind: str, count: int, pdl: bool, buf: torch.Tensor):
         return lambda: buf.add_(1)
     kernel = _kernel(count)
     if kind.endswith("_ints"):
-        args = [buf] * (count // 2) + list(range(1, count - count // 2)) + [buf]
+        args = [buf] * (count // 2 - 1) + list(range(2, 2 + count - count // 2)) + [buf]
     else:
         args = [buf] * count
     extra = {"launch_pdl": True} if pdl else {}
@@ -107,7 +109,7 @@ def measure(kind: str, count: int, pdl: bool, nodes: int, reps: int) -> dict:
             "launch_us": round(us, 1), "us_per_node": round(us / nodes, 3), "device_us": round(device_us, 1)}
 
 
-def _engine_ops(calls: int) -> dict:
+def _engine_ops() -> dict:
     """The engine-launch cases of the module docstring: name -> one call's launches."""
     import kernels_lora_linear as kll
     import kernels_moe as km
@@ -123,7 +125,7 @@ def _engine_ops(calls: int) -> dict:
     m = km.setup("gpt-oss-20b")
     b = km.batch(m, 16)
     experts = (b["x"], m["w_gate_up"], m["w_down"], b["topk_weights"], b["topk_ids"])
-    return {"qkv_matmul": lambda: torch.addmm(d["bias"], d["x"], d["w"][0].T),
+    return {"qkv_matmul": lambda: F.linear(d["x"], d["w"][0], d["bias"]),
             "qkv_lora": lambda: linear_lora(*args, batch=batch, config=off, early=True),
             "qkv_lora_late": lambda: linear_lora(*args, batch=batch, config=off, early=False),
             "experts": lambda: fused_experts(*experts),
@@ -154,7 +156,7 @@ def main(argv=None) -> None:
     with sink as out:
         for kind, count, pdl in cases:
             emit(measure(kind, count, pdl, args.nodes, args.reps), out)
-        for name, one in _engine_ops(args.calls).items():
+        for name, one in _engine_ops().items():
             emit(measure_op(name, one, args.calls, args.reps), out)
 
 

@@ -169,8 +169,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
-    p.add_argument("--tune", action="store_true", help="sweep the launch settings instead")
-    p.add_argument("--projection", action="store_true", help="time the projections' bias add three ways instead")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--tune", action="store_true", help="sweep the launch settings instead")
+    mode.add_argument("--projection", action="store_true",
+                      help="time the projections with a bias three ways instead (no LoRA)")
     p.add_argument("--best", default=None, help="--tune: write the best setting here (JSON)")
     p.add_argument("--config", default=None, help="JSON merged into lora_linear.LINEAR first")
     p.add_argument("--out", default=None)

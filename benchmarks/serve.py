@@ -2,7 +2,7 @@
 
     python benchmarks/serve.py --setup a [--requests 48] [--layers N] [--out FILE] [--log-dir DIR]
                                          [--piece-layers 0 4 0 4]   # an A/B of the decode graphs' pieces
-                                         [--linear-configs '{"side_tokens": 0}' '{"side_tokens": 64}']
+                                         [--linear-configs '{"max_tokens": 0}' '{"max_tokens": 16}']
     python benchmarks/serve.py --setup b [--models llama3-8b qwen3-30b-a3b] [--requests 1024]
     python benchmarks/serve.py --setup c [--counts 5 50 500 5000] [--repeats 3] [--workdir DIR]
     python benchmarks/serve.py --setup d [--requests 128]
@@ -54,7 +54,7 @@ run (0: one graph a step), later runs on prompts of their own seed: an A/B
 free of the process-to-process spread (b's ratio row needs a single value).
 ``--linear-configs JSON [JSON ...]`` (a, b) likewise, once per launch setting of the
 projections' LoRA (`lora_linear.LINEAR`, the run's ``--linear-config`` under each;
-the decode graphs captured anew for each run, whose row says ``linear``).
+the decode and mixed-step graphs captured anew for each run, whose row says ``linear``).
 
 Progress goes to stderr.  ``--tiny`` runs every setup at toy width on the CPU
 (the test does); ``--layers`` cuts a model's depth to fit a smaller GPU.
@@ -245,18 +245,27 @@ def variants(ctx: Context, engine: Engine, work: drv.Workload):
 
 
 def linear_variants(ctx: Context, engine: Engine, work: drv.Workload):
-    """``work`` once per ``--linear-configs`` entry, `lora_linear.LINEAR` set to the run's own settings updated by
-    that entry and the decode graphs dropped (they hold the launches of the settings they were captured with)
-    before each run: an A/B in one process.  Runs get prompts as in `piece_variants`, names ``-l<i>``;
-    `lora_linear.LINEAR` is left at the last entry's."""
-    if engine.runner.graphs is None:
-        raise SystemExit("--linear-configs needs the decode CUDA graphs (a CUDA device, --cuda-graphs all or decode)")
-    base = dict(lora_linear.LINEAR)
-    for i, entry in enumerate(ctx.args.linear_configs):
-        lora_linear.LINEAR.clear()
-        lora_linear.LINEAR.update(base | entry)
-        engine.runner.graphs.drop()
-        yield _fresh_prompts(ctx, engine, work, f"{work.name}-l{i}", i)
+    """``work`` once per ``--linear-configs`` entry, `lora_linear.LINEAR` set to the run's own settings
+    (``ctx.args.linear_base``: the defaults under ``--linear-config``) updated by that entry, and the CUDA
+    graphs dropped (they hold the launches of the settings they were captured with) before each run: an A/B
+    in one process.  Runs get prompts as in `piece_variants`, names ``-l<i>``.  After the last (or an
+    abandoned) run `lora_linear.LINEAR` is the run's own settings again, its graphs dropped."""
+    try:
+        for i, entry in enumerate(ctx.args.linear_configs):
+            _set_linear(engine, ctx.args.linear_base | entry)
+            yield _fresh_prompts(ctx, engine, work, f"{work.name}-l{i}", i)
+    finally:
+        _set_linear(engine, ctx.args.linear_base)
+
+
+def _set_linear(engine: Engine, settings: dict) -> None:
+    """`lora_linear.LINEAR` = ``settings``; the engine's CUDA graphs (decode and mixed, where it has them)
+    dropped, to be captured with them."""
+    lora_linear.LINEAR.clear()
+    lora_linear.LINEAR.update(settings)
+    for graphs in (engine.runner.graphs, engine.runner.mixed):
+        if graphs is not None:
+            graphs.drop()
 
 
 def _fresh_prompts(ctx: Context, engine: Engine, work: drv.Workload, name: str, i: int) -> drv.Workload:
@@ -492,7 +501,7 @@ def parse(argv=None) -> argparse.Namespace:
                         "first come out of prefill steps; 0: no probe)")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
-    p.add_argument("--linear-configs", nargs="+", type=json.loads, default=None, metavar="JSON",
+    p.add_argument("--linear-configs", nargs="+", type=json_object, default=None, metavar="JSON",
                    help="a, b: run each workload once per entry, each merged into lora_linear.LINEAR (after "
                         "--linear-config), in one process")
     p.add_argument("--workdir", default=None, help="model configs and adapters (kept; default: a temp dir)")
@@ -523,16 +532,35 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--piece-layers is for setups a and b, not {args.setup}")
     if args.linear_configs and (args.setup not in ("a", "b") or args.piece_layers):
         p.error("--linear-configs is for setups a and b, without --piece-layers")
-    if args.linear_configs and not all(isinstance(c, dict) for c in args.linear_configs):
-        p.error(f"--linear-configs entries must be JSON objects, got {args.linear_configs}")
+    try:
+        args.linear_base = {**lora_linear.LINEAR, **json_object(args.linear_config or "{}")}
+    except ValueError as exc:
+        p.error(f"--linear-config: {exc}")
+    for entry in args.linear_configs or []:
+        unknown = set(entry) - set(lora_linear.LINEAR)
+        if unknown:
+            p.error(f"--linear-configs: unknown settings {sorted(unknown)}; lora_linear.LINEAR has "
+                    f"{sorted(lora_linear.LINEAR)}")
+        try:
+            lora_linear.check_config(args.linear_base | entry)
+        except ValueError as exc:
+            p.error(f"--linear-configs: {exc}")
     if args.setup == "c" and min(args.counts) < 1:
         p.error(f"--counts must be >= 1, got {args.counts}")
     return args
 
 
+def json_object(text: str) -> dict:
+    """A JSON object from the command line (argparse reports the ValueError as a bad value)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text}")
+    return value
+
+
 def main(argv=None) -> None:
     args = parse(argv)
-    lora_linear.LINEAR.update(json.loads(args.linear_config or "{}"))
+    lora_linear.LINEAR.update(args.linear_base)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115

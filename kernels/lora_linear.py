@@ -25,7 +25,8 @@ Status (H200, bf16, 16 tokens over 8 adapters of rank 32, GPT-OSS-20B's attentio
 benchmarks/results/kernels-lora-linear-h200.jsonl and lora-breakdown-h200.jsonl): it agrees with the
 separate path within bf16 rounding (its sums run in another order: the GPU tests at model shapes and
 the engine's parity test against transformers + PEFT passed with it on, at 29e3a9c), and it saves
-launches, but it is not faster.  Per layer over a 24-layer chain, the setting best over both shapes
+launches, but it is not faster.  Per layer over a 24-layer chain (measured at 29e3a9c, before the separate
+path's bias went into its GEMM, which took another 2.3-2.5 us off its projections), the setting best over both shapes
 took 33.3 us for qkv (2880 -> 5120; 32.0 us the best for qkv alone) against 27.9 us for the separate
 launches, and 20.9 us for o (4096 -> 2880) against 23.6 us.  In the engine (setup (a)'s batch, one
 process: fused, separate, fused again) the LoRA decode step took 11.76, 11.60 and 11.67 ms with the host
@@ -45,7 +46,7 @@ from unipage.kernels.launch import launch
 from unipage.kernels.lora import _sum_splits, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
 from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, next_pow2, plan_lora_batch
 
-__all__ = ["LINEAR", "linear_lora", "linear_lora_ref", "fused_linear"]
+__all__ = ["LINEAR", "check_config", "linear_lora", "linear_lora_ref", "fused_linear"]
 
 # Launch settings: block_n, block_k, num_warps and stacked are the best of benchmarks/kernels_lora_linear.py
 # --tune on an H200 (GPT-OSS-20B's qkv and o at 16 tokens); rank_chunk and num_stages were not swept.
@@ -203,7 +204,8 @@ def fused_linear(count: int, meta: DenseLoraMeta, config: dict | None = None) ->
     return 0 < count <= cfg["max_tokens"] and meta.max_rank > 0 and _covers(meta)
 
 
-def _check_config(cfg: dict) -> None:
+def check_config(cfg: dict) -> None:
+    """ValueError unless ``cfg`` (all of `LINEAR`'s settings) is a valid launch setting of the fused kernel."""
     pow2 = lambda n: isinstance(n, int) and n > 0 and n & (n - 1) == 0  # noqa: E731
     if cfg["block_n"] not in (16, 32, 64):
         raise ValueError(f"linear_lora: config block_n must be 16, 32 or 64, got {cfg['block_n']}")
@@ -240,7 +242,7 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
     if not fused_linear(x.shape[0], meta, cfg):
         y = _projection(x, w, bias)
         return lora_shrink_expand(y, x, pool, page_table, token_slots, meta, batch=batch, scale=scale, early=early)
-    _check_config(cfg)  # (only here: the engine's default path pays nothing for settings it does not use)
+    check_config(cfg)  # (only here: the engine's default path pays nothing for settings it does not use)
     block_n = cfg["block_n"]
     shrunk = lora_shrink(x, pool, page_table, token_slots, meta, batch=batch, early=early)
     plan, count = shrunk.plan, x.shape[0]

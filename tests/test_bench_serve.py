@@ -383,8 +383,8 @@ class _Graphs:
         self.drops += 1
 
 
-def _engine(graphs):
-    runner = type("Runner", (), {"graphs": graphs})()
+def _engine(graphs, mixed=None):
+    runner = type("Runner", (), {"graphs": graphs, "mixed": mixed})()
     return type("Engine", (), {"runner": runner, "vocab_size": 50})()
 
 
@@ -414,24 +414,32 @@ def test_piece_variants_without_the_flag_and_without_graphs():
 
 
 def test_linear_variants_set_each_entry_over_the_run_settings(monkeypatch):
-    monkeypatch.setattr(serve.lora_linear, "LINEAR", {"max_tokens": 0, "side_tokens": 0, "block_n": 32})
-    args = serve.parse(["--setup", "a", "--linear-configs", '{"side_tokens": 64}', '{}', '{"max_tokens": 16}'])
+    monkeypatch.setattr(serve.lora_linear, "LINEAR", {"max_tokens": 0, "block_n": 32, "block_k": 128,
+                                                      "rank_chunk": 32})
+    args = serve.parse(["--setup", "b", "--linear-config", '{"block_k": 256}', "--linear-configs",
+                        '{"max_tokens": 16}', '{}', '{"max_tokens": 16, "block_n": 64}'])
     ctx = type("Ctx", (), {"args": args})()
-    work = serve.drv.make_workload("a-x", 3, 5, 2, ["p", None, "q"], 2, 50, args.seed)
-    graphs, seen = _Graphs(), []
-    for variant in serve.variants(ctx, _engine(graphs), work):
-        seen.append((variant.name, dict(serve.lora_linear.LINEAR), graphs.drops))
-    assert seen == [("a-x-l0", {"max_tokens": 0, "side_tokens": 64, "block_n": 32}, 1),
-                    ("a-x-l1", {"max_tokens": 0, "side_tokens": 0, "block_n": 32}, 2),  # not the entry before's
-                    ("a-x-l2", {"max_tokens": 16, "side_tokens": 0, "block_n": 32}, 3)]
-    with pytest.raises(SystemExit, match="needs the decode CUDA graphs"):
-        list(serve.variants(ctx, _engine(None), work))
+    work = serve.drv.make_workload("b-x", 3, 5, 2, ["p", None, "q"], 2, 50, args.seed)
+    base = {"max_tokens": 0, "block_n": 32, "block_k": 256, "rank_chunk": 32}
+    graphs, mixed = _Graphs(), _Graphs()
+    for _ in range(2):  # setup b asks once per label: each pass starts from the run's own settings
+        seen = []
+        for variant in serve.variants(ctx, _engine(graphs, mixed), work):
+            seen.append((variant.name, dict(serve.lora_linear.LINEAR)))
+        assert seen == [("b-x-l0", base | {"max_tokens": 16}), ("b-x-l1", base),
+                        ("b-x-l2", base | {"max_tokens": 16, "block_n": 64})]
+        assert serve.lora_linear.LINEAR == base  # the run's own settings again after the last
+    assert graphs.drops == mixed.drops == 8  # before each run and after the last, both kinds
+    assert [v.name for v in serve.variants(ctx, _engine(None), work)] == ["b-x-l0", "b-x-l1", "b-x-l2"]  # eager
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--setup", "c", "--linear-configs", "{}"], "--linear-configs is for setups a and b"),
     (["--setup", "a", "--piece-layers", "4", "--linear-configs", "{}"], "without --piece-layers"),
-    (["--setup", "a", "--linear-configs", "[1]"], "must be JSON objects"),
+    (["--setup", "a", "--linear-configs", "[1]"], "invalid json_object value"),
+    (["--setup", "a", "--linear-configs", '{"max_token": 16}'], "unknown settings ['max_token']"),
+    (["--setup", "a", "--linear-configs", '{"max_tokens": 99}'], "max_tokens must be in"),
+    (["--setup", "a", "--linear-config", "[2]"], "--linear-config: not a JSON object"),
 ])
 def test_linear_configs_refused(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -153,6 +153,20 @@ def test_larger_batches_and_max_tokens_0_take_the_separate_launches(monkeypatch)
     assert launched == []  # neither ran the fused kernel
 
 
+def test_bias_is_added_before_the_one_rounding_as_f_linear_does():
+    """fp16, tokens without adapter: the product 1 + 2^-11 plus the bias 2^-11 is 1 + 2^-10 when rounded once
+    (F.linear, the separate path), but 1.0 when the product is rounded first (ties to even) and the bias after."""
+    world = build_world(dtype=torch.float16)
+    meta, x, w, b, _ = inputs(world, 4)
+    x.zero_(), w.zero_()
+    x[:, 0], x[:, 1], w[:, :2], b[:] = 1.0, 2.0 ** -11, 1.0, 2.0 ** -11
+    slots = torch.full((4,), -1, dtype=torch.int32)
+    ref, out = run_both(world, meta, x, w, b, slots)
+    assert torch.equal(ref, torch.nn.functional.linear(x, w, b))
+    assert torch.equal(out, ref)
+    assert out[0, 0].item() == 1.0 + 2.0 ** -10
+
+
 def test_bad_weights_and_config_are_refused():
     world = build_world()
     meta, x, w, b, slots = inputs(world, 4)

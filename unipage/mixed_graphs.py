@@ -112,7 +112,7 @@ class MixedGraphs:
         """The final norm's output ``[R, H]`` at ``host.rows``; writes the step's KV into the pool.  None: the
         step must run eagerly (more adapters than the LoRA grid covers, or its set could not be captured)."""
         if self.lora.generation != self.generation:
-            self._drop()
+            self.drop()
         if host.active_slots > self.max_adapters:
             return None
         tokens = host.num_tokens
@@ -139,7 +139,7 @@ class MixedGraphs:
         are resident with them on both plan paths; returns how many were made."""
         self.lora.refresh()
         if self.lora.generation != self.generation:
-            self._drop()
+            self.drop()
         before = len(self.sets)
         for bucket in reversed(self.buckets):
             keys = [(bucket, False, False)]
@@ -150,7 +150,9 @@ class MixedGraphs:
                     self.sets[key] = self._make(*key)
         return len(self.sets) - before
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
+        """Forget the piece sets (the LoRA tables changed shape, or a launch setting the captures baked in
+        did), with their memory pool on CUDA; steps capture again as they need them."""
         self.sets.clear()
         if self.capture:
             self.mempool = torch.cuda.graph_pool_handle()
