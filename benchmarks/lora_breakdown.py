@@ -18,7 +18,7 @@ GPU waits for; ``*_unhidden_steps``: those whose host work outlasted the sleep);
 times both again with the decode graphs in pieces of N layers, then with one graph again (``*_pieces``:
 ``pieces`` and ``after``, an A-B-A within the process); ``--linear-ab`` times the LoRA run's steps with
 the projections' LoRA the other way, the fused decode projection (`lora_linear`) against separate launches
-(matmul, bias, shrink, expand), then as before (``lora_linear_ab``: ``max_tokens`` of the other way,
+(the projection with its bias, shrink, expand), then as before (``lora_linear_ab``: ``max_tokens`` of the other way,
 ``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,

@@ -530,6 +530,15 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--piece-layers must be >= 0, got {args.piece_layers}")
     if args.piece_layers and args.setup not in ("a", "b"):
         p.error(f"--piece-layers is for setups a and b, not {args.setup}")
+    if args.setup == "c" and min(args.counts) < 1:
+        p.error(f"--counts must be >= 1, got {args.counts}")
+    _linear_settings(p, args)
+    return args
+
+
+def _linear_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.linear_base``: `lora_linear.LINEAR` under ``--linear-config``; each ``--linear-configs`` entry
+    checked over it (known settings, a valid launch setting) — a parser error otherwise."""
     if args.linear_configs and (args.setup not in ("a", "b") or args.piece_layers):
         p.error("--linear-configs is for setups a and b, without --piece-layers")
     try:
@@ -545,9 +554,6 @@ def parse(argv=None) -> argparse.Namespace:
             lora_linear.check_config(args.linear_base | entry)
         except ValueError as exc:
             p.error(f"--linear-configs: {exc}")
-    if args.setup == "c" and min(args.counts) < 1:
-        p.error(f"--counts must be >= 1, got {args.counts}")
-    return args
 
 
 def json_object(text: str) -> dict:

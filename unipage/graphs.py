@@ -10,9 +10,10 @@ one launch instead of hundreds, and no Python in the loop over layers.
 A bucket's step can be captured as *pieces*, consecutive graphs replayed in
 order (`piece_bounds`: the embedding and the first layer, then `PIECE_LAYERS`
 layers a piece; 0, the default, captures one graph a step).  The GPU starts a
-graph's work only once its launch call returns, and that call's host time
-grows with the graph's kernels; with pieces the GPU waits only for the first
-one while the host launches the rest.  On an H200 (setup (a)'s GPT-OSS-20B
+graph's work only once its launch call returns; with pieces it waits only for
+the first one while the host launches the rest.  (Under the profiler that
+call's host time grew with the graph's kernels; without it a whole decode
+step's replay call takes 25-29 us on an H200, so pieces have little to hide.)  On an H200 (setup (a)'s GPT-OSS-20B
 decode batch, one process) pieces of 4 layers took the LoRA step from 12.34
 to 11.91 ms (base 9.48 to 9.41), but runs of setup (a) end to end, each in a
 process of its own, did not show it (11.93 and 12.21 ms a step with pieces,
