@@ -326,6 +326,12 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
     (["--setup", "a", "--piece-layers", "4", "-1"], "--piece-layers must be >= 0"),
     (["--setup", "a", "--expert-probe-tokens", "-1"], "--expert-probe-tokens must be >= 0"),
     (["--setup", "c", "--piece-layers", "4"], "--piece-layers is for setups a and b"),
+    (["--setup", "c", "--linear-configs", "{}"], "--linear-configs is for setups a and b"),
+    (["--setup", "a", "--piece-layers", "4", "--linear-configs", "{}"], "without --piece-layers"),
+    (["--setup", "a", "--linear-configs", "[1]"], "invalid json_object value"),
+    (["--setup", "a", "--linear-configs", '{"max_token": 16}'], "unknown settings ['max_token']"),
+    (["--setup", "a", "--linear-configs", '{"max_tokens": 99}'], "max_tokens must be in"),
+    (["--setup", "a", "--linear-config", "[2]"], "--linear-config: not a JSON object"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -431,17 +437,3 @@ def test_linear_variants_set_each_entry_over_the_run_settings(monkeypatch):
         assert serve.lora_linear.LINEAR == base  # the run's own settings again after the last
     assert graphs.drops == mixed.drops == 8  # before each run and after the last, both kinds
     assert [v.name for v in serve.variants(ctx, _engine(None), work)] == ["b-x-l0", "b-x-l1", "b-x-l2"]  # eager
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--setup", "c", "--linear-configs", "{}"], "--linear-configs is for setups a and b"),
-    (["--setup", "a", "--piece-layers", "4", "--linear-configs", "{}"], "without --piece-layers"),
-    (["--setup", "a", "--linear-configs", "[1]"], "invalid json_object value"),
-    (["--setup", "a", "--linear-configs", '{"max_token": 16}'], "unknown settings ['max_token']"),
-    (["--setup", "a", "--linear-configs", '{"max_tokens": 99}'], "max_tokens must be in"),
-    (["--setup", "a", "--linear-config", "[2]"], "--linear-config: not a JSON object"),
-])
-def test_linear_configs_refused(argv, message, capsys):
-    with pytest.raises(SystemExit):
-        serve.parse(argv)
-    assert message in capsys.readouterr().err
