@@ -70,6 +70,8 @@ SHAPES = {"gpt-oss-20b": {"hidden": 2880, "inter": 2880, "experts": 32, "top_k":
           "qwen3-30b-a3b": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8, "rank": 16}}
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 ADAPTERS = 8
+SLOT_ORDERS = ("round-robin", "sorted")  # token i's adapter: i % adapters, or in runs (the engine's decode rows)
+SLOT_ORDER = "round-robin"
 PAGE_ELEMS = 16 * 2 * 8 * 64  # one KV block of 16 tokens, 8 KV heads of 64
 SEED = 0
 DTYPE = torch.bfloat16
@@ -113,13 +115,20 @@ def setup(name: str) -> dict:
             "w_down": torch.randn(e, h, i, device=DEVICE, dtype=DTYPE) / math.sqrt(i)}
 
 
+def token_slots(num_tokens: int) -> torch.Tensor:
+    """Each token's adapter slot, `SLOT_ORDER`: round-robin, or sorted (equal runs, slot 0 first)."""
+    index = torch.arange(num_tokens, device=DEVICE)
+    slots = index % ADAPTERS if SLOT_ORDER == "round-robin" else index * ADAPTERS // num_tokens
+    return slots.int()
+
+
 def batch(s: dict, num_tokens: int) -> dict:
-    """Inputs of one step: tokens round-robin over the adapters, random routing."""
+    """Inputs of one step: tokens over the adapters in `SLOT_ORDER`, random routing."""
     h, i, k = s["hidden"], s["inter"], s["top_k"]
     x = torch.randn(num_tokens, h, device=DEVICE, dtype=DTYPE)
     logits = torch.randn(num_tokens, s["experts"], device=DEVICE)
     topk_weights, topk_ids = route_topk(logits, k, True)
-    slots = (torch.arange(num_tokens, device=DEVICE) % ADAPTERS).int()
+    slots = token_slots(num_tokens)
     lora = MoeLora(s["pool"], s["page_table"], slots, s["meta"], active_slots=min(num_tokens, ADAPTERS))
     pairs = num_tokens * k
     return {"x": x, "logits": logits, "topk_weights": topk_weights, "topk_ids": topk_ids, "lora": lora,
@@ -230,7 +239,8 @@ def run(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
 
 
 def _emit(record: dict, out, bandwidth: float | None = None) -> dict:
-    full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "seed": SEED,
+    full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "slot_order": SLOT_ORDER,
+            "seed": SEED,
             "rank": SHAPES.get(record.get("shape"), {}).get("rank"),
             "copy_gbps": round(bandwidth / 1e9, 1) if bandwidth else None, **record}
     emit(full, out)
@@ -423,11 +433,13 @@ def tune(shapes=tuple(SHAPES), tokens=TOKENS, stages=("base", "lora")) -> Path:
     return path
 
 
-def configure(adapters: int, rank: int | None = None) -> None:
-    """Set the adapters the tokens spread over and, if given, every shape's rank (serve.py's setup (b)
-    runs Qwen3-30B-A3B with 16 adapters of rank 8)."""
-    global ADAPTERS
-    ADAPTERS = adapters
+def configure(adapters: int, rank: int | None = None, slot_order: str = "round-robin") -> None:
+    """Set the adapters the tokens spread over, their order (`SLOT_ORDERS`) and, if given, every shape's
+    rank (serve.py's setup (b) runs Qwen3-30B-A3B with 16 adapters of rank 8)."""
+    global ADAPTERS, SLOT_ORDER
+    if slot_order not in SLOT_ORDERS:
+        raise ValueError(f"slot order must be one of {SLOT_ORDERS}, got {slot_order!r}")
+    ADAPTERS, SLOT_ORDER = adapters, slot_order
     for shape in SHAPES.values():
         shape["rank"] = rank or shape["rank"]
 
@@ -446,8 +458,10 @@ def main() -> None:
                         help="with --tune: the kernels to tune (the others keep their configs)")
     parser.add_argument("--adapters", type=int, default=ADAPTERS, help="adapters the tokens spread over")
     parser.add_argument("--rank", type=int, help="every adapter's rank (default: the shape's)")
+    parser.add_argument("--slot-order", default="round-robin", choices=SLOT_ORDERS,
+                        help="tokens' adapters round-robin, or sorted into runs as the engine orders decode rows")
     args = parser.parse_args()
-    configure(args.adapters, args.rank)
+    configure(args.adapters, args.rank, args.slot_order)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     start = time.time()
     if args.tune:
