@@ -75,7 +75,6 @@ class ModelRunner:
         self.seqs: dict[str, SeqState] = {}
         self._generators: dict[str, torch.Generator | None] = {}  # of preempted requests, until resumed
         self.keep_logits = keep_logits
-        self.sort_rows = True  # decode rows by adapter slot (`decode_order`)
 
     # -- adapter slots (the engine calls these while performing effects) --
     def slot_loaded(self, slot: int, pages, layout: AdapterLayout) -> None:
@@ -119,10 +118,8 @@ class ModelRunner:
         samplers = [i for i, (seq, n) in enumerate(zip(seqs, out.num_scheduled_tokens))
                     if seq.num_computed + n == len(seq.token_ids)]
         if self.graphs is not None and self.graphs.accepts(out.num_scheduled_tokens, [s.block_table for s in seqs]):
-            order = self.decode_order(seqs)
-            hidden = self.graphs.run([seqs[i] for i in order])
-            rows, samplers = sampler_rows(order, samplers)  # samplers from here on in the order of the rows
-            logits = self.model.logits(hidden if len(rows) == len(seqs) else hidden[rows])
+            hidden = self.graphs.run(seqs)
+            logits = self.model.logits(hidden if len(samplers) == len(seqs) else hidden[samplers])
         else:
             host = host_batch(seqs, out.num_scheduled_tokens, self.block_tokens)
             hidden = None
@@ -144,15 +141,6 @@ class ModelRunner:
         kept = {out.req_ids[i]: logits[row].cpu() for row, i in enumerate(samplers)} if self.keep_logits else {}
         return StepOutput(sampled, kept)
 
-    def decode_order(self, seqs: list[SeqState]) -> list[int]:
-        """The decode graph's rows: ``seqs``' indices by adapter slot (stable), when `sort_rows` is on.
-        Requests of one adapter in adjacent rows put its MoE LoRA pairs of one (adapter, expert) group
-        close in the pair-mode kernels' program order, so that group's weights are read from HBM
-        about once, the later programs finding them in L2."""
-        if not self.sort_rows:
-            return list(range(len(seqs)))
-        return sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
-
     def _check_fits(self, out: SchedulerOutput, seqs: list[SeqState]) -> None:
         bt = self.block_tokens
         for rid, seq, n in zip(out.req_ids, seqs, out.num_scheduled_tokens):
@@ -160,11 +148,3 @@ class ModelRunner:
             if end > len(seq.token_ids) or end > len(seq.block_table) * bt:
                 raise RuntimeError(f"request {rid!r}: {n} tokens scheduled at {seq.num_computed} exceed its "
                                    f"{len(seq.token_ids)} tokens or {len(seq.block_table)} KV blocks")
-
-
-def sampler_rows(order: list[int], samplers: list[int]) -> tuple[list[int], list[int]]:
-    """``(rows, samplers)``: the rows of a batch run in ``order`` (row r holds request ``order[r]``) that
-    sample, and the requests they hold (``samplers``' entries, in the order of those rows)."""
-    sampling = set(samplers)
-    rows = [r for r, i in enumerate(order) if i in sampling]
-    return rows, [order[r] for r in rows]
