@@ -2,7 +2,7 @@
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
-                                        [--linear-config JSON] [--order-ab] [--trace DIR] [--out FILE]
+                                        [--linear-config JSON] [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
@@ -19,9 +19,8 @@ times both again with the decode graphs in pieces of N layers, then with one gra
 ``pieces`` and ``after``, an A-B-A within the process); ``--linear-ab`` times the LoRA run's steps with
 the projections' LoRA the other way, the fused decode projection (`lora_linear`) against separate launches
 (the projection with its bias, shrink, expand), then as before (``lora_linear_ab``: ``max_tokens`` of the other way,
-``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); ``--order-ab`` times
-them with the decode rows in the scheduler's order, then sorted by adapter again (``lora_order_ab``:
-`ModelRunner.sort_rows`); then ``--prefill`` prompts (count, tokens) join and the step that prefills them beside the
+``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); then ``--prefill``
+prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
 step of every kernel name, with the LoRA run's excess over the base run per
@@ -243,19 +242,6 @@ def linear_ab(engine: Engine, args) -> dict:
     return {"max_tokens": other, **_a_b_a(engine, args, "other", lambda: switch(other), lambda: switch(before))}
 
 
-def order_ab(engine: Engine, args) -> dict:
-    """Decode steps timed with the decode rows in the scheduler's order (`ModelRunner.sort_rows` off), then
-    by adapter again (``after``), as `pieces_ab` does."""
-    runner = engine.runner
-    before = runner.sort_rows
-
-    def switch(on: bool) -> None:
-        runner.sort_rows = on
-
-    return {"sort_rows": not before,
-            **_a_b_a(engine, args, "other", lambda: switch(not before), lambda: switch(before))}
-
-
 def _a_b_a(engine: Engine, args, name: str, change, restore) -> dict:
     out = {}
     for apply, key in ((change, name), (restore, "after")):
@@ -297,8 +283,6 @@ def run(engine: Engine, args, adapters: list[str | None], tag: str) -> dict:
         out["pieces"] = pieces_ab(engine, args)
     if args.linear_ab and any(adapters):  # the projections' LoRA the other way (fused / separate), then back
         out["linear_ab"] = linear_ab(engine, args)
-    if args.order_ab and any(adapters):  # decode rows in the scheduler's order, then by adapter again
-        out["order_ab"] = order_ab(engine, args)
     out["decode"] = profiled(engine, args.steps)[:2]
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
@@ -343,9 +327,6 @@ def main(argv=None) -> None:
     p.add_argument("--linear-ab", action="store_true",
                    help="also time the LoRA run's decode steps with the projections' LoRA the other way (fused "
                         "into the decode projection, `lora_linear`, or separate launches), then as before")
-    p.add_argument("--order-ab", action="store_true",
-                   help="also time the LoRA run's decode steps with the decode rows in the scheduler's order "
-                        "(not sorted by adapter), then sorted again")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
@@ -385,14 +366,13 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
            "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early,
-           "sort_rows": engine.runner.sort_rows,
            "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR)}
     if window == "decode":  # the medians of the unprofiled steps
         for kind in ("base", "lora"):  # step time, with the host hidden, the host's share before the graph
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            for ab in ("pieces", "linear_ab", "order_ab"):
+            for ab in ("pieces", "linear_ab"):
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call
