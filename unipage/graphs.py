@@ -28,8 +28,12 @@ safe because the pieces of one key are replayed back to back, never
 interleaved with another key's, all on one stream, and the step consumes
 ``hidden`` before the next replay (as with one graph a step).
 
-What a replay reads lives in static device buffers, refreshed by one or two
-host-to-device copies from pinned memory per step (no sync):
+What a replay reads lives in static device buffers, refreshed from pinned
+memory by two host-to-device copies that the graph itself holds: its first nodes
+(captured from the pinned rows, so a replay copies what the host wrote there
+last; no copy calls on the host, each of which cost 25-40 us on an H200 host).
+The host writes the rows only once the previous replay is done with them (an
+event recorded after each replay):
 
     ids, positions, slot_mapping   [2 + G, Bmax] int64
     seq_lens, token_slots, tables  [2·Bmax + Bmax·G·W] int32 (block tables [Bmax, G, W] last),
@@ -218,6 +222,7 @@ class DecodeGraphs:
         pieces, hidden = self.graphs[key]
         for graph in pieces:
             graph.replay()
+        self._copied.record()  # the replay's copies out of the pinned rows are done once this passes
         self.replays += 1
         return hidden[:count]
 
@@ -232,7 +237,6 @@ class DecodeGraphs:
         for bucket in reversed(self.buckets):
             self._copied.synchronize()
             self.inputs.pad(0, bucket)
-            self._copy(bucket)
             for lora in variants:
                 if (bucket, lora) not in self.graphs:
                     self.graphs[bucket, lora] = self._capture(bucket, lora)
@@ -249,15 +253,14 @@ class DecodeGraphs:
 
     # -- inputs ------------------------------------------------------------
     def _fill(self, seqs, bucket: int) -> None:
-        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        self._copied.synchronize()  # the previous replay's copies have left the pinned buffers
         self.inputs.fill(seqs, bucket)
-        self._copy(bucket)
 
     def _copy(self, bucket: int) -> None:
+        """The pinned rows to the device buffers (captured as the first nodes of a bucket's graph)."""
         used = self.buckets[-1] * 2 + bucket * self.groups * self.max_blocks  # lengths, slots, the bucket's tables
         self.dev64.copy_(self.inputs.host64, non_blocking=True)
         self.dev32[:used].copy_(self.inputs.host32[:used], non_blocking=True)
-        self._copied.record()
 
     def _batch(self, bucket: int, lora: bool) -> StepBatch:
         adapters, rows = min(bucket, self.max_adapters), self.buckets[-1]
@@ -273,13 +276,23 @@ class DecodeGraphs:
 
     # -- capture -----------------------------------------------------------
     def _capture(self, bucket: int, lora: bool) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor]:
+        """A bucket's graphs, the first beginning with the input copies (`_copy`).  The pinned rows hold this
+        step's inputs (or padding, from `capture_all`): the warm-up runs read them, copied eagerly."""
         batch = self._batch(bucket, lora)
         lora = self.lora if batch.any_lora else None
+        self._copy(bucket)
+        self._copied.record()
         warm_up(lambda: self.model.hidden_states(batch, self.pool, lora, self.block_tokens), self.device)
         steps, state = decode_pieces(self.model, batch, self.pool, lora, self.block_tokens, self.bounds)
+        steps[0] = partial(_then, partial(self._copy, bucket), steps[0])
         pieces = []
         for step in steps:
             pieces.append(torch.cuda.CUDAGraph())
             with torch.cuda.graph(pieces[-1], pool=self.mempool):
                 step()
         return pieces, state["hidden"]
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> None:
+    first()
+    second()
