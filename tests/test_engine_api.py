@@ -100,7 +100,8 @@ def test_abort_mid_run_frees_everything(moe):
 
 def test_adapter_effects_run_once_the_forward_pass_is_launched(moe, monkeypatch):
     """A step performs its adapter effects inside ``execute``, after the forward pass and before sampling,
-    also when nothing runs; the request on the adapter runs in the step after its load."""
+    also when nothing runs; the request on the adapter runs in the step after its load.  Only a step that
+    may start page copies (effects, or loads in flight) marks the stream for them first."""
     engine = Engine(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=512))
     engine.add_adapter("a", moe.adapters["expert-r8"])
     events = []
@@ -114,9 +115,10 @@ def test_adapter_effects_run_once_the_forward_pass_is_launched(moe, monkeypatch)
     monkeypatch.setattr(engine.model, "forward", logged("forward", engine.model.forward))
     monkeypatch.setattr(engine, "_perform", logged("effects", engine._perform))
     monkeypatch.setattr(runner_module, "sample", logged("sample", runner_module.sample))
+    monkeypatch.setattr(engine.storage, "mark_step", logged("mark", engine.storage.mark_step))
     engine.add_request(Request("r", [1, 2, 3], adapter="a", sampling=GREEDY, max_tokens=2))
     engine.step()  # the load starts (and completes, on CPU); nothing runs
-    assert events == ["effects"] and engine.memory.adapters.get("a").loaded
+    assert events == ["mark", "effects"] and engine.memory.adapters.get("a").loaded
     events.clear()
     engine.add_request(Request("s", [4, 5, 6], sampling=GREEDY, max_tokens=2))
     engine.step()
