@@ -8,8 +8,9 @@ Builds the engine as `lora_breakdown` does (random weights at ``--shape``, ``--a
 adapters round-robin, and runs ``--steps`` decode steps back to back as a server does (no extra syncs).
 The engine's phases are wrapped with host timers; per run one row of medians in microseconds:
 
-- ``exposed_us``: from the previous step's sampled tokens reaching the host to this step's decode graph
-  launch returning (the GPU is idle meanwhile: the host time a decode step adds to its GPU time);
+- ``exposed_us``: from the previous step's sampled tokens reaching the host to this step's decode graph run
+  call returning (the replay, then the event it records; the GPU idles until the replay is launched: about
+  the host time a decode step adds to its GPU time);
 - ``pre_launch_us``: from the step's start to that launch; ``post_sample_us``: from the tokens to the step's
   end (the output, the scheduler's update);
 - ``phases_us``: per wrapped call (``schedule``, ``update``, ``drop``, ``admit``, ``refresh`` (the LoRA
@@ -86,7 +87,7 @@ class HostClock:
 
 
 def measure(engine, clock: HostClock, steps: int) -> dict:
-    """Medians over ``steps`` decode steps (the first one's ``exposed`` has no previous step: left out)."""
+    """Medians over ``steps`` decode steps but the first (its ``exposed`` has no previous step: left out)."""
     rows, last_tokens = [], None
     for _ in range(steps):
         clock.spent.clear()

@@ -7,11 +7,12 @@
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
 the base model and for the adapters round-robin: ``--running`` requests with
-``--prompt``-token prompts reach steady decode, ``--timed-steps`` decode steps
-are timed without the profiler (median wall time per step, synchronised) and,
-once both runs are timed (the profiler slows every later CUDA call on the host),
-``--steps`` more of new requests are profiled (CUDA graphs, as served); the timed steps also give the host time
-before each step's decode graph run call and of that call (``*_pre_graph_ms``, ``*_graph_call_ms``:
+``--prompt``-token prompts reach steady decode and ``--timed-steps`` decode steps
+are timed without the profiler (median wall time per step, synchronised; the
+rest of this paragraph up to ``--trace`` is timed too, all before any profile:
+the profiler slows every later CUDA call on the host); then, once both runs are
+timed, ``--steps`` decode steps of new requests are profiled (CUDA graphs, as served).  The timed steps
+also give the host time before each step's decode graph run call and of that call (``*_pre_graph_ms``, ``*_graph_call_ms``:
 is a step bound by the host?  ``*_graph_fill_ms``: the call's input fill, the rest being the replay's launch),
 and as many steps more are timed queued behind a sleep kernel that keeps
 the GPU busy while the host prepares them (``*_hidden_host_ms``: the step time less the host time the
@@ -154,8 +155,9 @@ def timed(engine: Engine, steps: int) -> tuple[float, float | None, float | None
 
 @contextlib.contextmanager
 def _timed_fill(engine: Engine, fills: list[float]):
-    """Meanwhile the host seconds of each decode graph input fill (`DecodeGraphs._fill`: the pinned rows
-    and their copies; the rest of a run call is the replay) go to ``fills``."""
+    """Meanwhile the host seconds of each decode graph input fill (`DecodeGraphs._fill`: the wait for the last
+    replay's copies, then the pinned rows; from c6e6cb4 on the graph holds the copies, before it the fill
+    issued them; the rest of a run call is the replay and its event) go to ``fills``."""
     graphs = engine.runner.graphs
     if graphs is None:
         yield
@@ -271,7 +273,9 @@ def run(engine: Engine, args, adapters: list[str | None], kind: str, profiling: 
     "linear_ab" with ``--piece-layers`` / ``--linear-ab``) or profiled (``{"decode": (wall s/step,
     {kernel: us/step}), "mixed": (...)}``).  `main` times both runs before it profiles either: once the
     profiler has run, CUPTI stays attached to the process and every CUDA call on the host is slower after
-    (an H200 LoRA decode step's graph run call: 0.18 ms before, 0.97 ms after)."""
+    (setup (a)'s LoRA graph run call on an H200: 0.24 ms before, 0.83 ms after, host-steps-h200.jsonl).
+    The profiled phase runs on new requests, so its contexts are shorter (``--prompt`` + warm-up) than the
+    timed phase's (up to ``--prompt`` + 12 x ``--timed-steps``): its attention times are not the timed steps'."""
     rng, vocab = random.Random(0), min(engine.vocab_size, 30000)
     prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
     tag = f"{kind}-p" if profiling else kind  # request ids of their own

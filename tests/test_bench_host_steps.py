@@ -14,6 +14,8 @@ from unipage.config import PoolConfig
 from unipage.engine import Engine
 from unipage.step_inputs import host_batch, upload
 
+import unipage.runner as runner_module
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import host_steps  # noqa: E402
 
@@ -47,7 +49,8 @@ def moe(tmp_path_factory):
     return es.qwen3_moe(tmp_path_factory.mktemp("moe"))
 
 
-def test_every_phase_of_a_decode_step_is_timed(moe):
+def test_every_phase_of_a_decode_step_is_timed(moe, monkeypatch):
+    monkeypatch.setattr(runner_module, "sample", runner_module.sample)  # HostClock wraps it: restored after
     engine = Engine(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=512))
     engine.add_adapter("a", moe.adapters["fused-r4"])
     engine.runner.graphs = EagerDecode(engine.runner)
@@ -60,7 +63,8 @@ def test_every_phase_of_a_decode_step_is_timed(moe):
     assert row["steps"] == 4 and engine.runner.graphs.inputs.filled >= 5
     phases = row["phases_us"]
     assert set(phases) == set(host_steps.PHASES)
-    for phase in ("schedule", "update", "fill_rows", "graph_run", "logits", "sample"):
+    for phase in ("schedule", "update", "drop", "admit", "refresh", "accepts", "fill_rows", "graph_run", "logits",
+                  "sample", "poll", "watch"):
         assert phases[phase] > 0, phase
     assert phases["mark_step"] == 0  # no load in flight: no fence
     assert 0 < row["exposed_us"] and row["pre_launch_us"] < row["step_us"]
