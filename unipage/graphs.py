@@ -29,9 +29,9 @@ interleaved with another key's, all on one stream, and the step consumes
 ``hidden`` before the next replay (as with one graph a step).
 
 What a replay reads lives in static device buffers, refreshed from pinned
-memory by two host-to-device copies that the graph itself holds: the first nodes
-of a bucket's first piece (captured from the pinned rows, so a replay copies what the host wrote there
-last; no copy calls on the host, each of which cost 25-40 us on an H200 host).
+memory by two host-to-device copies that the graph itself holds: the first
+nodes of a bucket's first piece, captured from the pinned rows, so a replay
+copies what the host wrote there last (no copy calls on the host a step).
 The host writes the rows only once the previous replay is done with them (an
 event recorded after each replay):
 
