@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lora_breakdown as lb
 import serve_models as sm
 from timing import emit
-from unipage.scheduler import Request
 
 import unipage.runner as runner_module
 
@@ -108,16 +106,12 @@ def measure(engine, clock: HostClock, steps: int) -> dict:
 
 
 def run(engine, clock: HostClock, args, adapters: list, kind: str, out) -> None:
-    rng, vocab = random.Random(0), min(engine.vocab_size, 30000)
-    for i in range(args.running):
-        prompt = [rng.randrange(1, vocab) for _ in range(args.prompt)]
-        engine.add_request(Request(f"{kind}-{i}", prompt, adapters[i % len(adapters)], lb.GREEDY,
-                                   max_tokens=3 * args.steps + 20))
-    started: set[str] = set()
-    while len(started) < args.running:  # adapters loaded, every prompt prefilled
-        started.update(o[0] for o in engine.step())
-    for _ in range(5):  # the full batch's decode graph captured and replayed
-        engine.step()
+    with lb.decoding(engine, args, adapters, kind, 3 * args.steps + 20):
+        measure_runs(engine, clock, args, adapters, kind, out)
+
+
+def measure_runs(engine, clock: HostClock, args, adapters: list, kind: str, out) -> None:
+    """The run's row, and with ``--after-profiler`` (LoRA) the row after two profiled steps."""
     base = {"bench": "host_steps", "model": sm.model_key(args.shape, False, args.layers), "running": args.running,
             "prompt": args.prompt, "adapters": args.adapters if any(adapters) else 0, "rank": args.rank}
     emit(base | {"run": kind} | measure(engine, clock, args.steps), out)
@@ -127,10 +121,6 @@ def run(engine, clock: HostClock, args, adapters: list, kind: str, out) -> None:
                 engine.step()
             torch.cuda.synchronize()
         emit(base | {"run": f"{kind}-after-profiler"} | measure(engine, clock, args.steps), out)
-    for i in range(args.running):
-        engine.abort(f"{kind}-{i}")
-    while engine.has_unfinished():
-        engine.step()
 
 
 def main(argv=None) -> None:
@@ -149,7 +139,8 @@ def main(argv=None) -> None:
         p.error(f"--steps must be >= 2, got {args.steps}")
     if not torch.cuda.is_available():
         raise SystemExit("host_steps.py needs a CUDA device")
-    args.timed_steps, args.prefill, args.budget = args.steps, [1, 8], 4096  # what `lora_breakdown.build` reads
+    # what `lora_breakdown.build` and `decoding` read
+    args.timed_steps, args.prefill, args.budget, args.warmup_steps = args.steps, [1, 8], 4096, 5
     sink = open(args.out, "a") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115
     with sink as out, tempfile.TemporaryDirectory(prefix="unipage-host-steps-") as root:
         engine, names = lb.build(args, root)

@@ -276,23 +276,34 @@ def run(engine: Engine, args, adapters: list[str | None], kind: str, profiling: 
     (setup (a)'s LoRA graph run call on an H200: 0.24 ms before, 0.83 ms after, host-steps-h200.jsonl).
     The profiled phase runs on new requests, so its contexts are shorter (``--prompt`` + warm-up) than the
     timed phase's (up to ``--prompt`` + 12 x ``--timed-steps``): its attention times are not the timed steps'."""
+    tag = f"{kind}-p" if profiling else kind  # request ids of their own
+    with decoding(engine, args, adapters, tag, 6 * args.timed_steps + args.steps + 100) as prompt:
+        if profiling:
+            return _profiled_run(engine, args, adapters, kind, prompt)
+        return _timed_run(engine, args, adapters)
+
+
+@contextlib.contextmanager
+def decoding(engine: Engine, args, adapters: list[str | None], tag: str, max_tokens: int):
+    """``args.running`` requests (ids ``<tag>-d<i>``, adapters round-robin, ``args.prompt``-token random prompts)
+    brought to steady decode: adapters loaded, prompts prefilled, ``args.warmup_steps`` decode steps run (the
+    full batch's decode graph captured and replayed).  Yields the prompt maker; aborts and drains them after
+    (not after an error: the error is what counts)."""
     rng, vocab = random.Random(0), min(engine.vocab_size, 30000)
     prompt = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
-    tag = f"{kind}-p" if profiling else kind  # request ids of their own
     for i in range(args.running):
         engine.add_request(Request(f"{tag}-d{i}", prompt(args.prompt), adapters[i % len(adapters)], GREEDY,
-                                   max_tokens=6 * args.timed_steps + args.steps + 100))
+                                   max_tokens=max_tokens))
     started: set[str] = set()
-    while len(started) < args.running:  # adapters loaded, every prompt prefilled
+    while len(started) < args.running:
         started.update(out[0] for out in engine.step())
-    for _ in range(args.warmup_steps):  # the decode graph of the full batch captured and replayed
+    for _ in range(args.warmup_steps):
         engine.step()
-    out = _profiled_run(engine, args, adapters, kind, prompt) if profiling else _timed_run(engine, args, adapters)
+    yield prompt
     for i in range(args.running):
         engine.abort(f"{tag}-d{i}")
     while engine.has_unfinished():
         engine.step()
-    return out
 
 
 def _timed_run(engine: Engine, args, adapters: list[str | None]) -> dict:
