@@ -2,7 +2,7 @@
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
-                                        [--linear-config JSON] [--trace DIR] [--out FILE]
+                                        [--stack-ab] [--linear-config JSON] [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
@@ -21,7 +21,9 @@ times both again with the decode graphs in pieces of N layers, then with one gra
 ``pieces`` and ``after``, an A-B-A within the process); ``--linear-ab`` times the LoRA run's steps with
 the projections' LoRA the other way, the fused decode projection (`lora_linear`) against separate launches
 (the projection with its bias, shrink, expand), then as before (``lora_linear_ab``: ``max_tokens`` of the other way,
-``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); then ``--prefill``
+``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); ``--stack-ab`` times
+them without the shrink stack (`shrink_stack`: the paged shrink kernels), then with it again
+(``lora_stack_ab``: ``off`` and ``after``; ``shrink_stack`` says whether the engine built one); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -245,6 +247,18 @@ def linear_ab(engine: Engine, args) -> dict:
     return {"max_tokens": other, **_a_b_a(engine, args, "other", lambda: switch(other), lambda: switch(before))}
 
 
+def stack_ab(engine: Engine, args) -> dict:
+    """Decode steps timed without the shrink stack (`unipage.models.shrink_stack`: the paged shrink kernels
+    again), graphs captured anew, then with it (``after``), as `pieces_ab` does."""
+    model, stack = engine.model, engine.runner.stack
+
+    def switch(on: bool) -> None:
+        model.stack = stack if on else None
+        engine.runner.graphs.drop()  # the captured graphs hold the other launches
+
+    return _a_b_a(engine, args, "off", lambda: switch(False), lambda: switch(True))
+
+
 def _a_b_a(engine: Engine, args, name: str, change, restore) -> dict:
     out = {}
     for apply, key in ((change, name), (restore, "after")):
@@ -312,6 +326,8 @@ def _timed_run(engine: Engine, args, adapters: list[str | None]) -> dict:
         out["pieces"] = pieces_ab(engine, args)
     if args.linear_ab and any(adapters):  # the projections' LoRA the other way (fused / separate), then back
         out["linear_ab"] = linear_ab(engine, args)
+    if args.stack_ab and any(adapters) and engine.runner.stack is not None:  # without the stack, then with it
+        out["stack_ab"] = stack_ab(engine, args)
     return out
 
 
@@ -356,6 +372,8 @@ def main(argv=None) -> None:
     p.add_argument("--linear-ab", action="store_true",
                    help="also time the LoRA run's decode steps with the projections' LoRA the other way (fused "
                         "into the decode projection, `lora_linear`, or separate launches), then as before")
+    p.add_argument("--stack-ab", action="store_true",
+                   help="also time the LoRA run's decode steps without the shrink stack, then with it again")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
@@ -398,13 +416,14 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
            "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early,
-           "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR)}
+           "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR),
+           "shrink_stack": engine.runner.stack is not None}
     if window == "decode":  # the medians of the unprofiled steps
         for kind in ("base", "lora"):  # step time, with the host hidden, the host's share before the graph
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            for ab in ("pieces", "linear_ab"):
+            for ab in ("pieces", "linear_ab", "stack_ab"):
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call

@@ -245,17 +245,18 @@ def _sum_splits(part_rows, i, m_ok, i_ok, split_k, split_stride, SPLITS: tl.cons
     split = tl.arange(0, SPLITS)
     ptrs = part_rows[None, :, :] + split[:, None, None] * split_stride + i[None, None, :]
     mask = (split < split_k)[:, None, None] & m_ok[None, :, None] & i_ok[None, None, :]
-    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
+    return tl.sum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), axis=0)  # (a stack's h is bf16/fp16)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "split_k"])
 def _expand_kernel(
     y_ptr, y_stride, pool_ptr, table_ptr, table_stride,
     token_slots_ptr, tiles_ptr, order_ptr, rank_ptr, b_off_ptr, part_ptr, col_tiles_ptr,
-    num_tokens, split_k, scale,
+    num_tokens, split_k, scale, entry_ptr, part_row, part_piece, entry_stride,
     J: tl.constexpr, RB: tl.constexpr, RK: tl.constexpr, SPLITS: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, WIDE: tl.constexpr, Y_DIV: tl.constexpr, GROUPED: tl.constexpr, EVEN_N: tl.constexpr,
     PAGED: tl.constexpr, LOG2_P: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
+    ENTRY: tl.constexpr = False,
 ):
     slot, tok, m_ok = _row_tile(tl.program_id(0), token_slots_ptr, tiles_ptr, order_ptr, BM, GROUPED)
     if slot < 0:
@@ -273,7 +274,9 @@ def _expand_kernel(
     b_virt = tl.load(b_off_ptr + slot * J + piece)
     b_stride = (width + 63) // 64 * 64
     table = table_ptr + slot.to(tl.int64) * table_stride
-    part_rows = part_ptr + tok[:, None] * (J * RB) + piece * RB  # [BM, 1]
+    part_rows = part_ptr + tok[:, None] * part_row + piece * part_piece  # [BM, 1]
+    if ENTRY:  # h of the slot's entry in a shrink stack (`lora_stack`): its rows sit entry_stride apart
+        part_rows += tl.load(entry_ptr + slot).to(tl.int64) * entry_stride
     split_stride = num_tokens * (J * RB)
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, 64)
@@ -345,7 +348,7 @@ def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype, device) -> No
 
 def check_inputs(y, x, pool, page_table, token_slots, meta: DenseLoraMeta) -> None:
     """Validate the arguments of `lora_shrink_expand` (shared by the reference; ``y`` None for
-    `lora_shrink`); raise ValueError."""
+    `lora_shrink`, ``x`` None for `lora_stack.lora_expand_stacked`); raise ValueError."""
     if not isinstance(pool, torch.Tensor) or pool.dim() != 2:
         _fail("pool", "one layer of the pool, [N, P]", getattr(pool, "shape", type(pool).__name__))
     page = pool.shape[1]
@@ -353,8 +356,10 @@ def check_inputs(y, x, pool, page_table, token_slots, meta: DenseLoraMeta) -> No
         _fail("pool.dtype", f"one of {DTYPES}", pool.dtype)
     if page < 64 or page & (page - 1) or not pool.is_contiguous():
         _fail("pool", "contiguous with a power-of-two page_elems >= 64", (tuple(pool.shape), pool.stride()))
-    count, dev = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None, pool.device
-    _check_tensor("x", x, (None, meta.d_in), pool.dtype, dev)
+    rows = y if x is None else x
+    count, dev = rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() == 2 else None, pool.device
+    if x is not None:
+        _check_tensor("x", x, (None, meta.d_in), pool.dtype, dev)
     if y is not None:  # (lora_shrink has no y)
         _check_tensor("y", y, (count, meta.out_cols), pool.dtype, dev)
     _check_tensor("token_slots", token_slots, (count,), torch.int32, dev)
@@ -406,6 +411,7 @@ class LoraShrink:
     num_tokens: int
     dtype: torch.dtype  # the pool's, which y must have
     batch: LoraBatch | None
+    stacked: tuple | None = None  # (entry_of_slot, row, piece and entry strides): h of a shrink stack
 
 
 def lora_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, token_slots: torch.Tensor,
@@ -463,9 +469,14 @@ def _expand(y, shrunk: LoraShrink, scale: float, dependent: bool) -> torch.Tenso
     if shrunk.plan is None:
         return y
     plan, meta = shrunk.plan, shrunk.meta
+    if shrunk.stacked is None:
+        layout = (shrunk.part, meta.num_slices * meta.rank_block, meta.rank_block, 0)
+        split_k, options = plan.split_k, plan.expand_options if dependent else plan.expand_solo
+    else:  # one bf16 h per entry, no splits to sum (`lora_stack`)
+        layout, split_k, options = shrunk.stacked, 1, plan.expand_solo | {"SPLITS": 1, "ENTRY": True}
     launch(_expand_kernel, plan.expand_grid,
         y, y.stride(0), *shrunk.args, meta.b_offset, shrunk.part, meta.col_tile_table(plan.block_n),
-        shrunk.num_tokens, plan.split_k, float(scale), **(plan.expand_options if dependent else plan.expand_solo))
+        shrunk.num_tokens, split_k, float(scale), *layout, **options)
     return y
 
 

@@ -31,7 +31,7 @@ from unipage.models.decoder import DecoderLM
 from unipage.models.dummy import DummyCheckpoint
 from unipage.models.ops import ops_for
 from unipage.models.weights import Checkpoint, read_config
-from unipage.runner import GraphLimits, ModelRunner, StepOutput
+from unipage.runner import GraphLimits, ModelRunner, StackLimits, StepOutput
 from unipage.scheduler import (
     Request,
     RequestOutput,
@@ -102,7 +102,9 @@ class Engine:
             max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)
             self.scheduler = Scheduler(self.memory, scheduler or SchedulerConfig(max_model_len=max_len))
             self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device,
-                                      graphs=self._graph_limits(cuda_graphs), lora_slots=self._lora_slots())
+                                      graphs=self._graph_limits(cuda_graphs), lora_slots=self._lora_slots(),
+                                      stack=StackLimits(self.config.lora.max_adapters_per_batch,
+                                                        self.config.lora.max_rank, self.config.num_pages))
         except BaseException:  # no engine to close: release the storage here
             self.close()
             raise

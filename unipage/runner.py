@@ -22,6 +22,7 @@ from unipage.lora_layout import AdapterLayout
 from unipage.mixed_graphs import MixedGraphs
 from unipage.models.decoder import DecoderLM
 from unipage.models.lora_tables import LoraTables
+from unipage.models.shrink_stack import ShrinkStack
 from unipage.sampling import make_generator, sample
 from unipage.scheduler import SamplingParams, SchedulerOutput
 from unipage.staging import StagedUpload
@@ -50,6 +51,13 @@ class GraphLimits:
     max_tokens: int = 0  # mixed steps up to this many tokens replay piecewise graphs (0: they run eagerly)
 
 
+@dataclass(frozen=True)
+class StackLimits:
+    entries: int  # adapters a shrink stack holds: the most in one step (max_adapters_per_batch)
+    max_rank: int  # the largest LoRA rank accepted
+    max_slots: int  # bound on adapter slots (the pool's pages: each resident adapter takes one at least)
+
+
 @dataclass
 class StepOutput:
     sampled: list[list[int]]  # per SchedulerOutput.req_ids entry
@@ -58,12 +66,17 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, pool: torch.Tensor, block_tokens: int, device: torch.device,
-                 keep_logits: bool = False, graphs: GraphLimits | None = None, lora_slots: int | None = None) -> None:
+                 keep_logits: bool = False, graphs: GraphLimits | None = None, lora_slots: int | None = None,
+                 stack: StackLimits | None = None) -> None:
         """``graphs``: capture CUDA graphs of decode steps (and of mixed steps, piecewise) within these limits
         (None: run eagerly).
-        ``lora_slots``: the LoRA tables' slot capacity from the start (None: grown on demand)."""
+        ``lora_slots``: the LoRA tables' slot capacity from the start (None: grown on demand).
+        ``stack``: fold small steps' q/k/v and o LoRA shrinks into the projections (`shrink_stack`), where
+        the model's projections are large enough beside such a stack (None: never)."""
         self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
         self.lora = LoraTables(model.model, device, slots=lora_slots)
+        self.stack = None if stack is None else ShrinkStack.build(model, stack.entries, stack.max_rank,
+                                                                   stack.max_slots)
         self.upload = StagedUpload(device)
         self.graphs = self.mixed = None
         if graphs is not None:
@@ -79,9 +92,13 @@ class ModelRunner:
     # -- adapter slots (the engine calls these while performing effects) --
     def slot_loaded(self, slot: int, pages, layout: AdapterLayout) -> None:
         self.lora.assign(slot, pages, layout)
+        if self.stack is not None:
+            self.stack.forget(slot)
 
     def slot_evicted(self, slot: int) -> None:
         self.lora.release(slot)
+        if self.stack is not None:
+            self.stack.forget(slot)
 
     # -- request state -----------------------------------------------------
     def drop(self, out: SchedulerOutput) -> None:
@@ -115,6 +132,7 @@ class ModelRunner:
         self.lora.refresh()
         seqs = [self.seqs[rid] for rid in out.req_ids]
         self._check_fits(out, seqs)
+        self._prepare_stack(seqs, out.num_scheduled_tokens)
         samplers = [i for i, (seq, n) in enumerate(zip(seqs, out.num_scheduled_tokens))
                     if seq.num_computed + n == len(seq.token_ids)]
         if self.graphs is not None and self.graphs.accepts(out.num_scheduled_tokens, [s.block_table for s in seqs]):
@@ -140,6 +158,15 @@ class ModelRunner:
             seq.num_computed += n
         kept = {out.req_ids[i]: logits[row].cpu() for row, i in enumerate(samplers)} if self.keep_logits else {}
         return StepOutput(sampled, kept)
+
+    def _prepare_stack(self, seqs: list[SeqState], num_tokens: list[int]) -> None:
+        """Bring the step's adapters into the shrink stack if the step may use it (the model decides by
+        its token count, or its graph bucket's, which is no smaller)."""
+        if self.stack is None or self.lora.page_table is None or sum(num_tokens) > self.stack.max_tokens:
+            return
+        slots = {seq.slot for seq in seqs if seq.slot >= 0}
+        if slots:
+            self.stack.prepare(slots, self.lora, self.pool, self.model.model.layer_rows)
 
     def _check_fits(self, out: SchedulerOutput, seqs: list[SeqState]) -> None:
         bt = self.block_tokens

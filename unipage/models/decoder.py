@@ -103,6 +103,8 @@ class LayerWeights:
     experts_down_bias: torch.Tensor | None = None  # GPT-OSS [E, H]
     sinks: torch.Tensor | None = None  # GPT-OSS [heads] float32: attention sink logits
     window: int = 0  # sliding-window length of this layer's attention; 0 = full
+    qkv_stack: object = None  # `shrink_stack.StackedWeight` of q/k/v (w_qkv, b_qkv: views of it), or None
+    o_stack: object = None  # of o
 
 
 class DecoderLM:
@@ -130,6 +132,7 @@ class DecoderLM:
         self.lm_head = self.embed_tokens if tied else ckpt.get("lm_head.weight", (vocab, h))
         self.norm = ckpt.get("model.norm.weight", (h,))
         self.layers = [self._load_layer(ckpt, i) for i in range(model.num_layers)]
+        self.stack = None  # a `shrink_stack.ShrinkStack` over the layers' q/k/v and o, once one is built
 
     # -- weights ---------------------------------------------------------
     def _load_layer(self, ckpt: Checkpoint, i: int) -> LayerWeights:
@@ -215,7 +218,9 @@ class DecoderLM:
         if lora_on and self.ops.plans_lora:
             plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens,
                                    max_groups=batch.active_slots)
-        return _Context(batch, cos, sin, lora if lora_on else None, plan)
+        stack = self.stack if lora_on and self.stack is not None and \
+            batch.input_ids.shape[0] <= self.stack.max_tokens else None
+        return _Context(batch, cos, sin, lora if lora_on else None, plan, stack)
 
     def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, x)``: the token embeddings ``[T, H]`` and the first layer's input norm of them."""
@@ -226,7 +231,7 @@ class DecoderLM:
         """Layer ``i`` up to its attention: q ``[T, heads, D]`` (contiguous); the step's K and V written."""
         layer, pool_l, layer_lora = self._layer(i, pool, ctx)
         m, tokens = self.model, x.shape[0]
-        qkv = self._project(x, layer.w_qkv, layer.b_qkv, pool_l, layer_lora and layer_lora.qkv, ctx)
+        qkv = self._project(x, layer.w_qkv, layer.b_qkv, pool_l, layer_lora and layer_lora.qkv, ctx, layer.qkv_stack)
         q_width, kv_width = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         norm = self.ops.rms_norm
@@ -249,7 +254,7 @@ class DecoderLM:
         (None: of every row), and h is None."""
         layer, pool_l, layer_lora = self._layer(i, pool, ctx)
         out = attended.reshape(attended.shape[0], -1)
-        o = self._project(out, layer.w_o, layer.b_o, pool_l, layer_lora and layer_lora.o, ctx)
+        o = self._project(out, layer.w_o, layer.b_o, pool_l, layer_lora and layer_lora.o, ctx, layer.o_stack)
         # each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed
         h, x = self.ops.add_rms_norm(h, o, layer.post_norm, self.eps)
         mlp = (self._moe if layer.router is not None else self._mlp)(layer, x, pool_l, layer_lora, ctx)
@@ -264,9 +269,14 @@ class DecoderLM:
         return (self.layers[i], pool[self.model.layer_rows[i]],
                 ctx.lora.layers[i] if ctx.lora is not None else None)
 
-    def _project(self, x, w, bias, pool_l, meta, ctx: _Context) -> torch.Tensor:
+    def _project(self, x, w, bias, pool_l, meta, ctx: _Context, stacked=None) -> torch.Tensor:
         """``x @ w.T (+ bias)`` plus the LoRA delta of ``meta``'s targets (None: the layer has no LoRA
-        for them)."""
+        for them).  ``stacked``: the projection's shrink stack (`shrink_stack`), used in steps that take it."""
+        if self._has_lora(meta, ctx) and ctx.stack is not None and stacked is not None:
+            out = F.linear(x, stacked.ext, stacked.bias)  # the projection and every entry's h = x @ A.T
+            return self.ops.lora_expand_stacked(out[:, :stacked.n], out[:, stacked.n:], ctx.stack.entry_of_slot,
+                                                pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
+                                                rank_block=ctx.stack.rank_block, batch=ctx.plan)
         if self._has_lora(meta, ctx):  # the projection and its delta (`linear_lora`: separate launches or one kernel)
             return self.ops.linear_lora(x, w, bias, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
                                         batch=ctx.plan, early=True)  # (the shrink may start as x's writer drains)
@@ -339,3 +349,4 @@ class _Context:
     sin: torch.Tensor
     lora: LoraTables | None  # None: no token of the step has an adapter
     plan: object  # LoraBatch of the dense LoRA kernels, or None
+    stack: object = None  # the model's ShrinkStack when this step uses it (`_project`), else None

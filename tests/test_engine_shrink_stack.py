@@ -1,0 +1,137 @@
+"""The shrink stack (`unipage.models.shrink_stack`) in the engine, on CPU in fp32, against transformers + PEFT.
+
+The tiny test models' projections are too small for a stack by the default rule (`MAX_EXTRA`), so these
+tests lift it; the engine then folds every decode step's q/k/v and o shrinks into the projections.
+"""
+
+from __future__ import annotations
+
+import random
+
+import engine_support as es
+import pytest
+import torch
+from test_engine_parity import GREEDY, check, mixed_batch
+
+from unipage import LLM
+from unipage.config import LoRAConfig, PoolConfig
+from unipage.models import shrink_stack
+from unipage.scheduler import SchedulerConfig
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt_oss", "qwen3_moe"])
+def family(request, tmp_path_factory):
+    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def oracle(family):
+    return es.Oracle(family)
+
+
+@pytest.fixture(autouse=True)
+def any_size(monkeypatch):
+    monkeypatch.setattr(shrink_stack, "MAX_EXTRA", 1e9)
+
+
+def make_llm(family, entries=8) -> LLM:
+    return LLM(family.model_dir, family.adapters, device="cpu", pool=PoolConfig(num_pages=512),
+               lora=LoRAConfig(max_rank=32, max_adapters_per_batch=entries),
+               scheduler=SchedulerConfig(max_model_len=256))
+
+
+def test_mixed_batch_through_the_stack(family, oracle):
+    llm = make_llm(family)
+    stack = llm.engine.runner.stack
+    assert stack is not None and llm.engine.model.stack is stack
+    layer = llm.engine.model.layers[0]
+    assert layer.w_qkv.data_ptr() == layer.qkv_stack.ext.data_ptr()  # W lives in the stack, not twice
+    prompts, names = mixed_batch(family)
+    outs = llm.generate(prompts, GREEDY, adapters=names, max_tokens=12, return_logits=True)
+    check(oracle, outs, 12)
+    assert stack.fills == len({n for n in names if n is not None})
+
+
+def test_entries_taken_over_and_a_readded_adapter(family, oracle):
+    """Two entries for four adapters: steps take entries from adapters they do not need (least recently
+    used first); an adapter re-added under a name with other weights is copied again."""
+    llm = make_llm(family, entries=2)
+    stack = llm.engine.runner.stack
+    names = list(family.adapters)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(3, 20))] for _ in names]
+    check(oracle, llm.generate(prompts, GREEDY, adapters=names, max_tokens=6, return_logits=True), 6)
+    assert stack.fills > 2
+    first, other = names[:2]
+    llm.generate(prompts[0], GREEDY, adapter=first, max_tokens=2)  # its A rows in the stack now
+    llm.remove_adapter(first)
+    llm.add_adapter(first, family.adapters[other])
+    after = llm.generate(prompts[0], GREEDY, adapter=first, max_tokens=6, return_logits=True)[0]
+    want = llm.generate(prompts[0], GREEDY, adapter=other, max_tokens=6, return_logits=True)[0]
+    assert after.token_ids == want.token_ids
+    assert max((a - b).abs().max().item() for a, b in zip(after.logits, want.logits)) <= 1e-4
+
+
+def test_no_stack_where_it_would_be_large(monkeypatch, family):
+    monkeypatch.setattr(shrink_stack, "MAX_EXTRA", 0.25)
+    llm = make_llm(family)
+    assert llm.engine.runner.stack is None and llm.engine.model.layers[0].qkv_stack is None
+
+
+class _Tables:
+    """What `ShrinkStack.prepare` reads of the LoRA tables, for the bookkeeping tests."""
+
+    layers, page_table = [], None
+
+
+def test_entries_least_recently_used_first_and_too_many_adapters(monkeypatch):
+    layer = type("Layer", (), {})()
+    layer.w_qkv, layer.b_qkv, layer.w_o, layer.b_o = torch.randn(96, 8), torch.randn(96), torch.randn(8, 8), None
+    w_qkv, b_qkv = layer.w_qkv.clone(), layer.b_qkv.clone()
+    stack = shrink_stack.ShrinkStack([layer], entries=2, max_rank=4, max_slots=4)
+    assert torch.equal(layer.w_qkv, w_qkv) and torch.equal(layer.b_qkv, b_qkv)
+    assert layer.qkv_stack.ext.shape == (96 + 2 * 3 * 16, 8) and not layer.qkv_stack.bias[96:].any()
+    filled = []
+    monkeypatch.setattr(stack, "_fill", lambda entry, slot, *rest: filled.append((slot, entry)))
+    tables = _Tables()
+    stack.prepare({0, 1}, tables, None, [0])
+    stack.prepare({1}, tables, None, [0])  # slot 0 is now the least recently used
+    stack.prepare({1, 3}, tables, None, [0])
+    assert filled == [(0, 0), (1, 1), (3, 0)]
+    assert stack.entry_of_slot.tolist() == [0, 1, -1, 0]  # (slot 0's stale value is never read)
+    stack.forget(1)
+    stack.prepare({1}, tables, None, [0])  # copied again, into the entry slot 3 did not need
+    assert filled[-1] == (1, 1)
+    with pytest.raises(RuntimeError, match="max_adapters_per_batch"):
+        stack.prepare({0, 1, 2}, tables, None, [0])
+    with pytest.raises(RuntimeError, match="slot 4 beyond"):
+        stack.prepare({4}, tables, None, [0])
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_with_the_stack_match_eager_without(monkeypatch, family):
+    """bf16 on the GPU: decode graphs (and eager steps) through the stack, against eager steps through the
+    paged shrink kernels, over adapter mixes with tokens without adapter."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from test_engine_graphs_gpu import SEQS, TOKENS, _llm, _run
+
+    stacked = _llm(family, True)
+    monkeypatch.setattr(shrink_stack, "MAX_EXTRA", 0.0)
+    paged = _llm(family, False)
+    assert stacked.engine.runner.stack is not None and paged.engine.runner.stack is None
+    rng = random.Random(4)
+    choices = [*family.adapters, None]
+    prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(3, 40))] for _ in range(SEQS)]
+    agree = total = 0
+    for names in ([choices[i % len(choices)] for i in range(SEQS)], [rng.choice(choices) for _ in range(SEQS)]):
+        for got, want in zip(_run(stacked, prompts, names), _run(paged, prompts, names)):
+            same = 0
+            while same < TOKENS and got.token_ids[same] == want.token_ids[same]:
+                same += 1
+            agree, total = agree + same, total + TOKENS
+            if same:
+                diff = (torch.stack(got.logits[:same]) - torch.stack(want.logits[:same])).abs()
+                assert diff.mean() <= 0.01 * torch.stack(want.logits[:same]).abs().mean(), got.adapter
+    assert stacked.engine.runner.graphs.replays > 0 and stacked.engine.runner.stack.fills > 0
+    assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"

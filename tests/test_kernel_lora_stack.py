@@ -1,0 +1,94 @@
+"""The dense LoRA expand from a shrink stack (`kernels.lora_stack`), Triton interpreter at tiny shapes,
+against its reference and against the paged shrink-and-expand it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernel_lora import MIXES, QKV, assert_close, assert_untouched, build_world, plan, token_mix
+from unipage.kernels.lora import lora_shrink_expand_ref
+from unipage.kernels.lora_meta import dense_lora_meta
+from unipage.kernels.lora_stack import fill_entry, lora_expand_stacked, lora_expand_stacked_ref
+
+RANK_BLOCK = 16  # >= every rank of test_kernel_lora.SLOTS
+
+
+def stack_world(dtype, entries=6, layer=0, targets=QKV, seed=1, count=12, mix="uniform"):
+    """A world, its meta, an ext weight [n + K*J*RB, D] (W, then the slots' A rows at shuffled
+    entries), x, the token slots and entry_of_slot."""
+    world = build_world(dtype=dtype)
+    meta = dense_lora_meta(world.layouts, layer, targets, device=world.pool.device, model=world.model)
+    gen = torch.Generator().manual_seed(seed)
+    live = [s for s, layout in enumerate(world.layouts) if layout is not None]
+    slots = token_mix(mix, count, live, gen)
+    width = meta.num_slices * RANK_BLOCK
+    n = meta.out_cols
+    ext = torch.randn(n + entries * width, meta.d_in, generator=gen).to(dtype)  # noise in unused entries
+    ext[:n] *= 0.1
+    entry_of_slot = torch.full((meta.num_slots + 3,), 99, dtype=torch.int32)  # (wrong for slots not used)
+    for slot, entry in zip(live, torch.randperm(entries, generator=gen).tolist()):
+        entry_of_slot[slot] = entry
+        fill_entry(ext[n + entry * width:n + (entry + 1) * width], world.pool[layer], world.page_table, meta, slot)
+    x = torch.randn(count, meta.d_in, generator=gen).to(dtype)
+    return world, meta, ext, x, slots, entry_of_slot
+
+
+def project(ext, x, n):
+    """``(y, h)``: the projection and the stack's h, views of one GEMM's output as the engine runs it."""
+    out = (x.float() @ ext.float().T).to(x.dtype)
+    return out[:, :n], out[:, n:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter mis-reads bf16 here)
+@pytest.mark.parametrize("mix", MIXES)
+def test_stacked_expand_matches_reference_and_the_paged_path(dtype, mix):
+    world, meta, ext, x, slots, entry_of_slot = stack_world(dtype, mix=mix)
+    n = meta.out_cols
+    y0, h = project(ext, x, n)
+    y0 = y0.clone()
+    args = (entry_of_slot, world.pool[0], world.page_table, slots, meta)
+    got = lora_expand_stacked(project(ext, x, n)[0], h, *args, rank_block=RANK_BLOCK, scale=0.5)
+    want = lora_expand_stacked_ref(y0.clone(), h, *args, rank_block=RANK_BLOCK, scale=0.5)
+    assert_close(got, want, y0)
+    assert_untouched(got, y0, slots, meta)
+    paged = lora_shrink_expand_ref(y0.clone(), x, world.pool[0], world.page_table, slots, meta, scale=0.5)
+    assert_close(got, paged, y0)  # the same delta as the paged shrink (h rounded once either way)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_both_expand_paths_and_a_layer_without_a_target(grouped):
+    world, meta, ext, x, slots, entry_of_slot = stack_world(torch.float32, layer=1, count=20, mix="skewed")
+    n = meta.out_cols
+    y, h = project(ext, x, n)
+    y0 = y.clone()
+    args = (entry_of_slot, world.pool[1], world.page_table, slots, meta)
+    batch = plan(slots, world, grouped)
+    got = lora_expand_stacked(y, h, *args, rank_block=RANK_BLOCK, batch=batch)
+    assert got.data_ptr() == y.data_ptr()  # in place, in the GEMM's output
+    assert_close(got, lora_expand_stacked_ref(y0.clone(), h, *args, rank_block=RANK_BLOCK), y0)
+    assert_untouched(got, y0, slots, meta)
+
+
+def test_fill_entry_zeroes_past_each_rank_and_checks_the_rank_block():
+    world, meta, ext, x, slots, entry_of_slot = stack_world(torch.float32)
+    rows = torch.randn(meta.num_slices * RANK_BLOCK, meta.d_in)
+    fill_entry(rows, world.pool[0], world.page_table, meta, 1)  # ranks 4, 16, 4
+    for j, rank in enumerate(meta.ranks[1]):
+        block = rows[j * RANK_BLOCK:(j + 1) * RANK_BLOCK]
+        assert block[:rank].abs().sum() > 0 and not block[rank:].any()
+    with pytest.raises(ValueError, match="rank block"):
+        fill_entry(torch.zeros(meta.num_slices * 8, meta.d_in), world.pool[0], world.page_table, meta, 1)
+
+
+def test_bad_arguments_raise_value_errors():
+    world, meta, ext, x, slots, entry_of_slot = stack_world(torch.float32)
+    y, h = project(ext, x, meta.out_cols)
+    args = (world.pool[0], world.page_table, slots, meta)
+    with pytest.raises(ValueError, match="h"):
+        lora_expand_stacked(y, h[:, 1:], entry_of_slot, *args, rank_block=RANK_BLOCK)
+    with pytest.raises(ValueError, match="rank_block"):
+        lora_expand_stacked(y, h, entry_of_slot, *args, rank_block=8)
+    with pytest.raises(ValueError, match="entry_of_slot"):
+        lora_expand_stacked(y, h, entry_of_slot.long(), *args, rank_block=RANK_BLOCK)
+    with pytest.raises(ValueError, match="entry_of_slot"):
+        lora_expand_stacked_ref(y, h, torch.full_like(entry_of_slot, 40), *args, rank_block=RANK_BLOCK)
