@@ -1,5 +1,6 @@
-"""GPU benchmark of the fused decode projection (`lora_linear.linear_lora`) against the separate launches it
-replaces (``x @ W.T`` with its bias, `lora.lora_shrink_expand`), JSON lines.
+"""GPU benchmark of the fused decode projection (`lora_linear.linear_lora`) and of the shrink stack's path
+(`shrink_stack`: one GEMM over W and the A rows, then `lora_stack.lora_expand_stacked`) against the separate
+launches (``x @ W.T`` with its bias, `lora.lora_shrink_expand`), JSON lines.
 
     python benchmarks/kernels_lora_linear.py [--tokens 1 16] [--out FILE]
     python benchmarks/kernels_lora_linear.py --tune [--best FILE]   # sweep the launch settings
@@ -9,7 +10,8 @@ Shapes: the attention projections (qkv with its bias, o) of GPT-OSS-20B (rank 32
 (rank 8), bf16, 8 adapters in shuffled pool pages, tokens round-robin over the adapters with every
 ninth token without one.  Each timing is a CUDA graph of ``LAYERS`` such projections with weights of
 their own (so W comes from HBM, as in a decode step), L2 flushed before each replay, per projection.
-Per row: ``fused_us`` and ``separate_us``; ``floor_us``: the bytes a projection must read (W, the bias,
+Per row: ``fused_us``, ``stacked_us`` and ``separate_us`` (``*max_rel_diff``: each against the separate
+path); ``floor_us``: the bytes a projection must read (W, the bias,
 x, the LoRA weights of the adapters present) over the read bandwidth measured in the run.  ``--tune``
 times every setting of `SWEEP` on every shape and writes the best over them all to ``--best`` as JSON.
 ``--projection`` times the base projection alone at the shapes with a bias, three ways (rows
@@ -34,7 +36,9 @@ from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
 from unipage.kernels.lora_linear import LINEAR, fused_linear, linear_lora
 from unipage.kernels.lora_meta import dense_lora_meta, plan_lora_batch
+from unipage.kernels.lora_stack import fill_entry, lora_expand_stacked
 from unipage.lora_layout import TargetSpec, build_layout
+from unipage.models.shrink_stack import rank_block
 
 LAYERS = 24
 ADAPTERS = 8
@@ -104,11 +108,39 @@ def separate(s: dict):
     return run
 
 
-def check(s: dict, config: dict | None = None) -> float:
-    """Largest difference of the fused result from the separate one, over the largest value."""
+def stacked(s: dict):
+    """The shrink stack's path (`unipage.models.shrink_stack`): one GEMM over W and every adapter's A rows,
+    then `lora_expand_stacked` from its h (adapter slot s in entry s)."""
+    meta, block = s["meta"], rank_block(s["rank"])
+    n, width = meta.out_cols, meta.num_slices * block
+    exts = []
+    for w in s["w"]:
+        ext = torch.zeros(n + ADAPTERS * width, meta.d_in, dtype=w.dtype, device=w.device)
+        ext[:n] = w
+        for slot in range(ADAPTERS):
+            fill_entry(ext[n + slot * width:n + (slot + 1) * width], s["pool"], s["table"], meta, slot)
+        exts.append(ext)
+    bias = None if s["bias"] is None else torch.cat([s["bias"], s["bias"].new_zeros(ADAPTERS * width)])
+    entries = torch.arange(meta.num_slots, dtype=torch.int32, device=s["x"].device)
+    batch = plan_lora_batch(s["slots"], meta.num_slots)
+
+    def one(ext):
+        out = F.linear(s["x"], ext, bias)
+        return lora_expand_stacked(out[:, :n], out[:, n:], entries, s["pool"], s["table"], s["slots"], meta,
+                                   rank_block=block, batch=batch)
+
+    def run():
+        for ext in exts:
+            one(ext)
+    run.first = lambda: one(exts[0])  # the first layer's result, for `check`
+    return run
+
+
+def check(s: dict, config: dict | None = None, other=None) -> float:
+    """Largest difference of the fused result (or ``other()``'s) from the separate one, over the largest value."""
     args = (s["x"], s["w"][0], s["bias"], s["pool"], s["table"], s["slots"], s["meta"])
     want = linear_lora(*args, config={"max_tokens": 0})
-    got = linear_lora(*args, config=on(s, config))
+    got = other() if other is not None else linear_lora(*args, config=on(s, config))
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
@@ -145,10 +177,13 @@ def bench(args, out) -> None:
         s = setup(name, tokens)
         floor = s["bytes"] / bandwidth * 1e6
         fused_us, separate_us = per_layer_us(fused(s)), per_layer_us(separate(s))
+        stack = stacked(s)
         emit({"bench": "lora_linear", "shape": name, "tokens": tokens, "adapters": ADAPTERS, "rank": s["rank"],
-              "fused_us": round(fused_us, 2), "separate_us": round(separate_us, 2), "floor_us": round(floor, 2),
+              "fused_us": round(fused_us, 2), "separate_us": round(separate_us, 2),
+              "stacked_us": round(per_layer_us(stack), 2), "floor_us": round(floor, 2),
               "fused_over_floor": round(fused_us / floor, 2), "read_gbps": round(bandwidth / 1e9, 1),
-              "max_rel_diff": round(check(s), 5), "config": on(s, dict(LINEAR)),
+              "max_rel_diff": round(check(s), 5), "stacked_max_rel_diff": round(check(s, other=stack.first), 5),
+              "config": on(s, dict(LINEAR)),
               "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
 
 

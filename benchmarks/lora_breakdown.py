@@ -254,7 +254,9 @@ def stack_ab(engine: Engine, args) -> dict:
 
     def switch(on: bool) -> None:
         model.stack = stack if on else None
-        engine.runner.graphs.drop()  # the captured graphs hold the other launches
+        for graphs in (engine.runner.graphs, engine.runner.mixed):  # the captured graphs hold the other launches
+            if graphs is not None:
+                graphs.drop()
 
     return _a_b_a(engine, args, "off", lambda: switch(False), lambda: switch(True))
 

@@ -262,6 +262,12 @@ def _expand_kernel(
     if slot < 0:
         finish_early(USE_PDL)
         return
+    entry = 0
+    if ENTRY:  # h of the slot's entry in a shrink stack (`lora_stack`); -1: none, add nothing
+        entry = tl.load(entry_ptr + slot)
+    if entry < 0:
+        finish_early(USE_PDL)
+        return
     col_tile = col_tiles_ptr + tl.program_id(1) * 4
     piece = tl.load(col_tile)
     rank = tl.load(rank_ptr + slot * J + piece)
@@ -274,9 +280,7 @@ def _expand_kernel(
     b_virt = tl.load(b_off_ptr + slot * J + piece)
     b_stride = (width + 63) // 64 * 64
     table = table_ptr + slot.to(tl.int64) * table_stride
-    part_rows = part_ptr + tok[:, None] * part_row + piece * part_piece  # [BM, 1]
-    if ENTRY:  # h of the slot's entry in a shrink stack (`lora_stack`): its rows sit entry_stride apart
-        part_rows += tl.load(entry_ptr + slot).to(tl.int64) * entry_stride
+    part_rows = part_ptr + tok[:, None] * part_row + piece * part_piece + entry.to(tl.int64) * entry_stride
     split_stride = num_tokens * (J * RB)
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, 64)
@@ -411,7 +415,18 @@ class LoraShrink:
     num_tokens: int
     dtype: torch.dtype  # the pool's, which y must have
     batch: LoraBatch | None
-    stacked: tuple | None = None  # (entry_of_slot, row, piece and entry strides): h of a shrink stack
+    stacked: StackedH | None = None  # where h lies when it comes from a shrink stack (part is then h)
+
+
+@dataclass(frozen=True)
+class StackedH:
+    """``h`` of a shrink stack (`lora_stack`): token ``t``'s slice ``j`` of entry ``e = entry_of_slot[slot]``
+    starts at element ``t * row_stride + e * entry_stride + j * piece_stride``."""
+
+    entry_of_slot: torch.Tensor  # [>= S] int32
+    row_stride: int
+    piece_stride: int
+    entry_stride: int
 
 
 def lora_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, token_slots: torch.Tensor,
@@ -469,11 +484,13 @@ def _expand(y, shrunk: LoraShrink, scale: float, dependent: bool) -> torch.Tenso
     if shrunk.plan is None:
         return y
     plan, meta = shrunk.plan, shrunk.meta
-    if shrunk.stacked is None:
+    stacked = shrunk.stacked
+    if stacked is None:
         layout = (shrunk.part, meta.num_slices * meta.rank_block, meta.rank_block, 0)
         split_k, options = plan.split_k, plan.expand_options if dependent else plan.expand_solo
-    else:  # one bf16 h per entry, no splits to sum (`lora_stack`)
-        layout, split_k, options = shrunk.stacked, 1, plan.expand_solo | {"SPLITS": 1, "ENTRY": True}
+    else:  # one h in the model dtype per entry, no splits to sum (`lora_stack`)
+        layout = (stacked.entry_of_slot, stacked.row_stride, stacked.piece_stride, stacked.entry_stride)
+        split_k, options = 1, plan.expand_solo | {"SPLITS": 1, "ENTRY": True}
     launch(_expand_kernel, plan.expand_grid,
         y, y.stride(0), *shrunk.args, meta.b_offset, shrunk.part, meta.col_tile_table(plan.block_n),
         shrunk.num_tokens, split_k, float(scale), *layout, **options)

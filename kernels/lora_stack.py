@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from unipage.adapter_pack import gather_block
-from unipage.kernels.lora import LoraShrink, _cached_plan, _check_tensor, _expand, _fail, check_inputs
+from unipage.kernels.lora import LoraShrink, StackedH, _cached_plan, _check_tensor, _expand, _fail, check_inputs
 from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, plan_lora_batch
 from unipage.lora_layout import Block
 
@@ -48,7 +48,8 @@ def lora_expand_stacked(y: torch.Tensor, h: torch.Tensor, entry_of_slot: torch.T
 
     y: ``[T, C]`` model dtype (row stride free, columns contiguous): the projection, updated in place.
     h: ``[T, K*J*rank_block]`` model dtype (row stride free): every stack entry's ``x @ A.T``.
-    entry_of_slot: ``[>= S]`` int32: the entry holding each slot's A rows (read only for the batch's slots).
+    entry_of_slot: ``[>= S]`` int32: the entry holding each slot's A rows (read only for the batch's slots;
+        -1: none, its tokens get no delta).
     pool, page_table, token_slots, meta, batch, scale: as for `lora.lora_shrink_expand`.
     rank_block: rows per slice in an entry (>= every rank).
     """
@@ -65,7 +66,7 @@ def lora_expand_stacked(y: torch.Tensor, h: torch.Tensor, entry_of_slot: torch.T
     args = (pool, page_table, page_table.stride(0), token_slots,
             batch.tiles if batch.grouped else token_slots,
             batch.token_order if batch.grouped else token_slots, meta.rank)
-    layout = (entry_of_slot, h.stride(0), rank_block, meta.num_slices * rank_block)
+    layout = StackedH(entry_of_slot, h.stride(0), rank_block, meta.num_slices * rank_block)
     shrunk = LoraShrink(h, plan, args, meta, count, pool.dtype, batch, stacked=layout)
     return _expand(y, shrunk, scale, False)
 
@@ -86,8 +87,10 @@ def lora_expand_stacked_ref(y: torch.Tensor, h: torch.Tensor, entry_of_slot: tor
         if slot >= entry_of_slot.shape[0]:
             _fail("entry_of_slot", f"an entry for slot {slot}", entry_of_slot.shape[0])
         entry = int(entry_of_slot[slot])
-        if not 0 <= entry < entries:
-            _fail(f"entry_of_slot[{slot}]", f"in [0, {entries})", entry)
+        if not -1 <= entry < entries:
+            _fail(f"entry_of_slot[{slot}]", f"in [-1, {entries})", entry)
+        if entry < 0:
+            continue  # (as the kernel: no entry, no delta)
         table = page_table[slot].long()
         for j, rank in enumerate(meta.ranks[slot]):
             if rank == 0:

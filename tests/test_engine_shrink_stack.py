@@ -84,28 +84,60 @@ class _Tables:
     layers, page_table = [], None
 
 
-def test_entries_least_recently_used_first_and_too_many_adapters(monkeypatch):
+def test_entries_go_to_the_least_recently_used_slot_not_needed():
+    entries = shrink_stack.Entries(3)
+    assert entries.take({0, 1, 2}) == [(0, 0), (1, 1), (2, 2)]
+    assert entries.take({2, 0}) == []  # 1 is now the least recently used
+    assert entries.take({2, 3}) == [(3, 1)]
+    assert entries.take({0, 4}) == [(4, 2)]  # 2 (used before 0 and 3) goes
+    entries.forget(0)
+    assert entries.take({0}) == [(0, 0)]  # its entry was free
+    with pytest.raises(shrink_stack.ShrinkStackError, match="max_adapters_per_batch"):
+        entries.take({5, 6, 7, 8})
+
+
+def small_stack(entries=2):
     layer = type("Layer", (), {})()
     layer.w_qkv, layer.b_qkv, layer.w_o, layer.b_o = torch.randn(96, 8), torch.randn(96), torch.randn(8, 8), None
-    w_qkv, b_qkv = layer.w_qkv.clone(), layer.b_qkv.clone()
-    stack = shrink_stack.ShrinkStack([layer], entries=2, max_rank=4, max_slots=4)
-    assert torch.equal(layer.w_qkv, w_qkv) and torch.equal(layer.b_qkv, b_qkv)
+    stack = shrink_stack.ShrinkStack([layer], entries=entries, max_rank=4)
+    stack.set_slots(4)
+    return layer, stack
+
+
+def test_stack_holds_w_and_uploads_the_entries(monkeypatch):
+    w_qkv = torch.randn(96, 8)
+    layer, stack = small_stack()
+    layer.w_qkv.copy_(w_qkv)
+    assert torch.equal(layer.qkv_stack.ext[:96], w_qkv) and layer.w_qkv.data_ptr() == layer.qkv_stack.ext.data_ptr()
     assert layer.qkv_stack.ext.shape == (96 + 2 * 3 * 16, 8) and not layer.qkv_stack.bias[96:].any()
     filled = []
     monkeypatch.setattr(stack, "_fill", lambda entry, slot, *rest: filled.append((slot, entry)))
-    tables = _Tables()
-    stack.prepare({0, 1}, tables, None, [0])
-    stack.prepare({1}, tables, None, [0])  # slot 0 is now the least recently used
-    stack.prepare({1, 3}, tables, None, [0])
+    stack.prepare({0, 1}, _Tables(), None, [0])
+    stack.prepare({1, 3}, _Tables(), None, [0])
     assert filled == [(0, 0), (1, 1), (3, 0)]
-    assert stack.entry_of_slot.tolist() == [0, 1, -1, 0]  # (slot 0's stale value is never read)
+    assert stack.entry_of_slot.tolist() == [-1, 1, -1, 0]
     stack.forget(1)
-    stack.prepare({1}, tables, None, [0])  # copied again, into the entry slot 3 did not need
+    stack.prepare({1}, _Tables(), None, [0])  # copied again, into the entry 3 does not need
     assert filled[-1] == (1, 1)
-    with pytest.raises(RuntimeError, match="max_adapters_per_batch"):
-        stack.prepare({0, 1, 2}, tables, None, [0])
-    with pytest.raises(RuntimeError, match="slot 4 beyond"):
-        stack.prepare({4}, tables, None, [0])
+    with pytest.raises(shrink_stack.ShrinkStackError, match="slot 4 beyond"):
+        stack.prepare({4}, _Tables(), None, [0])
+
+
+def test_a_fill_that_raises_leaves_no_entry_behind(monkeypatch):
+    layer, stack = small_stack()
+
+    def fill(entry, slot, *rest):
+        if slot == 2:
+            raise torch.cuda.OutOfMemoryError("no memory")
+
+    monkeypatch.setattr(stack, "_fill", fill)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        stack.prepare({0, 2}, _Tables(), None, [0])
+    assert stack.entry_of_slot.tolist() == [0, -1, -1, -1]  # slot 0's entry uploaded, slot 2 without one
+    assert dict(stack.entries.items()) == {0: 0}
+    monkeypatch.setattr(stack, "_fill", lambda *a: None)
+    stack.prepare({0, 2}, _Tables(), None, [0])  # the next step fills it
+    assert stack.entry_of_slot.tolist() == [0, -1, 1, -1]
 
 
 @pytest.mark.gpu

@@ -219,6 +219,21 @@ def test_benchmark_times_the_fused_kernel_against_the_separate_launches(monkeypa
     assert bench.check(s) < 1e-5
 
 
+def test_benchmark_stacked_path_gives_the_separate_result(monkeypatch):
+    """kernels_lora_linear's shrink-stack path on the CPU at a toy shape: one GEMM over W and the A rows, then
+    the expand from h, gives the separate launches' result (the bias only on W's columns)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import kernels_lora_linear as bench
+
+    monkeypatch.setitem(bench.SHAPES, "toy", ((64, 2, 1, 32), QKV, 8, True))
+    s = bench.setup("toy", 10, layers=2, device="cpu", dtype=torch.float32)
+    run = bench.stacked(s)
+    run()
+    assert bench.check(s, other=run.first) < 1e-5
+    s["bias"] += 1  # a check that can fail: the stack's bias was copied before this change
+    assert bench.check(s, other=run.first) > 1e-3
+
+
 def test_benchmark_projection_rows_time_three_ways_at_the_shapes_with_a_bias(monkeypatch):
     """kernels_lora_linear --projection on the CPU at toy shapes: one row per shape with a bias and token
     count, its three timings each of calls that give the projection (the timer replaced: it needs CUDA)."""

@@ -30,8 +30,9 @@ from unipage.memory import UnifiedMemory
 from unipage.models.decoder import DecoderLM
 from unipage.models.dummy import DummyCheckpoint
 from unipage.models.ops import ops_for
+from unipage.models.shrink_stack import ShrinkStack
 from unipage.models.weights import Checkpoint, read_config
-from unipage.runner import GraphLimits, ModelRunner, StackLimits, StepOutput
+from unipage.runner import GraphLimits, ModelRunner, StepOutput
 from unipage.scheduler import (
     Request,
     RequestOutput,
@@ -94,17 +95,19 @@ class Engine:
                 else Checkpoint(model_dir, dtype_t, self.device))
         self.model = DecoderLM(hf, model, ckpt, ops_for(self.device, kernels))
         del ckpt
-        self.config = UnipageConfig(model, pool or default_pool(model, self.device), lora or LoRAConfig())
+        lora = lora or LoRAConfig()
+        self._build_stack(lora)  # before the pool takes its share of the free memory
+        self.config = UnipageConfig(model, pool or default_pool(model, self.device), lora)
         check_pool_size(self.config)
+        if self.model.stack is not None:
+            self.model.stack.set_slots(self.config.num_pages)
         self.memory = UnifiedMemory(self.config)
         self.storage = PoolStorage(self.config, self.device)
         try:
             max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)
             self.scheduler = Scheduler(self.memory, scheduler or SchedulerConfig(max_model_len=max_len))
             self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device,
-                                      graphs=self._graph_limits(cuda_graphs), lora_slots=self._lora_slots(),
-                                      stack=StackLimits(self.config.lora.max_adapters_per_batch,
-                                                        self.config.lora.max_rank, self.config.num_pages))
+                                      graphs=self._graph_limits(cuda_graphs), lora_slots=self._lora_slots())
         except BaseException:  # no engine to close: release the storage here
             self.close()
             raise
@@ -131,6 +134,13 @@ class Engine:
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError("the engine is closed: no requests or steps after close()")
+
+    def _build_stack(self, lora: LoRAConfig) -> None:
+        """The model's shrink stack (`shrink_stack`), where one is small enough; the projections' old weights
+        go back to the device's free memory, which sizes the default pool."""
+        self.model.stack = ShrinkStack.build(self.model.layers, lora.max_adapters_per_batch, lora.max_rank)
+        if self.model.stack is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _graph_limits(self, wanted: bool | str | None) -> GraphLimits | None:
         if not (wanted is None or isinstance(wanted, bool) or (isinstance(wanted, str) and wanted == "decode")):

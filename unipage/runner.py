@@ -51,13 +51,6 @@ class GraphLimits:
     max_tokens: int = 0  # mixed steps up to this many tokens replay piecewise graphs (0: they run eagerly)
 
 
-@dataclass(frozen=True)
-class StackLimits:
-    entries: int  # adapters a shrink stack holds: the most in one step (max_adapters_per_batch)
-    max_rank: int  # the largest LoRA rank accepted
-    max_slots: int  # bound on adapter slots (the pool's pages: each resident adapter takes one at least)
-
-
 @dataclass
 class StepOutput:
     sampled: list[list[int]]  # per SchedulerOutput.req_ids entry
@@ -66,17 +59,14 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, pool: torch.Tensor, block_tokens: int, device: torch.device,
-                 keep_logits: bool = False, graphs: GraphLimits | None = None, lora_slots: int | None = None,
-                 stack: StackLimits | None = None) -> None:
+                 keep_logits: bool = False, graphs: GraphLimits | None = None, lora_slots: int | None = None) -> None:
         """``graphs``: capture CUDA graphs of decode steps (and of mixed steps, piecewise) within these limits
         (None: run eagerly).
         ``lora_slots``: the LoRA tables' slot capacity from the start (None: grown on demand).
-        ``stack``: fold small steps' q/k/v and o LoRA shrinks into the projections (`shrink_stack`), where
-        the model's projections are large enough beside such a stack (None: never)."""
+        The model's shrink stack (``model.stack``, `shrink_stack`), if it has one, is kept in step here."""
         self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
         self.lora = LoraTables(model.model, device, slots=lora_slots)
-        self.stack = None if stack is None else ShrinkStack.build(model, stack.entries, stack.max_rank,
-                                                                   stack.max_slots)
+        self.stack: ShrinkStack | None = model.stack
         self.upload = StagedUpload(device)
         self.graphs = self.mixed = None
         if graphs is not None:
@@ -162,7 +152,7 @@ class ModelRunner:
     def _prepare_stack(self, seqs: list[SeqState], num_tokens: list[int]) -> None:
         """Bring the step's adapters into the shrink stack if the step may use it (the model decides by
         its token count, or its graph bucket's, which is no smaller)."""
-        if self.stack is None or self.lora.page_table is None or sum(num_tokens) > self.stack.max_tokens:
+        if self.stack is None or self.lora.page_table is None or not self.stack.covers(sum(num_tokens)):
             return
         slots = {seq.slot for seq in seqs if seq.slot >= 0}
         if slots:

@@ -36,6 +36,7 @@ from unipage.kernels.moe_act import SILU, GatedActivation
 from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
 from unipage.models.ops import Ops
+from unipage.models.shrink_stack import ShrinkStack, StackedWeight
 from unipage.models.weights import Checkpoint
 
 
@@ -103,8 +104,8 @@ class LayerWeights:
     experts_down_bias: torch.Tensor | None = None  # GPT-OSS [E, H]
     sinks: torch.Tensor | None = None  # GPT-OSS [heads] float32: attention sink logits
     window: int = 0  # sliding-window length of this layer's attention; 0 = full
-    qkv_stack: object = None  # `shrink_stack.StackedWeight` of q/k/v (w_qkv, b_qkv: views of it), or None
-    o_stack: object = None  # of o
+    qkv_stack: StackedWeight | None = None  # q/k/v's shrink stack (w_qkv, b_qkv: views of it), or None
+    o_stack: StackedWeight | None = None  # o's
 
 
 class DecoderLM:
@@ -132,7 +133,7 @@ class DecoderLM:
         self.lm_head = self.embed_tokens if tied else ckpt.get("lm_head.weight", (vocab, h))
         self.norm = ckpt.get("model.norm.weight", (h,))
         self.layers = [self._load_layer(ckpt, i) for i in range(model.num_layers)]
-        self.stack = None  # a `shrink_stack.ShrinkStack` over the layers' q/k/v and o, once one is built
+        self.stack: ShrinkStack | None = None  # over the layers' q/k/v and o, once the engine builds one
 
     # -- weights ---------------------------------------------------------
     def _load_layer(self, ckpt: Checkpoint, i: int) -> LayerWeights:
@@ -218,8 +219,8 @@ class DecoderLM:
         if lora_on and self.ops.plans_lora:
             plan = plan_lora_batch(batch.token_slots, lora.num_slots, group_tokens=batch.group_tokens,
                                    max_groups=batch.active_slots)
-        stack = self.stack if lora_on and self.stack is not None and \
-            batch.input_ids.shape[0] <= self.stack.max_tokens else None
+        stack = self.stack if lora_on and self.stack is not None and self.stack.covers(batch.input_ids.shape[0]) \
+            else None
         return _Context(batch, cos, sin, lora if lora_on else None, plan, stack)
 
     def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,7 +270,7 @@ class DecoderLM:
         return (self.layers[i], pool[self.model.layer_rows[i]],
                 ctx.lora.layers[i] if ctx.lora is not None else None)
 
-    def _project(self, x, w, bias, pool_l, meta, ctx: _Context, stacked=None) -> torch.Tensor:
+    def _project(self, x, w, bias, pool_l, meta, ctx: _Context, stacked: StackedWeight | None = None) -> torch.Tensor:
         """``x @ w.T (+ bias)`` plus the LoRA delta of ``meta``'s targets (None: the layer has no LoRA
         for them).  ``stacked``: the projection's shrink stack (`shrink_stack`), used in steps that take it."""
         if self._has_lora(meta, ctx) and ctx.stack is not None and stacked is not None:
@@ -349,4 +350,4 @@ class _Context:
     sin: torch.Tensor
     lora: LoraTables | None  # None: no token of the step has an adapter
     plan: object  # LoraBatch of the dense LoRA kernels, or None
-    stack: object = None  # the model's ShrinkStack when this step uses it (`_project`), else None
+    stack: ShrinkStack | None = None  # the model's shrink stack when this step uses it (`_project`)

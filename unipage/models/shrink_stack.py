@@ -3,16 +3,17 @@
 For every layer's q/k/v and o projections, a `ShrinkStack` keeps the base weight W and the A rows
 of up to K adapters in one buffer ``ext [n + K*J*RB, D]`` (layout in `unipage.kernels.lora_stack`);
 the layer's weight and bias become views of ext's first n rows, so W is not held twice.  A step of
-at most ``max_tokens`` tokens with LoRA then runs ``x @ ext.T`` — the projection and every entry's
-``h = x @ A.T`` in one cuBLAS GEMM — and `lora_expand_stacked`, instead of the paged shrink kernel:
-one launch fewer per projection.  The paged shrink still serves larger steps, and B stays in the pool.
+at most ``max_tokens`` tokens with LoRA (`covers`) then runs ``x @ ext.T`` — the projection and every
+entry's ``h = x @ A.T`` in one cuBLAS GEMM — and `lora_expand_stacked`, instead of the paged shrink
+kernel: one launch fewer per projection.  Larger steps take the paged shrink; B stays in the pool.
 
-Entries.  `prepare`, before such a step's forward pass, gives each adapter slot of the step an entry:
-a slot not in the stack gets the least recently used entry that the step does not need, and its A
-rows are copied there from the pool's pages (every layer, on the current stream, so after whatever
-the GPU still runs of earlier steps); ``entry_of_slot`` (device) is uploaded when it changed.  `forget`
-drops a slot's entry when its adapter is loaded or evicted, so a slot reused by another adapter is
-copied again.  K = the scheduler's ``max_adapters_per_batch``: every step fits.
+Entries.  `prepare`, before such a step's forward pass, gives each adapter slot of the step an entry
+(`Entries`: a slot not in the stack takes a free entry, else the least recently used one the step does
+not need) and copies the A rows of the slots new to the stack from the pool's pages (every layer, on the
+current stream, so after whatever the GPU still runs of earlier steps); ``entry_of_slot`` (device) is
+uploaded when it changed.  `forget` drops a slot's entry when its adapter is loaded or evicted, so a
+slot reused by another adapter is copied again.  K = the scheduler's ``max_adapters_per_batch``: every
+step fits.
 
 A stack is made only where its rows are few beside W's (at most ``MAX_EXTRA`` of them, for q/k/v
 and for o), so the GEMM reads little more than before; `build` returns None otherwise.
@@ -32,6 +33,10 @@ from unipage.kernels.lora_meta import next_pow2
 MAX_TOKENS = 256  # steps of at most this many tokens use the stack (decode batches)
 MAX_EXTRA = 0.25  # a stack's rows at most this fraction of W's rows
 GROUPS = (("qkv", "w_qkv", "b_qkv", 3), ("o", "w_o", "b_o", 1))  # name, weight, bias, slices J
+
+
+class ShrinkStackError(RuntimeError):
+    """An engine invariant broken: more adapters in a step than entries, or a slot out of range."""
 
 
 @dataclass
@@ -59,40 +64,80 @@ def fits(n_qkv: int, n_o: int, entries: int, max_rank: int) -> bool:
     return entries * 3 * rb <= MAX_EXTRA * n_qkv and entries * rb <= MAX_EXTRA * n_o
 
 
+class Entries:
+    """Which adapter slot holds which of ``count`` entries, least recently used first."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._of: OrderedDict[int, int] = OrderedDict()  # slot -> entry
+
+    def items(self):
+        return self._of.items()
+
+    def take(self, needed: set[int]) -> list[tuple[int, int]]:
+        """Mark ``needed`` used now; ``(slot, entry)`` of those without an entry, each given a free one or
+        the least recently used one that ``needed`` does not hold (recorded at once: `forget` undoes)."""
+        if len(needed) > self.count:
+            raise ShrinkStackError(f"{len(needed)} adapters in one step, but the shrink stack holds {self.count} "
+                                   "(max_adapters_per_batch)")
+        for slot in sorted(needed & self._of.keys()):
+            self._of.move_to_end(slot)
+        moves = []
+        for slot in sorted(needed - self._of.keys()):
+            taken = set(self._of.values())
+            free = [e for e in range(self.count) if e not in taken]
+            entry = free[0] if free else self._of.pop(next(s for s in self._of if s not in needed))
+            self._of[slot] = entry
+            moves.append((slot, entry))
+        return moves
+
+    def forget(self, slot: int) -> None:
+        self._of.pop(slot, None)
+
+
 class ShrinkStack:
     """The stacks of every layer's q/k/v and o, and which adapter slot sits in which entry."""
 
-    def __init__(self, layers: list, entries: int, max_rank: int, max_slots: int,
-                 max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, layers: list, entries: int, max_rank: int, max_tokens: int = MAX_TOKENS) -> None:
         """Moves each layer's ``w_qkv``/``b_qkv`` and ``w_o``/``b_o`` into stacks (`LayerWeights`: they
-        become views) and sets the layer's ``qkv_stack`` and ``o_stack``.  ``max_slots`` bounds the adapter
-        slots (slots are reused lowest first, so the pool's page count bounds them): ``entry_of_slot``
-        is made once at that size, so the CUDA graphs that read it never see it move."""
+        become views) and sets the layer's ``qkv_stack`` and ``o_stack``.  `set_slots` must follow."""
         if entries < 1:
             raise ValueError(f"a shrink stack needs at least one entry, got {entries}")
-        self.entries, self.rank_block, self.max_tokens = entries, rank_block(max_rank), max_tokens
-        self.layers = layers
+        self.rank_block, self.max_tokens = rank_block(max_rank), max_tokens
+        self.layers, self.entries = layers, Entries(entries)
         for layer in layers:
             for name, weight, bias, slices in GROUPS:
                 setattr(layer, f"{name}_stack", self._stack(layer, weight, bias, slices))
-        self.entry_of_slot = torch.full((max_slots,), -1, dtype=torch.int32, device=layers[0].w_qkv.device)
-        self._host = np.full(max_slots, -1, dtype=np.int32)
-        self._entry: OrderedDict[int, int] = OrderedDict()  # slot -> entry, least recently used first
+        self.entry_of_slot: torch.Tensor | None = None  # [max_slots] int32 (device), from `set_slots`
+        self._host: torch.Tensor | None = None  # its host copy (pinned on CUDA)
+        self._uploaded = None  # CUDA event: the last upload has left the host copy
         self.fills = 0  # entries filled so far (one per adapter brought into the stack)
 
     @classmethod
-    def build(cls, model, entries: int, max_rank: int, max_slots: int) -> ShrinkStack | None:
-        """A stack over ``model``'s (`DecoderLM`) layers if `fits`, else None; the model then uses it."""
-        first = model.layers[0]
-        if not fits(first.w_qkv.shape[0], first.w_o.shape[0], entries, max_rank):
+    def build(cls, layers: list, entries: int, max_rank: int) -> ShrinkStack | None:
+        """A stack over ``layers`` (`DecoderLM.layers`) if `fits`, else None (the layers untouched)."""
+        if not fits(layers[0].w_qkv.shape[0], layers[0].w_o.shape[0], entries, max_rank):
             return None
-        model.stack = cls(model.layers, entries, max_rank, max_slots)
-        return model.stack
+        return cls(layers, entries, max_rank)
+
+    def set_slots(self, max_slots: int) -> None:
+        """Make ``entry_of_slot`` for slots ``[0, max_slots)`` (once: CUDA graphs read it, so it never
+        moves).  Slots are reused lowest first, so the pool's page count bounds them."""
+        if self.entry_of_slot is not None:
+            raise ShrinkStackError("set_slots is called once")
+        device = self.layers[0].w_qkv.device
+        self.entry_of_slot = torch.full((max_slots,), -1, dtype=torch.int32, device=device)
+        self._host = torch.full((max_slots,), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+
+    def covers(self, tokens: int) -> bool:
+        """Whether a step (or graph bucket) of ``tokens`` tokens with LoRA runs through the stack."""
+        return tokens <= self.max_tokens
 
     def _stack(self, layer, weight: str, bias: str, slices: int) -> StackedWeight:
         w, b = getattr(layer, weight), getattr(layer, bias)
         n, width = w.shape[0], slices * self.rank_block
-        ext = torch.zeros(n + self.entries * width, w.shape[1], dtype=w.dtype, device=w.device)
+        ext = torch.zeros(n + self.entries.count * width, w.shape[1], dtype=w.dtype, device=w.device)
         ext[:n] = w
         ext_bias = None
         if b is not None:
@@ -104,37 +149,36 @@ class ShrinkStack:
 
     # -- entries -----------------------------------------------------------------
     def prepare(self, slots, tables, pool: torch.Tensor, layer_rows) -> None:
-        """Give every slot in ``slots`` an entry (filling those not in the stack from ``tables``' pages of
+        """Give every slot in ``slots`` an entry (copying those new to the stack from ``tables``' pages of
         ``pool [L, N, P]``, layer ``i`` in row ``layer_rows[i]``); after ``tables.refresh()``."""
         needed = set(slots)
-        if len(needed) > self.entries:
-            raise RuntimeError(f"{len(needed)} adapters in one step, but the shrink stack holds {self.entries} "
-                               "(max_adapters_per_batch)")
         if max(needed) >= self._host.shape[0]:
-            raise RuntimeError(f"adapter slot {max(needed)} beyond the shrink stack's {self._host.shape[0]}")
-        changed = False
-        for slot in sorted(needed - self._entry.keys()):
-            entry = self._free_entry(needed)
-            self._fill(entry, slot, tables, pool, layer_rows)
-            self._entry[slot] = entry
-            self._host[slot] = entry
-            changed = True
-        for slot in needed:
-            self._entry.move_to_end(slot)
-        if changed:
-            self.entry_of_slot.copy_(torch.from_numpy(self._host))
+            raise ShrinkStackError(f"adapter slot {max(needed)} beyond the shrink stack's {self._host.shape[0]}")
+        moves = self.entries.take(needed)
+        done = 0
+        try:
+            for slot, entry in moves:
+                self._fill(entry, slot, tables, pool, layer_rows)
+                done += 1
+        finally:  # a fill that raised leaves its slot and those after it without an entry
+            for slot, _ in moves[done:]:
+                self.entries.forget(slot)
+            if moves:
+                self._upload()
 
     def forget(self, slot: int) -> None:
         """Slot ``slot`` now holds another adapter, or none: its entry is free."""
-        self._entry.pop(slot, None)
+        self.entries.forget(slot)
 
-    def _free_entry(self, needed: set[int]) -> int:
-        taken = set(self._entry.values())
-        free = [e for e in range(self.entries) if e not in taken]
-        if free:
-            return free[0]
-        victim = next(s for s in self._entry if s not in needed)  # least recently used first
-        return self._entry.pop(victim)
+    def _upload(self) -> None:
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # (the last upload left long ago: uploads come with new adapters)
+        self._host.fill_(-1)
+        for slot, entry in self.entries.items():
+            self._host[slot] = entry
+        self.entry_of_slot.copy_(self._host, non_blocking=self._uploaded is not None)
+        if self._uploaded is not None:
+            self._uploaded.record()
 
     def _fill(self, entry: int, slot: int, tables, pool: torch.Tensor, layer_rows) -> None:
         for i, layer in enumerate(self.layers):
@@ -142,7 +186,7 @@ class ShrinkStack:
             for name, _, _, slices in GROUPS:
                 meta = getattr(lora, name)
                 if meta.num_slices != slices:
-                    raise RuntimeError(f"layer {i} {name}: {meta.num_slices} LoRA slices, the stack has {slices}")
+                    raise ShrinkStackError(f"layer {i} {name}: {meta.num_slices} LoRA slices, the stack has {slices}")
                 fill_entry(getattr(layer, f"{name}_stack").entry_rows(entry), pool[layer_rows[i]],
                            tables.page_table, meta, slot)
         self.fills += 1
