@@ -452,19 +452,27 @@ def _shrink(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBa
     count = x.shape[0]
     if count == 0 or meta.max_rank == 0:
         return LoraShrink(None, None, (), meta, count, pool.dtype, None)
-    if batch is None:
-        batch = plan_lora_batch(token_slots, meta.num_slots)
-    if batch.num_tokens != count:
-        _fail("batch.num_tokens", f"T = {count}", batch.num_tokens)
-    plan = _cached_plan(x, pool, meta, batch, config, contiguous)
-    args = (pool, page_table, page_table.stride(0), token_slots,
-            batch.tiles if batch.grouped else token_slots,
-            batch.token_order if batch.grouped else token_slots, meta.rank)
+    batch, plan, args = launch_args(x, pool, page_table, token_slots, meta, batch, config, contiguous)
     part = torch.empty(plan.split_k, count, meta.num_slices * meta.rank_block, dtype=torch.float32, device=x.device)
     launch(_shrink_kernel, plan.shrink_grid,
         x, x.stride(0), *args, meta.a_offset, part, count, meta.d_in, round_up(meta.d_in), plan.k_per_split,
         **(plan.shrink_early if early else plan.shrink_options))
     return LoraShrink(part, plan, args, meta, count, pool.dtype, batch)
+
+
+def launch_args(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBatch | None,
+                config: dict | None, contiguous: bool) -> tuple[LoraBatch, _Plan, tuple]:
+    """``(batch, plan, args)`` of a launch on ``x``'s rows (``batch`` planned here if None): the plan of
+    the geometry and the pool, table and batch arguments both kernels take."""
+    if batch is None:
+        batch = plan_lora_batch(token_slots, meta.num_slots)
+    if batch.num_tokens != x.shape[0]:
+        _fail("batch.num_tokens", f"T = {x.shape[0]}", batch.num_tokens)
+    plan = _cached_plan(x, pool, meta, batch, config, contiguous)
+    args = (pool, page_table, page_table.stride(0), token_slots,
+            batch.tiles if batch.grouped else token_slots,
+            batch.token_order if batch.grouped else token_slots, meta.rank)
+    return batch, plan, args
 
 
 def lora_expand(y: torch.Tensor, shrunk: LoraShrink, *, scale: float = 1.0, dependent: bool = False) -> torch.Tensor:

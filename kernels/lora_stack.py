@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from unipage.adapter_pack import gather_block
-from unipage.kernels.lora import LoraShrink, StackedH, _cached_plan, _check_tensor, _expand, _fail, check_inputs
-from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, plan_lora_batch
+from unipage.kernels.lora import LoraShrink, StackedH, _check_tensor, _expand, _fail, check_inputs, launch_args
+from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch
 from unipage.lora_layout import Block
 
 
@@ -58,14 +58,7 @@ def lora_expand_stacked(y: torch.Tensor, h: torch.Tensor, entry_of_slot: torch.T
     count = y.shape[0]
     if count == 0 or meta.max_rank == 0:
         return y
-    if batch is None:
-        batch = plan_lora_batch(token_slots, meta.num_slots)
-    if batch.num_tokens != count:
-        _fail("batch.num_tokens", f"T = {count}", batch.num_tokens)
-    plan = _cached_plan(h, pool, meta, batch, None, False)
-    args = (pool, page_table, page_table.stride(0), token_slots,
-            batch.tiles if batch.grouped else token_slots,
-            batch.token_order if batch.grouped else token_slots, meta.rank)
+    batch, plan, args = launch_args(h, pool, page_table, token_slots, meta, batch, None, False)
     layout = StackedH(entry_of_slot, h.stride(0), rank_block, meta.num_slices * rank_block)
     shrunk = LoraShrink(h, plan, args, meta, count, pool.dtype, batch, stacked=layout)
     return _expand(y, shrunk, scale, False)

@@ -169,3 +169,16 @@ def generated_logits_error(oracle: Oracle, completion) -> float:
     n = len(completion.prompt_token_ids)
     got = torch.stack(completion.logits).to(want.device)
     return (got - want[n - 1: n - 1 + len(completion.token_ids)]).abs().max().item()
+
+
+def common_prefix(got, want, tokens: int) -> int:
+    """Tokens two completions share from the start, their logits there checked close (mean difference
+    at most 1 % of the mean logit): bf16 runs of two equal computations may part at a near tie."""
+    same = 0
+    while same < tokens and got.token_ids[same] == want.token_ids[same]:
+        same += 1
+    if same:
+        diff = (torch.stack(got.logits[:same]) - torch.stack(want.logits[:same])).abs()
+        scale = torch.stack(want.logits[:same]).abs().mean()
+        assert diff.mean() <= 0.01 * scale, f"{got.adapter}: mean logit difference {diff.mean():.4g}"
+    return same

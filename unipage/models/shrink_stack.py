@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from unipage.kernels import fill_entry
