@@ -6,7 +6,8 @@ rows ``n + e*J*RB + j*RB`` onward, rows past the slice's rank zero).  One GEMM `
 gives the projection in its first n columns and ``h = round(x @ A.T)`` of every entry in the rest,
 the shrink without a launch of its own.  `lora_expand_stacked` adds ``h @ B`` of each token's entry
 (``entry_of_slot[slot]``) into the projection, reading B from the pool's pages as `lora.lora_expand`
-does (the same kernel, told where h lies); `fill_entry` copies a slot's A rows into an entry.
+does (the same kernel, told where h lies); `fill_entry` copies a slot's A rows into an entry out of
+the pool's pages (one launch; `fill_entry_ref` is the torch version, both used by the engine).
 
 Math, for token ``t`` with slot ``s >= 0``, ``e = entry_of_slot[s]`` and slice ``j`` of rank ``r > 0``::
 
@@ -18,11 +19,14 @@ Math, for token ``t`` with slot ``s >= 0``, ``e = entry_of_slot[s]`` and slice `
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from unipage.adapter_pack import gather_block
 from unipage.kernels.lora import LoraShrink, StackedH, _check_tensor, _expand, _fail, check_inputs, launch_args
 from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch
-from unipage.lora_layout import Block
+from unipage.kernels.launch import launch
+from unipage.lora_layout import Block, round_up
 
 
 def _check_stacked(y, h, entry_of_slot, pool, page_table, token_slots, meta: DenseLoraMeta, rank_block: int,
@@ -96,22 +100,60 @@ def lora_expand_stacked_ref(y: torch.Tensor, h: torch.Tensor, entry_of_slot: tor
     return y
 
 
+FILL_BK = 256  # columns of one A row per fill program
+
+
+@triton.jit
+def _fill_kernel(pool_ptr, table_ptr, rank_ptr, a_off_ptr, out_ptr, slot, d_in, a_stride, out_stride,
+                 J: tl.constexpr, RB: tl.constexpr, LOG2_P: tl.constexpr, BK: tl.constexpr):
+    row = tl.program_id(0)  # the entry's row: slice * RB + i
+    piece, i = row // RB, row % RB
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    ok = cols < d_in
+    live = ok & (cols * 0 + i < tl.load(rank_ptr + slot * J + piece))  # (vector form: the interpreter's)
+    virt = tl.load(a_off_ptr + slot * J + piece) + i * a_stride + cols
+    page = tl.load(table_ptr + (virt >> LOG2_P), mask=live, other=0)
+    src = page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1))
+    a = tl.load(pool_ptr + src, mask=live, other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * out_stride + cols, a, mask=ok)
+
+
+def _check_fill(rows, pool, page_table, meta: DenseLoraMeta, slot: int) -> int:
+    """The entry's rank block; ValueError for a bad argument."""
+    slices = meta.num_slices
+    if rows.dim() != 2 or rows.shape[1] != meta.d_in or rows.shape[0] % slices or rows.stride(-1) != 1:
+        _fail("rows", f"[J*RB, {meta.d_in}] with J = {slices}, columns contiguous", tuple(rows.shape))
+    rank_block = rows.shape[0] // slices
+    if meta.max_rank > rank_block:
+        _fail("rows", f"a rank block >= the largest rank {meta.max_rank}", rank_block)
+    if rows.dtype != pool.dtype or rows.device != pool.device:
+        _fail("rows", f"{pool.dtype} on {pool.device}", f"{rows.dtype} on {rows.device}")
+    if not 0 <= slot < page_table.shape[0]:
+        _fail("slot", f"in [0, {page_table.shape[0]})", slot)
+    return rank_block
+
+
 def fill_entry(rows: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, meta: DenseLoraMeta,
                slot: int) -> None:
     """Copy slot ``slot``'s A rows of ``meta``'s slices into one stack entry, ``rows [J*RB, D]``
-    (slice ``j`` from row ``j*RB``, ``RB = rows.shape[0] // J``; rows past each rank zeroed).
+    (slice ``j`` from row ``j*RB``, ``RB = rows.shape[0] // J``; rows past each rank zeroed): one launch,
+    reading the slot's ranks and A offsets from ``meta``'s device tables.
 
-    pool: ``[N, P]`` one layer of the pool; page_table: ``[S, max_pages]`` int32; ``meta``'s host rows
-    give the slot's ranks and A offsets (after the tables' refresh)."""
-    slices = meta.num_slices
-    if rows.dim() != 2 or rows.shape[1] != meta.d_in or rows.shape[0] % slices:
-        _fail("rows", f"[J*RB, {meta.d_in}] with J = {slices}", tuple(rows.shape))
-    rank_block = rows.shape[0] // slices
+    pool: ``[N, P]`` one layer of the pool; page_table: ``[S, max_pages]`` int32."""
+    rank_block = _check_fill(rows, pool, page_table, meta, slot)
+    launch(_fill_kernel, (rows.shape[0], triton.cdiv(meta.d_in, FILL_BK)),
+           pool, page_table[slot], meta.rank, meta.a_offset, rows, slot, meta.d_in, round_up(meta.d_in),
+           rows.stride(0), J=meta.num_slices, RB=rank_block, LOG2_P=pool.shape[1].bit_length() - 1, BK=FILL_BK)
+
+
+def fill_entry_ref(rows: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, meta: DenseLoraMeta,
+                   slot: int) -> None:
+    """Torch version of `fill_entry` (same signature; the slot's ranks and offsets from ``meta``'s host rows,
+    after the tables' refresh)."""
+    rank_block = _check_fill(rows, pool, page_table, meta, slot)
     rows.zero_()
     table = page_table[slot].long()
     for j, rank in enumerate(meta.ranks[slot]):
-        if rank > rank_block:
-            _fail(f"rank of slot {slot} slice {j}", f"<= the entry's rank block {rank_block}", rank)
         if rank:
             block = Block(meta.a_offsets[slot][j], rank, meta.d_in)
             rows[j * rank_block:j * rank_block + rank] = gather_block(pool, table, block)

@@ -99,7 +99,7 @@ def test_entries_go_to_the_least_recently_used_slot_not_needed():
 def small_stack(entries=2):
     layer = type("Layer", (), {})()
     layer.w_qkv, layer.b_qkv, layer.w_o, layer.b_o = torch.randn(96, 8), torch.randn(96), torch.randn(8, 8), None
-    stack = shrink_stack.ShrinkStack([layer], entries=entries, max_rank=4)
+    stack = shrink_stack.ShrinkStack([layer], entries=entries, max_rank=4, fill=None)
     stack.set_slots(4)
     return layer, stack
 

@@ -8,7 +8,7 @@ import torch
 from test_kernel_lora import MIXES, QKV, assert_close, assert_untouched, build_world, plan, token_mix
 from unipage.kernels.lora import lora_shrink_expand_ref
 from unipage.kernels.lora_meta import dense_lora_meta
-from unipage.kernels.lora_stack import fill_entry, lora_expand_stacked, lora_expand_stacked_ref
+from unipage.kernels.lora_stack import fill_entry, fill_entry_ref, lora_expand_stacked, lora_expand_stacked_ref
 
 RANK_BLOCK = 32  # >= every rank of test_kernel_lora.SLOTS, and not the layers' own rank block (16)
 
@@ -78,6 +78,22 @@ def test_a_slot_without_an_entry_gets_no_delta():
     got = lora_expand_stacked(y, h, *args, rank_block=RANK_BLOCK)
     assert_close(got, lora_expand_stacked_ref(y0.clone(), h, *args, rank_block=RANK_BLOCK), y0)
     assert torch.equal(got[slots == 1], y0[slots == 1]) and (slots == 1).any()
+
+
+@pytest.mark.parametrize("d_in", [64, 96, 320])
+def test_fill_kernel_matches_its_reference_on_every_slot_and_layer(d_in):
+    """Pages of 64 elements (an A row spans several), rows 128-aligned at d_in 96, a slot without k,
+    layer 1 without v, an empty slot; the entry's rows start as noise."""
+    world = build_world(d_in=d_in, dtype=torch.float16)
+    for layer in (0, 1):
+        meta = dense_lora_meta(world.layouts, layer, QKV, device=world.pool.device, model=world.model)
+        for slot, layout in enumerate(world.layouts):
+            if layout is None:
+                continue
+            got, want = (torch.randn(meta.num_slices * RANK_BLOCK, d_in).half() for _ in range(2))
+            fill_entry(got, world.pool[layer], world.page_table, meta, slot)
+            fill_entry_ref(want, world.pool[layer], world.page_table, meta, slot)
+            assert torch.equal(got, want), (layer, slot)
 
 
 def test_fill_entry_zeroes_past_each_rank():

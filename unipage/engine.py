@@ -138,7 +138,8 @@ class Engine:
     def _build_stack(self, lora: LoRAConfig) -> None:
         """The model's shrink stack (`shrink_stack`), where one is small enough; the projections' old weights
         go back to the device's free memory, which sizes the default pool."""
-        self.model.stack = ShrinkStack.build(self.model.layers, lora.max_adapters_per_batch, lora.max_rank)
+        self.model.stack = ShrinkStack.build(self.model.layers, lora.max_adapters_per_batch, lora.max_rank,
+                                             self.model.ops.fill_entry)
         if self.model.stack is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
 

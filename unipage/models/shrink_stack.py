@@ -22,11 +22,11 @@ and for o), so the GEMM reads little more than before; `build` returns None othe
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from unipage.kernels import fill_entry
 from unipage.kernels.lora_meta import next_pow2
 
 MAX_TOKENS = 256  # steps of at most this many tokens use the stack (decode batches)
@@ -97,12 +97,14 @@ class Entries:
 class ShrinkStack:
     """The stacks of every layer's q/k/v and o, and which adapter slot sits in which entry."""
 
-    def __init__(self, layers: list, entries: int, max_rank: int, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, layers: list, entries: int, max_rank: int, fill: Callable,
+                 max_tokens: int = MAX_TOKENS) -> None:
         """Moves each layer's ``w_qkv``/``b_qkv`` and ``w_o``/``b_o`` into stacks (`LayerWeights`: they
-        become views) and sets the layer's ``qkv_stack`` and ``o_stack``.  `set_slots` must follow."""
+        become views) and sets the layer's ``qkv_stack`` and ``o_stack``.  ``fill``: `kernels.fill_entry`
+        or its reference (the model's `Ops`).  `set_slots` must follow."""
         if entries < 1:
             raise ValueError(f"a shrink stack needs at least one entry, got {entries}")
-        self.rank_block, self.max_tokens = rank_block(max_rank), max_tokens
+        self.rank_block, self.max_tokens, self._fill_entry = rank_block(max_rank), max_tokens, fill
         self.layers, self.entries = layers, Entries(entries)
         for layer in layers:
             for name, weight, bias, slices in GROUPS:
@@ -113,11 +115,11 @@ class ShrinkStack:
         self.fills = 0  # entries filled so far (one per adapter brought into the stack)
 
     @classmethod
-    def build(cls, layers: list, entries: int, max_rank: int) -> ShrinkStack | None:
+    def build(cls, layers: list, entries: int, max_rank: int, fill: Callable) -> ShrinkStack | None:
         """A stack over ``layers`` (`DecoderLM.layers`) if `fits`, else None (the layers untouched)."""
         if not fits(layers[0].w_qkv.shape[0], layers[0].w_o.shape[0], entries, max_rank):
             return None
-        return cls(layers, entries, max_rank)
+        return cls(layers, entries, max_rank, fill)
 
     def set_slots(self, max_slots: int) -> None:
         """Make ``entry_of_slot`` for slots ``[0, max_slots)`` (once: CUDA graphs read it, so it never
@@ -186,6 +188,6 @@ class ShrinkStack:
                 meta = getattr(lora, name)
                 if meta.num_slices != slices:
                     raise ShrinkStackError(f"layer {i} {name}: {meta.num_slices} LoRA slices, the stack has {slices}")
-                fill_entry(getattr(layer, f"{name}_stack").entry_rows(entry), pool[layer_rows[i]],
-                           tables.page_table, meta, slot)
+                self._fill_entry(getattr(layer, f"{name}_stack").entry_rows(entry), pool[layer_rows[i]],
+                                 tables.page_table, meta, slot)
         self.fills += 1
