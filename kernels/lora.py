@@ -353,20 +353,25 @@ def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype, device) -> No
 def check_inputs(y, x, pool, page_table, token_slots, meta: DenseLoraMeta) -> None:
     """Validate the arguments of `lora_shrink_expand` (shared by the reference; ``y`` None for
     `lora_shrink`, ``x`` None for `lora_stack.lora_expand_stacked`); raise ValueError."""
-    if not isinstance(pool, torch.Tensor) or pool.dim() != 2:
-        _fail("pool", "one layer of the pool, [N, P]", getattr(pool, "shape", type(pool).__name__))
-    page = pool.shape[1]
-    if pool.dtype not in DTYPES:
-        _fail("pool.dtype", f"one of {DTYPES}", pool.dtype)
-    if page < 64 or page & (page - 1) or not pool.is_contiguous():
-        _fail("pool", "contiguous with a power-of-two page_elems >= 64", (tuple(pool.shape), pool.stride()))
-    rows = y if x is None else x
-    count, dev = rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() == 2 else None, pool.device
+    check_pages(pool, page_table, meta)
+    rows, dev = y if x is None else x, pool.device
+    count = rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() == 2 else None
     if x is not None:
         _check_tensor("x", x, (None, meta.d_in), pool.dtype, dev)
     if y is not None:  # (lora_shrink has no y)
         _check_tensor("y", y, (count, meta.out_cols), pool.dtype, dev)
     _check_tensor("token_slots", token_slots, (count,), torch.int32, dev)
+
+
+def check_pages(pool, page_table, meta: DenseLoraMeta) -> None:
+    """Validate the pool layer, the page table and ``meta``'s device (what every kernel here pages through)."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 2:
+        _fail("pool", "one layer of the pool, [N, P]", getattr(pool, "shape", type(pool).__name__))
+    page, dev = pool.shape[1], pool.device
+    if pool.dtype not in DTYPES:
+        _fail("pool.dtype", f"one of {DTYPES}", pool.dtype)
+    if page < 64 or page & (page - 1) or not pool.is_contiguous():
+        _fail("pool", "contiguous with a power-of-two page_elems >= 64", (tuple(pool.shape), pool.stride()))
     _check_tensor("page_table", page_table, (meta.num_slots, None), torch.int32, dev)
     if page_table.shape[1] * page < meta.buffer_elems:
         _fail("page_table.shape[1]", f">= {-(-meta.buffer_elems // page)} pages", page_table.shape[1])

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from unipage.adapter_pack import gather_block
-from unipage.kernels.lora import LoraShrink, StackedH, _check_tensor, _expand, _fail, check_inputs, launch_args
+from unipage.kernels.lora import (LoraShrink, StackedH, _check_tensor, _expand, _fail, check_inputs, check_pages,
+                                  launch_args)
 from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch
 from unipage.kernels.launch import launch
 from unipage.lora_layout import Block, round_up
@@ -103,7 +104,7 @@ def lora_expand_stacked_ref(y: torch.Tensor, h: torch.Tensor, entry_of_slot: tor
 FILL_BK = 256  # columns of one A row per fill program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot"])  # (one compiled kernel for every slot)
 def _fill_kernel(pool_ptr, table_ptr, rank_ptr, a_off_ptr, out_ptr, slot, d_in, a_stride, out_stride,
                  J: tl.constexpr, RB: tl.constexpr, LOG2_P: tl.constexpr, BK: tl.constexpr):
     row = tl.program_id(0)  # the entry's row: slice * RB + i
@@ -126,6 +127,7 @@ def _check_fill(rows, pool, page_table, meta: DenseLoraMeta, slot: int) -> int:
     rank_block = rows.shape[0] // slices
     if meta.max_rank > rank_block:
         _fail("rows", f"a rank block >= the largest rank {meta.max_rank}", rank_block)
+    check_pages(pool, page_table, meta)
     if rows.dtype != pool.dtype or rows.device != pool.device:
         _fail("rows", f"{pool.dtype} on {pool.device}", f"{rows.dtype} on {rows.device}")
     if not 0 <= slot < page_table.shape[0]:

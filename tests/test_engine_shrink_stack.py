@@ -133,11 +133,15 @@ def test_a_fill_that_raises_leaves_no_entry_behind(monkeypatch):
     monkeypatch.setattr(stack, "_fill", fill)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         stack.prepare({0, 2}, _Tables(), None, [0])
-    assert stack.entry_of_slot.tolist() == [0, -1, -1, -1]  # slot 0's entry uploaded, slot 2 without one
-    assert dict(stack.entries.items()) == {0: 0}
+    assert dict(stack.entries.items()) == {0: 0}  # slot 2 without an entry
     monkeypatch.setattr(stack, "_fill", lambda *a: None)
-    stack.prepare({0, 2}, _Tables(), None, [0])  # the next step fills it
+    stack.prepare({0}, _Tables(), None, [0])  # nothing new to fill, but the map still goes up
+    assert stack.entry_of_slot.tolist() == [0, -1, -1, -1]
+    stack.prepare({0, 2}, _Tables(), None, [0])  # a later step fills slot 2
     assert stack.entry_of_slot.tolist() == [0, -1, 1, -1]
+    bare = shrink_stack.ShrinkStack([small_stack()[0]], entries=1, max_rank=4, fill=None)
+    with pytest.raises(shrink_stack.ShrinkStackError, match="set_slots"):
+        bare.prepare({0}, _Tables(), None, [0])
 
 
 @pytest.mark.gpu

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernel_lora import MIXES, QKV, assert_close, assert_untouched, build_world, plan, token_mix
+from test_kernel_lora import MIXES, QKV, assert_close, assert_untouched, build_world, plan, tiny_model, token_mix
+from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.kernels.lora import lora_shrink_expand_ref
 from unipage.kernels.lora_meta import dense_lora_meta
 from unipage.kernels.lora_stack import fill_entry, fill_entry_ref, lora_expand_stacked, lora_expand_stacked_ref
+from unipage.lora_layout import TargetSpec, build_layout
+from unipage.models.lora_tables import LoraTables
 
 RANK_BLOCK = 32  # >= every rank of test_kernel_lora.SLOTS, and not the layers' own rank block (16)
 
@@ -80,13 +83,14 @@ def test_a_slot_without_an_entry_gets_no_delta():
     assert torch.equal(got[slots == 1], y0[slots == 1]) and (slots == 1).any()
 
 
+@pytest.mark.parametrize("targets", [QKV, ("v_proj",)])
 @pytest.mark.parametrize("d_in", [64, 96, 320])
-def test_fill_kernel_matches_its_reference_on_every_slot_and_layer(d_in):
+def test_fill_kernel_matches_its_reference_on_every_slot_and_layer(d_in, targets):
     """Pages of 64 elements (an A row spans several), rows 128-aligned at d_in 96, a slot without k,
-    layer 1 without v, an empty slot; the entry's rows start as noise."""
+    layer 1 without v, an empty slot, one slice or three; the entry's rows start as noise."""
     world = build_world(d_in=d_in, dtype=torch.float16)
     for layer in (0, 1):
-        meta = dense_lora_meta(world.layouts, layer, QKV, device=world.pool.device, model=world.model)
+        meta = dense_lora_meta(world.layouts, layer, targets, device=world.pool.device, model=world.model)
         for slot, layout in enumerate(world.layouts):
             if layout is None:
                 continue
@@ -119,3 +123,33 @@ def test_bad_arguments_raise_value_errors():
         lora_expand_stacked_ref(y, h, torch.full_like(entry_of_slot, 40), *args, rank_block=RANK_BLOCK)
     with pytest.raises(ValueError, match="rank block"):
         fill_entry(torch.zeros(meta.num_slices * 8, meta.d_in), world.pool[0], world.page_table, meta, 1)
+    rows = torch.zeros(meta.num_slices * RANK_BLOCK, meta.d_in)
+    with pytest.raises(ValueError, match="power-of-two page_elems"):
+        fill_entry(rows, world.pool[0][:, :48].contiguous(), world.page_table, meta, 1)
+    with pytest.raises(ValueError, match="slot"):
+        fill_entry(rows, world.pool[0], world.page_table, meta, len(world.layouts))
+
+
+def test_fill_kernel_through_the_engines_tables():
+    """`LoraTables` (what the engine's stack reads): q/k/v and o of two layers, three adapters at shuffled
+    pages, the kernel against its reference on each slot."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(5)
+    page, targets = 64, ("q_proj", "k_proj", "v_proj", "o_proj")
+    layouts = [build_layout(model, [tuple(TargetSpec(t, (r,)) for t in targets)] * 2) for r in (4, 8, 16)]
+    sizes = [layout.num_pages(page) for layout in layouts]
+    pool = torch.randn(2, sum(sizes) + 7, page, generator=gen).half()
+    order = torch.randperm(pool.shape[1], generator=gen).tolist()
+    tables = LoraTables(model, "cpu")
+    for slot, (layout, size) in enumerate(zip(layouts, sizes)):
+        pages, order = order[:size], order[size:]
+        pool[:, pages] = pack_adapter(layout, random_lora_weights(layout, gen), page, torch.float16)
+        tables.assign(slot, pages, layout)
+    tables.refresh()
+    for i, lora in enumerate(tables.layers):
+        for meta in (lora.qkv, lora.o):
+            for slot in range(3):
+                got, want = (torch.randn(meta.num_slices * RANK_BLOCK, meta.d_in).half() for _ in range(2))
+                fill_entry(got, pool[i], tables.page_table, meta, slot)
+                fill_entry_ref(want, pool[i], tables.page_table, meta, slot)
+                assert torch.equal(got, want) and got.any(), (i, meta.targets, slot)

@@ -112,6 +112,7 @@ class ShrinkStack:
         self.entry_of_slot: torch.Tensor | None = None  # [max_slots] int32 (device), from `set_slots`
         self._host: torch.Tensor | None = None  # its host copy (pinned on CUDA)
         self._uploaded = None  # CUDA event: the last upload has left the host copy
+        self._stale = False  # entry_of_slot lags the entries (a prepare raised before its upload)
         self.fills = 0  # entries filled so far (one per adapter brought into the stack)
 
     @classmethod
@@ -153,19 +154,24 @@ class ShrinkStack:
         """Give every slot in ``slots`` an entry (copying those new to the stack from ``tables``' pages of
         ``pool [L, N, P]``, layer ``i`` in row ``layer_rows[i]``); after ``tables.refresh()``."""
         needed = set(slots)
+        if self._host is None:
+            raise ShrinkStackError("set_slots before prepare")
         if max(needed) >= self._host.shape[0]:
             raise ShrinkStackError(f"adapter slot {max(needed)} beyond the shrink stack's {self._host.shape[0]}")
         moves = self.entries.take(needed)
+        self._stale |= bool(moves)  # (stays set if a fill raises: the next prepare uploads)
         done = 0
         try:
             for slot, entry in moves:
                 self._fill(entry, slot, tables, pool, layer_rows)
                 done += 1
-        finally:  # a fill that raised leaves its slot and those after it without an entry
+        except BaseException:  # a fill that raised leaves its slot and those after it without an entry
             for slot, _ in moves[done:]:
                 self.entries.forget(slot)
-            if moves:
-                self._upload()
+            raise
+        if self._stale:
+            self._upload()
+            self._stale = False
 
     def forget(self, slot: int) -> None:
         """Slot ``slot`` now holds another adapter, or none: its entry is free."""
