@@ -68,19 +68,26 @@ def test_decode_only_mode(family):
         assert llm.engine.runner.graphs is not None and llm.engine.runner.mixed is None
 
 
-def test_chunked_mixed_steps_match_eager(family):
+def chunked_llm(family, graphs) -> LLM:
     """A 48-token budget: prompt chunks share steps with decodes (buckets 16, 32, 48; both LoRA plan paths)."""
-    def make(graphs):
-        return LLM(family.model_dir, family.adapters, device="cuda", dtype="bfloat16", kernels="triton",
-                   pool=PoolConfig(num_pages=1024), lora=LoRAConfig(max_rank=32, max_adapters_per_batch=4),
-                   scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=48),
-                   cuda_graphs=graphs)
+    return LLM(family.model_dir, family.adapters, device="cuda", dtype="bfloat16", kernels="triton",
+               pool=PoolConfig(num_pages=1024), lora=LoRAConfig(max_rank=32, max_adapters_per_batch=4),
+               scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=48),
+               cuda_graphs=graphs)
 
+
+def chunked_workload(family) -> tuple[list[list[int]], list[str | None]]:
+    """12 prompts of 3-59 tokens, adapters round-robin with the base model among them."""
     rng = random.Random(2)
     choices = [*family.adapters, None]
     prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(3, 60))] for _ in range(12)]
-    names = [choices[i % len(choices)] for i in range(12)]
-    with make(True) as graphed, make("decode") as eager:
+    return prompts, [choices[i % len(choices)] for i in range(12)]
+
+
+def test_chunked_mixed_steps_match_eager(family):
+    """`chunked_llm`'s steps replayed from piecewise graphs against the same steps run eagerly."""
+    prompts, names = chunked_workload(family)
+    with chunked_llm(family, True) as graphed, chunked_llm(family, "decode") as eager:
         got, want = _run(graphed, prompts, names), _run(eager, prompts, names)
         mixed = graphed.engine.runner.mixed
         assert mixed.replays > 0 and len({key[0] for key in mixed.sets}) > 1

@@ -173,23 +173,14 @@ def test_gpu_chunked_mixed_steps_through_the_stack(monkeypatch, family):
     piecewise graphs through the stack; against eager steps through the paged shrink."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from test_engine_graphs_gpu import TOKENS, _run
+    from test_engine_graphs_gpu import TOKENS, _run, chunked_llm, chunked_workload
 
-    def make(graphs):
-        return LLM(family.model_dir, family.adapters, device="cuda", dtype="bfloat16", kernels="triton",
-                   pool=PoolConfig(num_pages=1024), lora=LoRAConfig(max_rank=32, max_adapters_per_batch=4),
-                   scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=48),
-                   cuda_graphs=graphs)
-
-    rng = random.Random(2)
-    choices = [*family.adapters, None]
-    prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(3, 60))] for _ in range(12)]
-    names = [choices[i % len(choices)] for i in range(12)]
-    with make(True) as stacked:
+    prompts, names = chunked_workload(family)
+    with chunked_llm(family, True) as stacked:
         got = _run(stacked, prompts, names)
         assert stacked.engine.runner.stack is not None and stacked.engine.runner.mixed.replays > 0
     monkeypatch.setattr(shrink_stack, "MAX_EXTRA", 0.0)
-    with make(False) as paged:
+    with chunked_llm(family, False) as paged:
         assert paged.engine.runner.stack is None
         want = _run(paged, prompts, names)
     agree = sum(es.common_prefix(a, b, TOKENS) for a, b in zip(got, want))
