@@ -298,15 +298,18 @@ BASE_SPACE = [("block_m", [16, 32, 64, 128])] + [
 LORA_SPACE = [("block_m", [1, 16, 32, 64]),
               # group mode with its shrink loading whole splits (pair mode's loads, one read of A per group)
               ("", [{"block_m": m, "shrink": {"whole_k": True}} for m in (16, 32)]), ("shrink.whole_k", [False, True]),
-              ("split_k", [1, 2, 4, 8, 16, 32]), ("shrink.num_warps", [2, 4, 8]),
+              ("split_k", [1, 2, 4, 8, 16, 32]), ("shrink.num_warps", [1, 2, 4, 8]),
               ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256, 512]),
-              ("gate_up.num_warps", [2, 4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("gate_up.maxnreg", [0, 128]),
+              ("gate_up.num_warps", [1, 2, 4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("gate_up.maxnreg", [0, 128]),
+              # one warp a program (pair mode: its reductions stay in the warp) wants a narrower tile than
+              # four do, so the two are tried together too
+              ("gate_up", [{"block_n": n, "num_warps": 1} for n in (64, 128, 256)]),
               ("down.block_n", [64, 128, 256, 512, 1024, 2048]),
-              ("down.num_warps", [2, 4, 8]), ("down.num_stages", [1, 2, 3]), ("pdl", [False, True]),
+              ("down.num_warps", [1, 2, 4, 8]), ("down.num_stages", [1, 2, 3]), ("pdl", [False, True]),
               # pair mode: the down delta inside the top-k sum (K x rank rows a tile: narrower tiles), then
               # the down tile again
               ("down", [{"sum": False}] + [{"sum": True, "block_n": n} for n in (64, 128, 256)]),
-              ("down.block_n", [64, 128, 256, 512, 1024, 2048]), ("down.num_warps", [2, 4, 8])]
+              ("down.block_n", [64, 128, 256, 512, 1024, 2048]), ("down.num_warps", [1, 2, 4, 8])]
 
 
 def _with(entry: dict, path: str, value) -> dict:
