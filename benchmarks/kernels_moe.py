@@ -4,6 +4,7 @@
     python benchmarks/kernels_moe.py --tune [--tokens 1 256]  # tune launch configs, write
                                                              # kernels/configs/moe_<device>.json
     python benchmarks/kernels_moe.py --align                 # the alignment alone (base, 8 and 16 slots)
+    python benchmarks/kernels_moe.py --split ['{"gate_up.num_warps": 1}' ...]  # each LoRA pass alone
     python benchmarks/kernels_moe.py --adapters 16 --rank 8 ...  # serve.py's setup (b) mix (with any mode)
 
 Shapes: a GPT-OSS-20B layer (H 2880, I 2880, 32 experts, top-4, rank 32) and a
@@ -58,7 +59,7 @@ from unipage.adapter_pack import pack_adapter, random_lora_weights  # noqa: E402
 from unipage.config import ModelConfig  # noqa: E402
 from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, route_topk  # noqa: E402
 from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
-                                            moe_lora_gate_up, moe_lora_meta, plan_moe_lora)
+                                            moe_lora_gate_up, moe_lora_meta, moe_lora_shrink, plan_moe_lora)
 from unipage.kernels.common import config_devices, record_tuned_device  # noqa: E402
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, sums_down  # noqa: E402
 from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
@@ -276,6 +277,55 @@ def align_row(name: str, num_tokens: int, slots: int) -> dict | None:
             "align_us": round(seconds * 1e6, 2)}
 
 
+# ---------------------------------------------------------------------------------------------
+# The LoRA passes one by one: where a layer's LoRA time goes, for a config and its variants
+
+
+def split_row(name: str, s: dict, num_tokens: int, overrides: dict) -> dict:
+    """Each separate-path LoRA pass timed alone at ``s``'s shape: the shrink, the gate/up pass (the shrink,
+    then the expand) and the down pass (`moe_lora_down`, or `moe_lora_down_sum` with the base's top-k sum
+    where the config says so), with the tuned entry and ``overrides`` (``_with`` paths) set on it."""
+    b = batch(s, num_tokens)
+    cfg = lora_config(b["lora"], b["topk_ids"])
+    for path, value in overrides.items():
+        cfg = _with(cfg, path, value)
+    plan = plan_moe_lora(b["lora"], b["topk_ids"], cfg)
+    if sums_down(plan):
+        down = functools.partial(moe_lora_down_sum, plan, b["act"], b["y"], b["topk_weights"])
+    else:
+        down = functools.partial(moe_lora_down, plan, b["act"], b["y"], b["topk_weights"])
+    times = {"shrink": lambda: moe_lora_shrink(plan, b["x"]),
+             "gate_up_pass": lambda: moe_lora_gate_up(plan, b["x"], b["raw"], b["act"]),
+             "down_pass": down, "all": lambda: lora_step(s, b, cfg)}
+    row = {"row": "split", "shape": name, "tokens": num_tokens, "overrides": overrides, "config": cfg}
+    row.update({f"{key}_us": round(time_graph(fn, iters=25) * 1e6, 2) for key, fn in times.items()})
+    return row
+
+
+def overrides_arg(text: str) -> dict:
+    """A ``--split`` variant: a JSON object of tuner paths (``"gate_up.num_warps"``, ``"split_k"``) to values."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict) or not value:
+        raise argparse.ArgumentTypeError(f"a variant is a non-empty JSON object of overrides, got {text!r}")
+    return value
+
+
+def run_split(out=None, shapes=tuple(SHAPES), tokens=TOKENS, variants=({},)) -> list[dict]:
+    """`split_row` per shape, token count and variant (a dict of ``_with`` overrides; ``{}``: the tuned entry)."""
+    rows = []
+    for name in shapes:
+        s = setup(name)
+        for num_tokens in tokens:
+            for overrides in variants:
+                rows.append(_emit(split_row(name, s, num_tokens, overrides), out))
+        del s
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_align(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
     """One row per shape, token count and `ALIGN_SLOTS` entry (LoRA pair mode, no alignment, has none)."""
     rows = []
@@ -453,6 +503,10 @@ def main() -> None:
     parser.add_argument("--out", help="append JSON lines to this file (default: stdout)")
     parser.add_argument("--tune", action="store_true", help="tune launch configs instead of benchmarking")
     parser.add_argument("--align", action="store_true", help="time the token-to-group alignment alone")
+    parser.add_argument("--split", nargs="*", type=overrides_arg, default=None, metavar="JSON",
+                        help="time each LoRA pass alone (shrink, gate/up, down) with the tuned entry, then with each "
+                             "JSON object of overrides set on it (keys: the tuner's paths, e.g. "
+                             "'{\"gate_up.num_warps\": 1}')")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS),
                         help="token counts; with --tune the tuned \"base\" entries of a shape are replaced by "
@@ -466,6 +520,8 @@ def main() -> None:
                         help="the benchmark's tokens' adapters round-robin, or sorted into runs (the MoE LoRA kernels "
                              "ran as fast either way at setup (b)'s mix)")
     args = parser.parse_args()
+    if sum([args.tune, args.align, args.split is not None]) > 1:
+        parser.error("--tune, --align and --split exclude each other")
     if args.slot_order != "round-robin" and (args.tune or args.align):
         parser.error("--slot-order is for the benchmark rows; --tune and --align use round-robin tokens")
     configure(args.adapters, args.rank, args.slot_order)
@@ -476,6 +532,9 @@ def main() -> None:
     elif args.align:
         with open(args.out, "a") if args.out else open(sys.stdout.fileno(), "w", closefd=False) as out:
             run_align(out, args.shapes, args.tokens)
+    elif args.split is not None:
+        with open(args.out, "a") if args.out else open(sys.stdout.fileno(), "w", closefd=False) as out:
+            run_split(out, args.shapes, args.tokens, [{}] + args.split)
     else:
         with open(args.out, "a") if args.out else open(sys.stdout.fileno(), "w", closefd=False) as out:
             run(out, args.shapes, args.tokens)

@@ -3,8 +3,12 @@ and joint candidates of the coordinate descent."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+
+import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import kernels_moe as km
@@ -73,3 +77,38 @@ def test_descent_skips_what_is_not_worth_timing(monkeypatch):
     km.descend(start, [("down", [{"sum": False}, {"sum": True, "block_n": 64}]), ("down.block_n", [128, 256])],
                time_fn)
     assert [e["down"] for e in timed] == [{"block_n": 256}, {"block_n": 64}, {"block_n": 128}]
+
+
+def test_one_warp_gate_up_is_tried_with_a_narrower_tile():
+    entry = {"block_m": 1, "gate_up": {"block_n": 256, "num_warps": 4, "num_stages": 2}}
+    joint = [value for path, values in km.LORA_SPACE if path == "gate_up" for value in values]
+    assert {"block_n": 128, "num_warps": 1} in joint
+    got = km._candidate(entry, "gate_up", {"block_n": 128, "num_warps": 1})
+    assert got["gate_up"] == {"block_n": 128, "num_warps": 1, "num_stages": 2}
+    assert all(1 in values for path, values in km.LORA_SPACE if path.endswith("num_warps"))
+
+
+def test_split_variants_must_be_json_objects():
+    assert km.overrides_arg('{"gate_up.num_warps": 1}') == {"gate_up.num_warps": 1}
+    for bad in ("{", "[1]", "{}", "3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            km.overrides_arg(bad)
+
+
+def test_split_times_each_pass_with_the_overrides(monkeypatch):
+    """`split_row` on a toy layer in the interpreter: the overrides reach the config the passes run with, and
+    every pass runs (a stand-in timer calls each once)."""
+    tiny = {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2, "rank": 8}
+    monkeypatch.setitem(km.SHAPES, "tiny", tiny)
+    monkeypatch.setattr(km, "DEVICE", "cpu")
+    monkeypatch.setattr(km, "DTYPE", torch.float32)
+    monkeypatch.setattr(km, "PAGE_ELEMS", 256)
+    monkeypatch.setattr(km, "ADAPTERS", 2)
+    ran = []
+    monkeypatch.setattr(km, "time_graph", lambda fn, iters: ran.append(fn) or fn() or 2e-6)
+    s = km.setup("tiny")
+    row = km.split_row("tiny", s, 4, {"gate_up.num_warps": 1, "split_k": 2})
+    assert row["config"]["gate_up"]["num_warps"] == 1 and row["config"]["split_k"] == 2
+    assert row["overrides"] == {"gate_up.num_warps": 1, "split_k": 2}
+    assert [row[f"{k}_us"] for k in ("shrink", "gate_up_pass", "down_pass", "all")] == [2.0] * 4
+    assert len(ran) == 4
