@@ -191,8 +191,8 @@ def run(out=None, tokens=TOKENS, targets=QKV, shape="llama3-8b") -> None:
 
 SEARCH = {  # coordinate descent, in this order, starting from the default config
     "block_k": (64, 128, 256, 512), "split_k": (0, 1, 2, 4, 8, 16, 32, 64), "rows": (32, 64, 128),
-    "shrink_warps": (2, 4, 8), "shrink_stages": (1, 2, 3, 4),
-    "block_n": (64, 128, 256, 512), "expand_warps": (2, 4, 8), "expand_stages": (1, 2, 3),
+    "shrink_warps": (1, 2, 4, 8), "shrink_stages": (1, 2, 3, 4),
+    "block_n": (64, 128, 256, 512), "expand_warps": (1, 2, 4, 8), "expand_stages": (1, 2, 3),
 }
 
 
