@@ -18,6 +18,7 @@ from unipage.kernels.fused_moe_lora import (MoeLora, lora_pairs, moe_lora_down, 
                                             moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, plan_moe_lora,
                                             plan_moe_lora_ref)
 from unipage.kernels.moe_align import moe_align_ref
+from unipage.kernels.moe_lora_plan import lora_pads, pair_dot, tile_ranks
 from unipage.lora_layout import TargetSpec, build_layout
 
 H, I, E, K, LAYER = 64, 32, 8, 2, 1
@@ -460,3 +461,27 @@ def test_gpu_lora_compiles_once_across_token_counts(load):
                       topk_ids[:num_tokens].contiguous(), part, lora_config=config)
         counts.append([_compiled(k) for k in kernels])
     assert counts[-1] == counts[0]
+
+
+PAIR_DOT = {**PAIR, "pair_dot": True}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens, mix", [(1, "uniform"), (7, "uniform"), (40, "skewed"), (40, "none")])
+def test_pair_mode_on_tensor_cores_matches_reference(num_tokens, mix, dtype):
+    """Config "pair_dot": every pair-mode product a 16-row dot (ranks 4 and 8 in tiles of 16 rows)."""
+    c = _case(num_tokens, dtype, mix, seed=num_tokens + 5)
+    _close(_run(fused_experts, c, PAIR_DOT), _run(fused_experts_ref, c, PAIR_DOT), dtype)
+
+
+def test_pair_dot_ranks_above_sixteen_and_the_down_sum():
+    slots = [("split", 24), ("fused", 16), ("up_only", 8)]
+    c = _case(7, torch.float32, "uniform", seed=9, slots=slots)
+    for config in (PAIR_DOT, {**PAIR_DOT, "down": {**PAIR_DOT["down"], "sum": True}}):
+        _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
+
+
+def test_pair_dot_tiles_are_the_pads():
+    meta = _case(1, torch.float32, "uniform")["lora"].meta
+    assert tile_ranks(meta, 1) == (8, 16) and tile_ranks(meta, 1, dot=True) == lora_pads(meta)[1:] == (16, 16)
+    assert pair_dot(PAIR_DOT) and not pair_dot(PAIR) and not pair_dot({**GROUP, "pair_dot": True})
