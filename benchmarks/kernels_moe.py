@@ -284,11 +284,11 @@ def align_row(name: str, num_tokens: int, slots: int) -> dict | None:
 def split_row(name: str, s: dict, num_tokens: int, overrides: dict) -> dict:
     """Each separate-path LoRA pass timed alone at ``s``'s shape: the shrink, the gate/up pass (the shrink,
     then the expand) and the down pass (`moe_lora_down`, or `moe_lora_down_sum` with the base's top-k sum
-    where the config says so), with the tuned entry and ``overrides`` (``_with`` paths) set on it."""
+    where the config says so), with the tuned entry and ``overrides`` (``with_path`` paths) set on it."""
     b = batch(s, num_tokens)
     cfg = lora_config(b["lora"], b["topk_ids"])
     for path, value in overrides.items():
-        cfg = _with(cfg, path, value)
+        cfg = with_path(cfg, path, value)
     plan = plan_moe_lora(b["lora"], b["topk_ids"], cfg)
     if sums_down(plan):
         down = functools.partial(moe_lora_down_sum, plan, b["act"], b["y"], b["topk_weights"])
@@ -314,7 +314,7 @@ def overrides_arg(text: str) -> dict:
 
 
 def run_split(out=None, shapes=tuple(SHAPES), tokens=TOKENS, variants=({},)) -> list[dict]:
-    """`split_row` per shape, token count and variant (a dict of ``_with`` overrides; ``{}``: the tuned entry)."""
+    """`split_row` per shape, token count and variant (a dict of ``with_path`` overrides; ``{}``: the tuned entry)."""
     rows = []
     for name in shapes:
         s = setup(name)
@@ -366,7 +366,7 @@ LORA_SPACE = [("block_m", [1, 16, 32, 64]),
               ("down.block_n", [64, 128, 256, 512, 1024, 2048]), ("down.num_warps", [1, 2, 4, 8])]
 
 
-def _with(entry: dict, path: str, value) -> dict:
+def with_path(entry: dict, path: str, value) -> dict:
     """``entry`` with ``path`` set to ``value``; a dict value is merged into the dict at ``path`` (a joint
     candidate: fields that only make sense together, e.g. the down stage's "sum" with its tile).  Path
     "": ``value``'s fields set in the entry, a stage's dict merged into that stage's."""
@@ -393,10 +393,10 @@ def _time_or_inf(fn) -> float:
 
 
 def _candidate(best: dict, path: str, value) -> dict | None:
-    """`_with`, tidied: group mode drops the down stage's "sum" and "pair_dot" (pair mode's alone), pair mode
+    """`with_path`, tidied: group mode drops the down stage's "sum" and "pair_dot" (pair mode's alone), pair mode
     the shrink's "whole_k" (group mode's alone); None where not worth timing: ``best`` itself, or a fused down+sum
     tile past 256 columns (K x rank rows: it only spills)."""
-    new = _with(best, path, value)
+    new = with_path(best, path, value)
     if new.get("block_m", 1) > 1:
         new.get("down", {}).pop("sum", None)
         new.pop("pair_dot", None)

@@ -2,7 +2,8 @@
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
-                                        [--stack-ab] [--linear-config JSON] [--trace DIR] [--out FILE]
+                                        [--stack-ab] [--moe-ab JSON] [--linear-config JSON] [--trace DIR]
+                                        [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
@@ -23,7 +24,9 @@ the projections' LoRA the other way, the fused decode projection (`lora_linear`)
 (the projection with its bias, shrink, expand), then as before (``lora_linear_ab``: ``max_tokens`` of the other way,
 ``other`` and ``after``; ``--linear-config JSON`` sets `lora_linear.LINEAR` first); ``--stack-ab`` times
 them without the shrink stack (`shrink_stack`: the paged shrink kernels), then with it again
-(``lora_stack_ab``: ``off`` and ``after``; ``shrink_stack`` says whether the engine built one); then ``--prefill``
+(``lora_stack_ab``: ``off`` and ``after``; ``shrink_stack`` says whether the engine built one); ``--moe-ab JSON``
+with those settings on every MoE LoRA launch config (paths as `kernels_moe.with_path`), then as tuned
+(``lora_moe_ab``: ``overrides``, ``other`` and ``after``); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -55,6 +58,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_models as sm
+from kernels_moe import overrides_arg, with_path
 from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
@@ -261,6 +265,32 @@ def stack_ab(engine: Engine, args) -> dict:
     return _a_b_a(engine, args, "off", lambda: switch(False), lambda: switch(True))
 
 
+def moe_ab(engine: Engine, args) -> dict:
+    """Decode steps timed with ``--moe-ab``'s overrides set on every MoE LoRA launch config (paths as
+    `kernels_moe.with_path`: ``"pair_dot"``, ``"gate_up.num_warps"``), graphs captured anew, then as before
+    (``after``), as `pieces_ab` does."""
+    lookup = moe_lora_plan.launch_config
+
+    def switch(fn) -> None:
+        moe_lora_plan.launch_config = fn
+        for graphs in (engine.runner.graphs, engine.runner.mixed):  # the captured graphs hold the other launches
+            if graphs is not None:
+                graphs.drop()
+
+    return {"overrides": args.moe_ab,
+            **_a_b_a(engine, args, "other", lambda: switch(overridden(lookup, args.moe_ab)), lambda: switch(lookup))}
+
+
+def overridden(lookup, overrides: dict):
+    """``lookup`` (`moe_align.launch_config`'s signature) with ``overrides`` set on every entry it returns."""
+    def config(kind, *rest):
+        entry = lookup(kind, *rest)
+        for path, value in overrides.items():
+            entry = with_path(entry, path, value)
+        return entry
+    return config
+
+
 def _a_b_a(engine: Engine, args, name: str, change, restore) -> dict:
     out = {}
     for apply, key in ((change, name), (restore, "after")):
@@ -330,6 +360,8 @@ def _timed_run(engine: Engine, args, adapters: list[str | None]) -> dict:
         out["linear_ab"] = linear_ab(engine, args)
     if args.stack_ab and any(adapters) and engine.runner.stack is not None:  # without the stack, then with it
         out["stack_ab"] = stack_ab(engine, args)
+    if args.moe_ab and any(adapters):  # the MoE LoRA kernels with other launch settings, then as tuned
+        out["moe_ab"] = moe_ab(engine, args)
     return out
 
 
@@ -376,6 +408,9 @@ def main(argv=None) -> None:
                         "into the decode projection, `lora_linear`, or separate launches), then as before")
     p.add_argument("--stack-ab", action="store_true",
                    help="also time the LoRA run's decode steps without the shrink stack, then with it again")
+    p.add_argument("--moe-ab", type=overrides_arg, default=None, metavar="JSON",
+                   help="also time the LoRA run's decode steps with these settings on every MoE LoRA launch config "
+                        "(e.g. '{\"pair_dot\": true, \"split_k\": 8}'), then as tuned")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
@@ -425,7 +460,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            for ab in ("pieces", "linear_ab", "stack_ab"):
+            for ab in ("pieces", "linear_ab", "stack_ab", "moe_ab"):
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call

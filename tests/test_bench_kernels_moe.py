@@ -39,10 +39,10 @@ def test_tuned_entries_at_the_ends_and_without_a_table():
 
 def test_a_dict_candidate_is_merged_into_its_stage():
     entry = {"down": {"block_n": 2048, "num_warps": 4}, "pdl": True}
-    got = km._with(entry, "down", {"sum": True, "block_n": 64})
+    got = km.with_path(entry, "down", {"sum": True, "block_n": 64})
     assert got == {"down": {"block_n": 64, "num_warps": 4, "sum": True}, "pdl": True}
     assert entry["down"] == {"block_n": 2048, "num_warps": 4}  # the start entry is untouched
-    assert km._with(entry, "down.num_warps", 8)["down"]["num_warps"] == 8
+    assert km.with_path(entry, "down.num_warps", 8)["down"]["num_warps"] == 8
 
 
 def test_sum_candidates_only_in_pair_mode_and_narrow():

@@ -1,0 +1,32 @@
+"""benchmarks/lora_breakdown.py on CPU: its MoE LoRA A/B's config overrides and flags (the run itself needs a GPU)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import lora_breakdown as lb
+from unipage.kernels import moe_lora_plan
+from unipage.kernels.moe_align import shape_key
+
+QWEN3 = shape_key(2048, 768, 128, 8)
+
+
+def test_overrides_reach_every_entry_and_leave_the_table_alone():
+    lookup = moe_lora_plan.launch_config
+    table = lookup("lora", QWEN3, 1.6, ("nvidia_h200",))
+    new = lb.overridden(lookup, {"pair_dot": True, "gate_up.block_n": 64})
+    got = new("lora", QWEN3, 1.6, ("nvidia_h200",))
+    assert got["pair_dot"] is True and got["gate_up"]["block_n"] == 64
+    assert got["gate_up"]["num_warps"] == table["gate_up"]["num_warps"]  # the rest of the stage kept
+    assert "pair_dot" not in lookup("lora", QWEN3, 1.6, ("nvidia_h200",))  # the tuned entry is untouched
+    assert new("lora", QWEN3, 1e9, ("nvidia_h200",))["pair_dot"] is True  # group entries too
+
+
+def test_bad_moe_ab_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        lb.main(["--moe-ab", "{"])
+    assert exc.value.code == 2 and "not JSON" in capsys.readouterr().err
