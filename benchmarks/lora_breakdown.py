@@ -2,8 +2,8 @@
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
-                                        [--stack-ab] [--moe-ab JSON] [--linear-config JSON] [--trace DIR]
-                                        [--out FILE]
+                                        [--stack-ab] [--moe-ab JSON] [--dense-ab JSON] [--linear-config JSON]
+                                        [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
@@ -26,7 +26,8 @@ the projections' LoRA the other way, the fused decode projection (`lora_linear`)
 them without the shrink stack (`shrink_stack`: the paged shrink kernels), then with it again
 (``lora_stack_ab``: ``off`` and ``after``; ``shrink_stack`` says whether the engine built one); ``--moe-ab JSON``
 with those settings on every MoE LoRA launch config (paths as `kernels_moe.with_path`), then as tuned
-(``lora_moe_ab``: ``overrides``, ``other`` and ``after``); then ``--prefill``
+(``lora_moe_ab``: ``overrides``, ``other`` and ``after``); ``--dense-ab JSON`` likewise with settings on the
+dense LoRA launch configs (``lora_dense_ab``); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -258,9 +259,7 @@ def stack_ab(engine: Engine, args) -> dict:
 
     def switch(on: bool) -> None:
         model.stack = stack if on else None
-        for graphs in (engine.runner.graphs, engine.runner.mixed):  # the captured graphs hold the other launches
-            if graphs is not None:
-                graphs.drop()
+        _drop_graphs(engine)
 
     return _a_b_a(engine, args, "off", lambda: switch(False), lambda: switch(True))
 
@@ -273,12 +272,33 @@ def moe_ab(engine: Engine, args) -> dict:
 
     def switch(fn) -> None:
         moe_lora_plan.launch_config = fn
-        for graphs in (engine.runner.graphs, engine.runner.mixed):  # the captured graphs hold the other launches
-            if graphs is not None:
-                graphs.drop()
+        _drop_graphs(engine)
 
     return {"overrides": args.moe_ab,
             **_a_b_a(engine, args, "other", lambda: switch(overridden(lookup, args.moe_ab)), lambda: switch(lookup))}
+
+
+def dense_ab(engine: Engine, args) -> dict:
+    """Decode steps timed with ``--dense-ab``'s settings on the dense LoRA launch configs (set on both paths'
+    defaults, which the tuned entries overlay: e.g. ``"stack_pdl"``), graphs captured anew, then as before."""
+    defaults = lora_meta._load_json()["default"]
+    saved = {path: dict(config) for path, config in defaults.items()}
+
+    def switch(new: dict | None) -> None:
+        for path, config in defaults.items():
+            config.clear()
+            config.update(saved[path] | (new or {}))
+        lora_meta._tuned.cache_clear()  # (not reload_configs: it would read the file again)
+        _drop_graphs(engine)
+
+    return {"overrides": args.dense_ab,
+            **_a_b_a(engine, args, "other", lambda: switch(args.dense_ab), lambda: switch(None))}
+
+
+def _drop_graphs(engine: Engine) -> None:
+    for graphs in (engine.runner.graphs, engine.runner.mixed):  # the captured graphs hold the other launches
+        if graphs is not None:
+            graphs.drop()
 
 
 def overridden(lookup, overrides: dict):
@@ -362,6 +382,8 @@ def _timed_run(engine: Engine, args, adapters: list[str | None]) -> dict:
         out["stack_ab"] = stack_ab(engine, args)
     if args.moe_ab and any(adapters):  # the MoE LoRA kernels with other launch settings, then as tuned
         out["moe_ab"] = moe_ab(engine, args)
+    if args.dense_ab and any(adapters):  # the dense LoRA kernels likewise
+        out["dense_ab"] = dense_ab(engine, args)
     return out
 
 
@@ -411,6 +433,9 @@ def main(argv=None) -> None:
     p.add_argument("--moe-ab", type=overrides_arg, default=None, metavar="JSON",
                    help="also time the LoRA run's decode steps with these settings on every MoE LoRA launch config "
                         "(e.g. '{\"pair_dot\": true, \"split_k\": 8}'), then as tuned")
+    p.add_argument("--dense-ab", type=overrides_arg, default=None, metavar="JSON",
+                   help="also time the LoRA run's decode steps with these settings on the dense LoRA launch configs "
+                        "(e.g. '{\"stack_pdl\": true}'), then as before")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
@@ -460,7 +485,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            for ab in ("pieces", "linear_ab", "stack_ab", "moe_ab"):
+            for ab in ("pieces", "linear_ab", "stack_ab", "moe_ab", "dense_ab"):
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call

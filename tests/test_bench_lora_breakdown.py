@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import lora_breakdown as lb
-from unipage.kernels import moe_lora_plan
+from unipage.kernels import lora_meta, moe_lora_plan
 from unipage.kernels.moe_align import shape_key
 
 QWEN3 = shape_key(2048, 768, 128, 8)
@@ -30,3 +31,24 @@ def test_bad_moe_ab_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         lb.main(["--moe-ab", "{"])
     assert exc.value.code == 2 and "not JSON" in capsys.readouterr().err
+
+
+def test_dense_ab_sets_and_restores_the_default_configs(monkeypatch):
+    """`dense_ab` sets its keys on both paths' defaults (what every tuned entry overlays), then restores them;
+    the A-B-A timing itself is stood in for (it needs a GPU engine)."""
+    seen = []
+
+    def a_b_a(engine, args, name, change, restore):
+        for apply in (change, restore):
+            apply()
+            seen.append({path: dict(c) for path, c in lora_meta._load_json()["default"].items()})
+        return {}
+
+    dropped = []
+    monkeypatch.setattr(lb, "_a_b_a", a_b_a)
+    monkeypatch.setattr(lb, "_drop_graphs", lambda engine: dropped.append(engine))
+    before = {path: dict(c) for path, c in lora_meta._load_json()["default"].items()}
+    lb.dense_ab("engine", SimpleNamespace(dense_ab={"stack_pdl": True}))
+    assert all(c["stack_pdl"] is True for c in seen[0].values()) and seen[1] == before
+    assert {path: dict(c) for path, c in lora_meta._load_json()["default"].items()} == before
+    assert dropped == ["engine", "engine"]
