@@ -297,7 +297,7 @@ def split_row(name: str, s: dict, num_tokens: int, overrides: dict) -> dict:
     times = {"shrink": lambda: moe_lora_shrink(plan, b["x"]),
              "gate_up_pass": lambda: moe_lora_gate_up(plan, b["x"], b["raw"], b["act"]),
              "down_pass": down, "all": lambda: lora_step(s, b, cfg)}
-    row = {"row": "split", "shape": name, "tokens": num_tokens, "overrides": overrides, "config": cfg}
+    row = {"row": "split", "shape": name, "tokens": num_tokens, "overrides": overrides, "config": copy.deepcopy(cfg)}
     row.update({f"{key}_us": round(time_graph(fn, iters=25) * 1e6, 2) for key, fn in times.items()})
     return row
 
@@ -350,7 +350,7 @@ LORA_SPACE = [("block_m", [1, 16, 32, 64]),
               ("", [{"block_m": m, "shrink": {"whole_k": True}} for m in (16, 32)]), ("shrink.whole_k", [False, True]),
               # pair mode on the tensor cores (a pair's row repeated over a dot's 16): its products' tiles are
               # 16 rows tall, so it comes with narrower tiles and more splits
-              ("", [{"pair_dot": True, "split_k": k, "gate_up": {"block_n": 64}, "down": {"block_n": 128}}
+              ("", [{"pair_dot": True, "split_k": k, "gate_up": {"block_n": 128}, "down": {"block_n": 256}}
                     for k in (4, 8)]), ("pair_dot", [False, True]),
               ("split_k", [1, 2, 4, 8, 16, 32]), ("shrink.num_warps", [1, 2, 4, 8]),
               ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256, 512]),
@@ -397,9 +397,12 @@ def _candidate(best: dict, path: str, value) -> dict | None:
     the shrink's "whole_k" (group mode's alone); None where not worth timing: ``best`` itself, or a fused down+sum
     tile past 256 columns (K x rank rows: it only spills)."""
     new = with_path(best, path, value)
+    if not new.get("pair_dot", True):
+        new.pop("pair_dot")  # (off is the default: not a new entry)
     if new.get("block_m", 1) > 1:
+        if new.pop("pair_dot", False) and not best.get("pair_dot"):
+            return None  # a pair_dot candidate in group mode: its narrower tiles are not worth timing there
         new.get("down", {}).pop("sum", None)
-        new.pop("pair_dot", None)
     else:
         new.get("shrink", {}).pop("whole_k", None)
     down = new.get("down", {})

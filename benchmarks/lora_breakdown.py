@@ -312,13 +312,21 @@ def overridden(lookup, overrides: dict):
 
 
 def _a_b_a(engine: Engine, args, name: str, change, restore) -> dict:
+    """``change``, time; ``restore`` (also when that raised), time again (``after``)."""
     out = {}
-    for apply, key in ((change, name), (restore, "after")):
-        apply()
-        for _ in range(args.warmup_steps):
-            engine.step()
-        out[key] = decode_times(engine, args.timed_steps)
+    try:
+        change()
+        out[name] = _warm_times(engine, args)
+    finally:
+        restore()
+    out["after"] = _warm_times(engine, args)
     return out
+
+
+def _warm_times(engine: Engine, args) -> dict:
+    for _ in range(args.warmup_steps):
+        engine.step()
+    return decode_times(engine, args.timed_steps)
 
 
 def trace(engine: Engine, steps: int, path: str) -> None:
@@ -432,7 +440,7 @@ def main(argv=None) -> None:
                    help="also time the LoRA run's decode steps without the shrink stack, then with it again")
     p.add_argument("--moe-ab", type=overrides_arg, default=None, metavar="JSON",
                    help="also time the LoRA run's decode steps with these settings on every MoE LoRA launch config "
-                        "(e.g. '{\"pair_dot\": true, \"split_k\": 8}'), then as tuned")
+                        "(group-mode entries too; e.g. '{\"pair_dot\": true, \"split_k\": 8}'), then as tuned")
     p.add_argument("--dense-ab", type=overrides_arg, default=None, metavar="JSON",
                    help="also time the LoRA run's decode steps with these settings on the dense LoRA launch configs "
                         "(e.g. '{\"stack_pdl\": true}'), then as before")

@@ -59,8 +59,9 @@ alignment pass (decode: groups hold about one pair) and weight tiles as tall as
 the ranks' power of two (`tile_ranks`: broadcast-reduce math, no tensor-core
 minimum; registers bound how many of these latency-bound programs run at once);
 config ``"pair_dot": true`` runs pair mode's products on the tensor cores instead (`_mm`: the pair's
-row repeated over a dot's 16 rows, tiles of at least 16 rank rows as in group mode; output tiles are
-16 rows tall, so it wants narrower column tiles; correct and compiled for sm_90, not yet timed);
+row repeated over a dot's 16 rows, rank tiles at the `lora_pads` widths as in group mode; output tiles
+are 16 rows tall, so it wants narrower column tiles; `moe_lora_sum` keeps its broadcast-reduce; correct
+and compiled for sm_90, not yet timed);
 *group mode* (``block_m`` >= 16) aligns pairs by group ``slot·E + expert``
 (`moe_align`) and runs tensor-core tiles that share the group's A/B.  The mode and
 the tile height come from the expected pairs per (adapter, expert) group, not from

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from types import SimpleNamespace
@@ -18,12 +19,12 @@ QWEN3 = shape_key(2048, 768, 128, 8)
 
 def test_overrides_reach_every_entry_and_leave_the_table_alone():
     lookup = moe_lora_plan.launch_config
-    table = lookup("lora", QWEN3, 1.6, ("nvidia_h200",))
+    before = copy.deepcopy(lookup("lora", QWEN3, 1.6, ("nvidia_h200",)))
     new = lb.overridden(lookup, {"pair_dot": True, "gate_up.block_n": 64})
     got = new("lora", QWEN3, 1.6, ("nvidia_h200",))
-    assert got["pair_dot"] is True and got["gate_up"]["block_n"] == 64
-    assert got["gate_up"]["num_warps"] == table["gate_up"]["num_warps"]  # the rest of the stage kept
-    assert "pair_dot" not in lookup("lora", QWEN3, 1.6, ("nvidia_h200",))  # the tuned entry is untouched
+    assert got["pair_dot"] is True and got["gate_up"]["block_n"] == 64 != before["gate_up"]["block_n"]
+    assert got["gate_up"]["num_warps"] == before["gate_up"]["num_warps"]  # the rest of the stage kept
+    assert lookup("lora", QWEN3, 1.6, ("nvidia_h200",)) == before  # the cached tuned entry is untouched
     assert new("lora", QWEN3, 1e9, ("nvidia_h200",))["pair_dot"] is True  # group entries too
 
 
@@ -52,3 +53,15 @@ def test_dense_ab_sets_and_restores_the_default_configs(monkeypatch):
     assert all(c["stack_pdl"] is True for c in seen[0].values()) and seen[1] == before
     assert {path: dict(c) for path, c in lora_meta._load_json()["default"].items()} == before
     assert dropped == ["engine", "engine"]
+
+
+def test_a_b_a_restores_when_the_changed_run_fails(monkeypatch):
+    calls = []
+
+    def failing(engine, args):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(lb, "_warm_times", failing)
+    with pytest.raises(RuntimeError, match="step failed"):
+        lb._a_b_a("engine", None, "other", lambda: calls.append("change"), lambda: calls.append("restore"))
+    assert calls == ["change", "restore"]

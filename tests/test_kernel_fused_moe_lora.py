@@ -485,3 +485,30 @@ def test_pair_dot_tiles_are_the_pads():
     meta = _case(1, torch.float32, "uniform")["lora"].meta
     assert tile_ranks(meta, 1) == (8, 16) and tile_ranks(meta, 1, dot=True) == lora_pads(meta)[1:] == (16, 16)
     assert pair_dot(PAIR_DOT) and not pair_dot(PAIR) and not pair_dot({**GROUP, "pair_dot": True})
+
+
+def test_pair_dot_reaches_every_pair_mode_launch(monkeypatch):
+    """Every pair-mode launch of a "pair_dot" config gets PAIR_DOT and 16-row rank tiles (the comparisons
+    above would pass on the broadcast-reduce path too); the fused path's down-shrink pass as well."""
+    import unipage.kernels.fused_moe_lora as fml
+
+    seen, real = [], fml.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append((kernel.fn.__name__, kwargs))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(fml, "launch", spy)
+    c = _case(7, torch.float32, "uniform", seed=2)
+    pads = lora_pads(c["lora"].meta)
+    fused = {**PAIR_DOT, "fused": True, "down_shrink": "pass"}
+    for config in (PAIR_DOT, fused):
+        seen.clear()
+        _close(_run(fused_experts, c, config), _run(fused_experts_ref, c, config), torch.float32)
+        assert seen and all(kwargs["PAIR_DOT"] for _, kwargs in seen)
+        names = [name for name, _ in seen]
+        if config is PAIR_DOT:
+            assert names == ["_moe_shrink_kernel", "_expand_gate_up_kernel", "_expand_down_kernel"]
+            assert (seen[1][1]["RK_PAD"], seen[1][1]["RD_T"], seen[2][1]["RD_T"]) == (pads[1], pads[2], pads[2])
+        else:  # the fused path: the gate/up shrink before the GEMM, the down shrink a pass after it
+            assert names == ["_moe_shrink_kernel", "_moe_shrink_kernel"] and seen[1][1]["DOWN"]
