@@ -512,3 +512,21 @@ def test_pair_dot_reaches_every_pair_mode_launch(monkeypatch):
             assert (seen[1][1]["RK_PAD"], seen[1][1]["RD_T"], seen[2][1]["RD_T"]) == (pads[1], pads[2], pads[2])
         else:  # the fused path: the gate/up shrink before the GEMM, the down shrink a pass after it
             assert names == ["_moe_shrink_kernel", "_moe_shrink_kernel"] and seen[1][1]["DOWN"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [16, 256])
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_pair_dot_bf16(shape, num_tokens):
+    """"pair_dot" compiled at the real shapes (the interpreter checks neither a dot's 16-row minimum nor
+    shared memory), with one warp and with four, against the float32 reference."""
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case(shape, num_tokens)
+    lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
+    want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
+    stage = {"group_m": 1, "num_stages": 2}
+    for warps in (1, 4):
+        config = {"block_m": 1, "split_k": 8, "pair_dot": True, "shrink": {**stage, "num_warps": warps},
+                  "gate_up": {**stage, "block_n": 128, "num_warps": warps},
+                  "down": {**stage, "block_n": 256, "num_warps": warps}}
+        got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
+        assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2, warps
