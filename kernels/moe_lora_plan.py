@@ -90,7 +90,7 @@ def lora_pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
 
 def pair_dot(config: dict) -> bool:
     """Whether the pair-mode kernels run their products on the tensor cores (config ``"pair_dot"``: a pair's
-    row as the first of 16) instead of broadcast-reduce; group mode always does."""
+    row repeated over a dot's 16 rows) instead of broadcast-reduce; group mode always does."""
     return config["block_m"] == 1 and bool(config.get("pair_dot"))
 
 
