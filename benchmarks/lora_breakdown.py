@@ -77,7 +77,7 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     model_dir = sm.write_model_dir(root, args.shape, False, args.layers)
     model = ModelConfig.from_hf(read_config(model_dir), "bfloat16")
     paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.adapters, args.rank, "all")
-    max_len = max(args.prompt + 6 * args.timed_steps + args.steps + 102, args.prefill[1] + 8)
+    max_len = max(args.prompt + decode_tokens(args) + 2, args.prefill[1] + 8)
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
                     lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.adapters),
                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
@@ -86,6 +86,15 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     for name, path in zip(names, paths):
         engine.add_adapter(name, path)
     return engine, names
+
+
+def decode_tokens(args) -> int:
+    """Tokens a decoding request may make: its warm-up, `decode_times`' steps (2 x ``--timed-steps``), and as
+    many again with a warm-up for each run of every A-B-A asked for, with room to spare (a request that
+    finished mid-way would leave a run timing a smaller batch)."""
+    abs_ = sum(map(bool, (args.piece_layers, args.linear_ab, args.stack_ab, args.moe_ab, args.dense_ab)))
+    per_run = args.warmup_steps + 2 * args.timed_steps
+    return per_run * (1 + 2 * abs_) + args.steps + 100
 
 
 def kernel_times(prof) -> dict[str, float]:
@@ -349,9 +358,9 @@ def run(engine: Engine, args, adapters: list[str | None], kind: str, profiling: 
     profiler has run, CUPTI stays attached to the process and every CUDA call on the host is slower after
     (setup (a)'s LoRA graph run call on an H200: 0.24 ms before, 0.83 ms after, host-steps-h200.jsonl).
     The profiled phase runs on new requests, so its contexts are shorter (``--prompt`` + warm-up) than the
-    timed phase's (up to ``--prompt`` + 12 x ``--timed-steps``): its attention times are not the timed steps'."""
+    timed phase's (up to ``--prompt`` + `decode_tokens`): its attention times are not the timed steps'."""
     tag = f"{kind}-p" if profiling else kind  # request ids of their own
-    with decoding(engine, args, adapters, tag, 6 * args.timed_steps + args.steps + 100) as prompt:
+    with decoding(engine, args, adapters, tag, decode_tokens(args)) as prompt:
         if profiling:
             return _profiled_run(engine, args, adapters, kind, prompt)
         return _timed_run(engine, args, adapters)

@@ -65,3 +65,30 @@ def test_a_b_a_restores_when_the_changed_run_fails(monkeypatch):
     with pytest.raises(RuntimeError, match="step failed"):
         lb._a_b_a("engine", None, "other", lambda: calls.append("change"), lambda: calls.append("restore"))
     assert calls == ["change", "restore"]
+
+
+def test_decode_tokens_cover_every_a_b_a(monkeypatch):
+    """A request of the timed run must outlast every step of it: with each A-B-A asked for, the steps are
+    counted on a stand-in engine (before, a run with two A-B-As outran its requests' max_tokens)."""
+    steps = []
+    engine = SimpleNamespace(step=lambda: steps.append(1), model=SimpleNamespace(stack="stack"))
+    graphs = SimpleNamespace(piece_layers=0, set_piece_layers=lambda n: None, drop=lambda: None)
+    engine.runner = SimpleNamespace(graphs=graphs, mixed=None, stack="stack")
+
+    def stepping(result):
+        def run(engine, n, *rest):
+            for _ in range(n):
+                engine.step()
+            return result
+        return run
+
+    monkeypatch.setattr(lb, "timed", stepping((0.01, 0.001, 0.001, 0.001)))
+    monkeypatch.setattr(lb, "busy_wait", stepping((0.01, 0)))
+    monkeypatch.setattr(lb.lora_meta, "_load_json", lambda: {"default": {"shrink": {}}})
+    args = SimpleNamespace(warmup_steps=3, timed_steps=30, steps=3, piece_layers=4, linear_ab=True,
+                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"stack_pdl": True})
+    lb._timed_run(engine, args, ["a0"])
+    assert len(steps) + args.warmup_steps < lb.decode_tokens(args)
+    none = SimpleNamespace(**{**vars(args), "piece_layers": 0, "linear_ab": False, "stack_ab": False,
+                              "moe_ab": None, "dense_ab": None})
+    assert lb.decode_tokens(none) < len(steps)  # fewer A-B-As, fewer tokens
