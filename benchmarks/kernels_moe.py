@@ -348,10 +348,6 @@ BASE_SPACE = [("block_m", [16, 32, 64, 128])] + [
 LORA_SPACE = [("block_m", [1, 16, 32, 64]),
               # group mode with its shrink loading whole splits (pair mode's loads, one read of A per group)
               ("", [{"block_m": m, "shrink": {"whole_k": True}} for m in (16, 32)]), ("shrink.whole_k", [False, True]),
-              # pair mode on the tensor cores (a pair's row repeated over a dot's 16): its products' tiles are
-              # 16 rows tall, so it comes with narrower tiles and more splits
-              ("", [{"pair_dot": True, "split_k": k, "gate_up": {"block_n": 128}, "down": {"block_n": 256}}
-                    for k in (4, 8)]), ("pair_dot", [False, True]),
               ("split_k", [1, 2, 4, 8, 16, 32]), ("shrink.num_warps", [1, 2, 4, 8]),
               ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256, 512]),
               ("gate_up.num_warps", [1, 2, 4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("gate_up.maxnreg", [0, 128]),
@@ -393,15 +389,11 @@ def _time_or_inf(fn) -> float:
 
 
 def _candidate(best: dict, path: str, value) -> dict | None:
-    """`with_path`, tidied: group mode drops the down stage's "sum" and "pair_dot" (pair mode's alone), pair mode
-    the shrink's "whole_k" (group mode's alone); None where not worth timing: ``best`` itself, or a fused down+sum
+    """`with_path`, tidied: group mode drops the down stage's "sum" (pair mode's alone), pair mode the shrink's
+    "whole_k" (group mode's alone); None where not worth timing: ``best`` itself, or a fused down+sum
     tile past 256 columns (K x rank rows: it only spills)."""
     new = with_path(best, path, value)
-    if not new.get("pair_dot", True):
-        new.pop("pair_dot")  # (off is the default: not a new entry)
     if new.get("block_m", 1) > 1:
-        if new.pop("pair_dot", False) and not best.get("pair_dot"):
-            return None  # a pair_dot candidate in group mode: its narrower tiles are not worth timing there
         new.get("down", {}).pop("sum", None)
     else:
         new.get("shrink", {}).pop("whole_k", None)

@@ -275,7 +275,7 @@ def stack_ab(engine: Engine, args) -> dict:
 
 def moe_ab(engine: Engine, args) -> dict:
     """Decode steps timed with ``--moe-ab``'s overrides set on every MoE LoRA launch config (paths as
-    `kernels_moe.with_path`: ``"pair_dot"``, ``"gate_up.num_warps"``), graphs captured anew, then as before
+    `kernels_moe.with_path`: ``"split_k"``, ``"gate_up.num_warps"``), graphs captured anew, then as before
     (``after``), as `pieces_ab` does."""
     lookup = moe_lora_plan.launch_config
 
@@ -289,7 +289,7 @@ def moe_ab(engine: Engine, args) -> dict:
 
 def dense_ab(engine: Engine, args) -> dict:
     """Decode steps timed with ``--dense-ab``'s settings on the dense LoRA launch configs (set on both paths'
-    defaults, which the tuned entries overlay: e.g. ``"stack_pdl"``), graphs captured anew, then as before."""
+    defaults, which the tuned entries overlay: e.g. ``"expand_warps"``), graphs captured anew, then as before."""
     defaults = lora_meta._load_json()["default"]
     saved = {path: dict(config) for path, config in defaults.items()}
 
@@ -449,10 +449,10 @@ def main(argv=None) -> None:
                    help="also time the LoRA run's decode steps without the shrink stack, then with it again")
     p.add_argument("--moe-ab", type=overrides_arg, default=None, metavar="JSON",
                    help="also time the LoRA run's decode steps with these settings on every MoE LoRA launch config "
-                        "(group-mode entries too; e.g. '{\"pair_dot\": true, \"split_k\": 8}'), then as tuned")
+                        "(group-mode entries too; e.g. '{\"split_k\": 8, \"gate_up.num_warps\": 1}'), then as tuned")
     p.add_argument("--dense-ab", type=overrides_arg, default=None, metavar="JSON",
                    help="also time the LoRA run's decode steps with these settings on the dense LoRA launch configs "
-                        "(e.g. '{\"stack_pdl\": true}'), then as before")
+                        "(e.g. '{\"expand_warps\": 1}'), then as before")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")

@@ -58,10 +58,6 @@ Tiles: *pair mode* (``block_m`` 1) gives each pair its own program with no
 alignment pass (decode: groups hold about one pair) and weight tiles as tall as
 the ranks' power of two (`tile_ranks`: broadcast-reduce math, no tensor-core
 minimum; registers bound how many of these latency-bound programs run at once);
-config ``"pair_dot": true`` runs pair mode's products on the tensor cores instead (`_mm`: the pair's
-row repeated over a dot's 16 rows, rank tiles at the `lora_pads` widths as in group mode; output tiles
-are 16 rows tall, so it wants narrower column tiles; `moe_lora_sum` keeps its broadcast-reduce; correct
-and compiled for sm_90, not yet timed);
 *group mode* (``block_m`` >= 16) aligns pairs by group ``slot·E + expert``
 (`moe_align`) and runs tensor-core tiles that share the group's A/B.  The mode and
 the tile height come from the expected pairs per (adapter, expert) group, not from
@@ -118,7 +114,6 @@ from unipage.kernels.moe_lora_plan import (
     _tile,
     lora_config,
     lora_pads,
-    pair_dot,
     plan_moe_lora,
     plan_moe_lora_ref,
     tile_ranks,
@@ -167,14 +162,9 @@ def _load_paged(pool_ptr, pt_ptr, row_virt, row_ok, col0, col_ok, PAGE_SHIFT: tl
 
 
 @triton.jit
-def _mm(a, b, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIR_DOT: tl.constexpr = False):
-    """``a [M, R] @ b [R, C]`` in float32: a broadcast-reduce for one pair, a tensor-core dot for tiles.
-    ``PAIR_DOT`` (config ``"pair_dot"``): one pair's row goes through the tensor cores too, repeated over
-    the 16 rows a dot needs (R and C >= 16), and the product's first row is kept."""
-    if PAIR and PAIR_DOT:
-        out = tl.dot(tl.broadcast_to(a, (16, a.shape[1])), b, input_precision=DOT_PRECISION)
-        out = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, out, 0.0), axis=0, keep_dims=True)
-    elif PAIR:
+def _mm(a, b, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``a [M, R] @ b [R, C]`` in float32: a broadcast-reduce for one pair, a tensor-core dot for tiles."""
+    if PAIR:
         out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     else:
         out = tl.dot(a, b, input_precision=DOT_PRECISION)
@@ -200,7 +190,7 @@ def _moe_shrink_kernel(
     R_PAD: tl.constexpr, RD_PAD: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     K_TILE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PAGE_SHIFT: tl.constexpr,
     EVEN_K: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    DOWN: tl.constexpr = False, WHOLE_K: tl.constexpr = False, PAIR_DOT: tl.constexpr = False,
+    DOWN: tl.constexpr = False, WHOLE_K: tl.constexpr = False,
 ):
     # DOWN (the fused path's down shrink, `moe_lora_down_shrink`): x is act [TK, I] (row = pair),
     # hidden is I, z is down_z [TK, RD_PAD] (SPLIT_K 1), A is down A; down_z is not zeroed.
@@ -237,7 +227,7 @@ def _moe_shrink_kernel(
     pt = pt_ptr + slot * stride_pt
     if BLOCK_M == 1 or WHOLE_K:  # the whole split at once: one page lookup per 64-run, then one load
         a = load_runs(pool_ptr, pt, a_virt + split * K_PER_SPLIT, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
-        acc = _mm(x_run, tl.trans(a), BLOCK_M == 1, DOT_PRECISION, PAIR_DOT)
+        acc = _mm(x_run, tl.trans(a), BLOCK_M == 1, DOT_PRECISION)
     else:  # group mode: K one 64-run at a time
         acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
         k_lo = split * K_PER_SPLIT
@@ -287,7 +277,7 @@ def _expand_gate_up_kernel(
     limit, R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, RD_T: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, ACT: tl.constexpr, PAIR_DOT: tl.constexpr = False,
+    USE_PDL: tl.constexpr, ACT: tl.constexpr,
 ):
     # Everything up to `gdc_wait` reads only what existed before the shrink started (routing,
     # alignment, metadata, weights, the base GEMM's raw output): under PDL it overlaps the shrink.
@@ -332,12 +322,12 @@ def _expand_gate_up_kernel(
     dtype = pool_ptr.dtype.element_ty
     z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
     z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
-    g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION, PAIR_DOT)
-    u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION, PAIR_DOT)
+    g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION)
+    u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION)
     act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
     tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
     if down_rank > 0:
-        acc_down = _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION, PAIR_DOT)
+        acc_down = _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
         tl.atomic_add(down_z_ptr + rows * RD_PAD + offs_d[None, :], acc_down,
                       mask=pair_ok[:, None] & down_ok[None, :], sem="relaxed")
 
@@ -352,7 +342,7 @@ def _expand_down_kernel(
     RD_PAD: tl.constexpr, RD_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
     GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, PAIR_DOT: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
     # Up to `gdc_wait`: only routing, alignment, metadata and weights (all older than the
     # kernel before this one), so under PDL this overlaps that kernel's tail.
@@ -382,7 +372,7 @@ def _expand_down_kernel(
     if USE_PDL:
         gdc_wait()  # down_z and y are complete and visible from here on
     z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
-    delta = _mm(z.to(pool_ptr.dtype.element_ty), b, BLOCK_M == 1, DOT_PRECISION, PAIR_DOT)
+    delta = _mm(z.to(pool_ptr.dtype.element_ty), b, BLOCK_M == 1, DOT_PRECISION)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & _col_mask(cols, hidden, EVEN_N)[None, :]
     ptrs = y_ptr + rows * stride_y + cols[None, :]
@@ -457,7 +447,7 @@ def moe_lora_shrink(plan: MoeLoraPlan, x: torch.Tensor) -> None:
         K_TILE=next_pow2(per_split), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
         PAGE_SHIFT=page_shift, EVEN_K=meta.hidden % 64 == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=_use_pdl(plan),
-        WHOLE_K=bool(cfg["shrink"].get("whole_k")), PAIR_DOT=pair_dot(cfg), **_launch_opts(cfg["shrink"]))
+        WHOLE_K=bool(cfg["shrink"].get("whole_k")), **_launch_opts(cfg["shrink"]))
 
 
 def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
@@ -473,7 +463,7 @@ def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
         K_TILE=next_pow2(cdiv(meta.inter, 64) * 64), BLOCK_M=cfg["block_m"], GROUP_M=cfg["shrink"]["group_m"],
         PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1, EVEN_K=meta.inter % 64 == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if act.dtype == torch.float32 else "tf32", USE_PDL=False, DOWN=True,
-        PAIR_DOT=pair_dot(cfg), **_launch_opts(cfg["shrink"]))
+        **_launch_opts(cfg["shrink"]))
 
 
 def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
@@ -490,7 +480,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     moe_lora_shrink(plan, x)
     cfg, tiles, page_shift = plan.config, _num_tile_bound(plan), plan.lora.pool.shape[1].bit_length() - 1
     r_pad, _, rd_pad = lora_pads(meta)
-    rk_tile, rd_tile = tile_ranks(meta, cfg["block_m"], pair_dot(cfg))
+    rk_tile, rd_tile = tile_ranks(meta, cfg["block_m"])
     splits, _ = _split_k(meta.hidden, cfg["split_k"])
     pdl, precision = _use_pdl(plan), "ieee" if x.dtype == torch.float32 else "tf32"
     stride_pt = plan.lora.page_table.stride(0)
@@ -503,7 +493,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
         RK_PAD=rk_tile, RD_PAD=rd_pad, RD_T=rd_tile, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
         CHUNK=chunk, GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift, EVEN_N=meta.inter % block_n == 0,
         S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code,
-        PAIR_DOT=pair_dot(cfg), **_launch_opts(cfg["gate_up"]), **extra)
+        **_launch_opts(cfg["gate_up"]), **extra)
 
 
 def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -520,13 +510,12 @@ def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_we
     block_n = max(64, min(cfg["down"]["block_n"], next_pow2(meta.hidden)))
     launch(_expand_down_kernel, (_num_tile_bound(plan) * cdiv(meta.hidden, block_n),),
         y, plan.down_z, topk_weights, *_tile_args(plan), meta.hidden, y.stride(0),
-        plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2],
-        RD_T=tile_ranks(meta, cfg["block_m"], pair_dot(cfg))[1],
+        plan.lora.page_table.stride(0), RD_PAD=lora_pads(meta)[2], RD_T=tile_ranks(meta, cfg["block_m"])[1],
         BLOCK_M=cfg["block_m"], BLOCK_N=block_n, RUN=64,
         GROUP_M=cfg["down"]["group_m"], PAGE_SHIFT=plan.lora.pool.shape[1].bit_length() - 1,
         EVEN_N=meta.hidden % block_n == 0, S_PAD=_slots_pad(plan),
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, PAIR_DOT=pair_dot(cfg), **_launch_opts(cfg["down"]), **({"launch_pdl": True} if pdl else {}))
+        USE_PDL=pdl, **_launch_opts(cfg["down"]), **({"launch_pdl": True} if pdl else {}))
 
 
 # ---------------------------------------------------------------------------------------------

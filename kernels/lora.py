@@ -39,10 +39,7 @@ so the expand never completes before the shrink.
 ``early=True`` makes the shrink itself a programmatic dependent of the kernel
 before it (in the engine: the base projection ``x @ W.T``): its programs read
 their tile, rank, A offsets and page translations while that kernel drains,
-then wait for it before reading ``x``.  The stacked expand (`lora_stack`) is a plain launch unless the
-config says ``"stack_pdl": true``: then it is a programmatic dependent of the stacked GEMM before it,
-reading its tile, B and the page translations early and ``y`` and ``h`` (that GEMM's output) after the
-wait.
+then wait for it before reading ``x``.
 
 GEMV path: a row tile is one token (decode).  Grouped path: a row tile is
 ``block_m`` tokens of one adapter, gathered through ``token_order``, and the
@@ -295,13 +292,10 @@ def _expand_kernel(
             y_mask = m_ok[:, None]
         else:
             y_mask = m_ok[:, None] & (n < width)[None, :]
-        if not (ENTRY and USE_PDL):
-            y = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
+        y = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
         b = load_runs(pool_ptr, table, b_virt + i0 * b_stride + n_lo, i0 < rank, width - n_lo, BN, 64, LOG2_P, PAGED)
         if USE_PDL:
             gdc_wait()  # the shrink's partials are complete and visible from here on
-        if ENTRY and USE_PDL:  # a dependent of the stacked GEMM, which writes y and h: both only now
-            y = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
         h = _sum_splits(part_rows, i0, m_ok, i0 < rank, split_k, split_stride, SPLITS).to(dtype)
         acc = _product(h, b, GROUPED, FP32)
         tl.store(y_rows + n[None, :], (y.to(tl.float32) + scale * acc).to(dtype), mask=y_mask)
@@ -509,7 +503,7 @@ def _expand(y, shrunk: LoraShrink, scale: float, dependent: bool) -> torch.Tenso
         split_k, options = plan.split_k, plan.expand_options if dependent else plan.expand_solo
     else:  # one h in the model dtype per entry, no splits to sum (`lora_stack`)
         layout = (stacked.entry_of_slot, stacked.row_stride, stacked.piece_stride, stacked.entry_stride)
-        split_k, options = 1, plan.stacked_options
+        split_k, options = 1, plan.expand_solo | {"SPLITS": 1, "ENTRY": True}
     launch(_expand_kernel, plan.expand_grid,
         y, y.stride(0), *shrunk.args, meta.b_offset, shrunk.part, meta.col_tile_table(plan.block_n),
         shrunk.num_tokens, split_k, float(scale), *layout, **options)
@@ -531,7 +525,6 @@ class _Plan:
     expand_grid: tuple[int, int]
     expand_options: dict  # as a programmatic dependent of the shrink where the plan uses PDL
     expand_solo: dict  # as a plain launch
-    stacked_options: dict  # the stacked expand (`lora_stack`): plain, or with "stack_pdl" a dependent of its GEMM
 
 
 def _cached_plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, contiguous: bool) -> _Plan:
@@ -574,9 +567,8 @@ def _plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, c
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
                   **({"launch_pdl": True} if pdl else {}))
     solo = {k: v for k, v in expand.items() if k != "launch_pdl"} | {"USE_PDL": False}
-    stacked = (expand if pdl and cfg.get("stack_pdl") else solo) | {"SPLITS": 1, "ENTRY": True}
     return _Plan(split_k, k_per_split, block_n, (batch.num_row_tiles, split_k, row_blocks), shrink, early,
-                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo, stacked)
+                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo)
 
 
 def _use_pdl(cfg: dict, device: torch.device) -> bool:

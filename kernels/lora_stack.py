@@ -48,18 +48,14 @@ def _stack_entries(h: torch.Tensor, meta: DenseLoraMeta, rank_block: int) -> int
 
 def lora_expand_stacked(y: torch.Tensor, h: torch.Tensor, entry_of_slot: torch.Tensor, pool: torch.Tensor,
                         page_table: torch.Tensor, token_slots: torch.Tensor, meta: DenseLoraMeta, *,
-                        rank_block: int, batch: LoraBatch | None = None, scale: float = 1.0,
-                        config: dict | None = None) -> torch.Tensor:
+                        rank_block: int, batch: LoraBatch | None = None, scale: float = 1.0) -> torch.Tensor:
     """``y[t, slice j] += scale * h[t, entry j] @ B[s, j]`` (module docstring); returns y.
 
     y: ``[T, C]`` model dtype (row stride free, columns contiguous): the projection, updated in place.
     h: ``[T, K*J*rank_block]`` model dtype (row stride free): every stack entry's ``x @ A.T``.
     entry_of_slot: ``[>= S]`` int32: the entry holding each slot's A rows (read only for the batch's slots;
         -1: none, its tokens get no delta).
-    pool, page_table, token_slots, meta, batch, scale, config: as for `lora.lora_shrink_expand`; config
-        ``"stack_pdl": true`` (Hopper+, with ``"pdl"``) launches the expand as a programmatic dependent of
-        the kernel before it, the GEMM that wrote y and h: its programs find their B tile while that GEMM
-        drains and read y and h once it is done.
+    pool, page_table, token_slots, meta, batch, scale: as for `lora.lora_shrink_expand`.
     rank_block: rows per slice in an entry (>= every rank).
     """
     entries = _stack_entries(h, meta, rank_block)
@@ -67,7 +63,7 @@ def lora_expand_stacked(y: torch.Tensor, h: torch.Tensor, entry_of_slot: torch.T
     count = y.shape[0]
     if count == 0 or meta.max_rank == 0:
         return y
-    batch, plan, args = launch_args(h, pool, page_table, token_slots, meta, batch, config, False)
+    batch, plan, args = launch_args(h, pool, page_table, token_slots, meta, batch, None, False)
     layout = StackedH(entry_of_slot, h.stride(0), rank_block, meta.num_slices * rank_block)
     shrunk = LoraShrink(h, plan, args, meta, count, pool.dtype, batch, stacked=layout)
     return _expand(y, shrunk, scale, False)
@@ -75,9 +71,8 @@ def lora_expand_stacked(y: torch.Tensor, h: torch.Tensor, entry_of_slot: torch.T
 
 def lora_expand_stacked_ref(y: torch.Tensor, h: torch.Tensor, entry_of_slot: torch.Tensor, pool: torch.Tensor,
                             page_table: torch.Tensor, token_slots: torch.Tensor, meta: DenseLoraMeta, *,
-                            rank_block: int, batch: LoraBatch | None = None, scale: float = 1.0,
-                            config: dict | None = None) -> torch.Tensor:
-    """Torch reference of `lora_expand_stacked` (same signature and math; ``batch`` and ``config`` unused)."""
+                            rank_block: int, batch: LoraBatch | None = None, scale: float = 1.0) -> torch.Tensor:
+    """Torch reference of `lora_expand_stacked` (same signature and math; ``batch`` unused)."""
     entries = _stack_entries(h, meta, rank_block)
     _check_stacked(y, h, entry_of_slot, pool, page_table, token_slots, meta, rank_block, entries)
     slots = token_slots.tolist()

@@ -88,17 +88,11 @@ def lora_pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
                  for n in (meta.max_gate_up_rows, meta.max_gate_up_rank, meta.max_down_rank))
 
 
-def pair_dot(config: dict) -> bool:
-    """Whether the pair-mode kernels run their products on the tensor cores (config ``"pair_dot"``: a pair's
-    row repeated over a dot's 16 rows) instead of broadcast-reduce; group mode always does."""
-    return config["block_m"] == 1 and bool(config.get("pair_dot"))
-
-
-def tile_ranks(meta: MoeLoraMeta, block_m: int, dot: bool = False) -> tuple[int, int]:
+def tile_ranks(meta: MoeLoraMeta, block_m: int) -> tuple[int, int]:
     """Register-tile heights of a gate/up slice's B and of the down A / B: the `lora_pads` widths in group
-    mode and with ``dot`` (`pair_dot`: tensor-core dots need >= 16 rows); in pair mode (broadcast-reduce,
-    no dot) the ranks' own powers of two, so a rank-8 tile holds no masked rows."""
-    if block_m > 1 or dot:
+    mode (tensor-core dots need >= 16 rows); in pair mode (broadcast-reduce, no dot) the ranks' own
+    powers of two, so a rank-8 tile holds no masked rows."""
+    if block_m > 1:
         return lora_pads(meta)[1:]
     return tuple(max(2, next_pow2(max(n, 1))) for n in (meta.max_gate_up_rank, meta.max_down_rank))
 

@@ -112,17 +112,3 @@ def test_split_times_each_pass_with_the_overrides(monkeypatch):
     assert row["overrides"] == {"gate_up.num_warps": 1, "split_k": 2}
     assert [row[f"{k}_us"] for k in ("shrink", "gate_up_pass", "down_pass", "all")] == [2.0] * 4
     assert len(ran) == 4
-
-
-def test_pair_dot_candidates_only_in_pair_mode():
-    pair = {"block_m": 1, "split_k": 2, "gate_up": {"block_n": 256, "num_warps": 1}, "down": {"block_n": 1024}}
-    joint = km._candidate(pair, "", {"pair_dot": True, "split_k": 8, "gate_up": {"block_n": 128},
-                                     "down": {"block_n": 256}})
-    assert joint == {"block_m": 1, "split_k": 8, "pair_dot": True, "gate_up": {"block_n": 128, "num_warps": 1},
-                     "down": {"block_n": 256}}
-    group = km._candidate(joint, "block_m", 16)
-    assert "pair_dot" not in group and group["block_m"] == 16  # group mode is on the tensor cores anyway
-    assert km._candidate({"block_m": 16}, "pair_dot", True) is None
-    assert km._candidate({"block_m": 16}, "", {"pair_dot": True, "split_k": 8}) is None  # its tiles: not timed
-    assert km._candidate(pair, "pair_dot", False) is None  # off is the entry itself
-    assert "pair_dot" not in km._candidate(joint, "pair_dot", False)

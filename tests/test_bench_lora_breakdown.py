@@ -20,12 +20,12 @@ QWEN3 = shape_key(2048, 768, 128, 8)
 def test_overrides_reach_every_entry_and_leave_the_table_alone():
     lookup = moe_lora_plan.launch_config
     before = copy.deepcopy(lookup("lora", QWEN3, 1.6, ("nvidia_h200",)))
-    new = lb.overridden(lookup, {"pair_dot": True, "gate_up.block_n": 64})
+    new = lb.overridden(lookup, {"split_k": 8, "gate_up.block_n": 64})
     got = new("lora", QWEN3, 1.6, ("nvidia_h200",))
-    assert got["pair_dot"] is True and got["gate_up"]["block_n"] == 64 != before["gate_up"]["block_n"]
+    assert got["split_k"] == 8 and got["gate_up"]["block_n"] == 64 != before["gate_up"]["block_n"]
     assert got["gate_up"]["num_warps"] == before["gate_up"]["num_warps"]  # the rest of the stage kept
     assert lookup("lora", QWEN3, 1.6, ("nvidia_h200",)) == before  # the cached tuned entry is untouched
-    assert new("lora", QWEN3, 1e9, ("nvidia_h200",))["pair_dot"] is True  # group entries too
+    assert new("lora", QWEN3, 1e9, ("nvidia_h200",))["split_k"] == 8  # group entries too
 
 
 def test_bad_moe_ab_is_refused(capsys):
@@ -49,8 +49,8 @@ def test_dense_ab_sets_and_restores_the_default_configs(monkeypatch):
     monkeypatch.setattr(lb, "_a_b_a", a_b_a)
     monkeypatch.setattr(lb, "_drop_graphs", lambda engine: dropped.append(engine))
     before = {path: dict(c) for path, c in lora_meta._load_json()["default"].items()}
-    lb.dense_ab("engine", SimpleNamespace(dense_ab={"stack_pdl": True}))
-    assert all(c["stack_pdl"] is True for c in seen[0].values()) and seen[1] == before
+    lb.dense_ab("engine", SimpleNamespace(dense_ab={"expand_warps": 1}))
+    assert all(c["expand_warps"] == 1 for c in seen[0].values()) and seen[1] == before
     assert {path: dict(c) for path, c in lora_meta._load_json()["default"].items()} == before
     assert dropped == ["engine", "engine"]
 
@@ -86,7 +86,7 @@ def test_decode_tokens_cover_every_a_b_a(monkeypatch):
     monkeypatch.setattr(lb, "busy_wait", stepping((0.01, 0)))
     monkeypatch.setattr(lb.lora_meta, "_load_json", lambda: {"default": {"shrink": {}}})
     args = SimpleNamespace(warmup_steps=3, timed_steps=30, steps=3, piece_layers=4, linear_ab=True,
-                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"stack_pdl": True})
+                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"expand_warps": 1})
     lb._timed_run(engine, args, ["a0"])
     assert len(steps) + args.warmup_steps < lb.decode_tokens(args)
     none = SimpleNamespace(**{**vars(args), "piece_layers": 0, "linear_ab": False, "stack_ab": False,

@@ -18,7 +18,6 @@ from unipage.kernels.fused_moe_lora import (MoeLora, lora_pairs, moe_lora_down, 
                                             moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, plan_moe_lora,
                                             plan_moe_lora_ref)
 from unipage.kernels.moe_align import moe_align_ref
-from unipage.kernels.moe_lora_plan import lora_pads, pair_dot, tile_ranks
 from unipage.lora_layout import TargetSpec, build_layout
 
 H, I, E, K, LAYER = 64, 32, 8, 2, 1
@@ -461,72 +460,3 @@ def test_gpu_lora_compiles_once_across_token_counts(load):
                       topk_ids[:num_tokens].contiguous(), part, lora_config=config)
         counts.append([_compiled(k) for k in kernels])
     assert counts[-1] == counts[0]
-
-
-PAIR_DOT = {**PAIR, "pair_dot": True}
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("num_tokens, mix", [(1, "uniform"), (7, "uniform"), (40, "skewed"), (40, "none")])
-def test_pair_mode_on_tensor_cores_matches_reference(num_tokens, mix, dtype):
-    """Config "pair_dot": every pair-mode product a 16-row dot (ranks 4 and 8 in tiles of 16 rows)."""
-    c = _case(num_tokens, dtype, mix, seed=num_tokens + 5)
-    _close(_run(fused_experts, c, PAIR_DOT), _run(fused_experts_ref, c, PAIR_DOT), dtype)
-
-
-def test_pair_dot_ranks_above_sixteen_and_the_down_sum():
-    slots = [("split", 24), ("fused", 16), ("up_only", 8)]
-    c = _case(7, torch.float32, "uniform", seed=9, slots=slots)
-    for config in (PAIR_DOT, {**PAIR_DOT, "down": {**PAIR_DOT["down"], "sum": True}}):
-        _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
-
-
-def test_pair_dot_tiles_are_the_pads():
-    meta = _case(1, torch.float32, "uniform")["lora"].meta
-    assert tile_ranks(meta, 1) == (8, 16) and tile_ranks(meta, 1, dot=True) == lora_pads(meta)[1:] == (16, 16)
-    assert pair_dot(PAIR_DOT) and not pair_dot(PAIR) and not pair_dot({**GROUP, "pair_dot": True})
-
-
-def test_pair_dot_reaches_every_pair_mode_launch(monkeypatch):
-    """Every pair-mode launch of a "pair_dot" config gets PAIR_DOT and 16-row rank tiles (the comparisons
-    above would pass on the broadcast-reduce path too); the fused path's down-shrink pass as well."""
-    import unipage.kernels.fused_moe_lora as fml
-
-    seen, real = [], fml.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        seen.append((kernel.fn.__name__, kwargs))
-        return real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(fml, "launch", spy)
-    c = _case(7, torch.float32, "uniform", seed=2)
-    pads = lora_pads(c["lora"].meta)
-    fused = {**PAIR_DOT, "fused": True, "down_shrink": "pass"}
-    for config in (PAIR_DOT, fused):
-        seen.clear()
-        _close(_run(fused_experts, c, config), _run(fused_experts_ref, c, config), torch.float32)
-        assert seen and all(kwargs["PAIR_DOT"] for _, kwargs in seen)
-        names = [name for name, _ in seen]
-        if config is PAIR_DOT:
-            assert names == ["_moe_shrink_kernel", "_expand_gate_up_kernel", "_expand_down_kernel"]
-            assert (seen[1][1]["RK_PAD"], seen[1][1]["RD_T"], seen[2][1]["RD_T"]) == (pads[1], pads[2], pads[2])
-        else:  # the fused path: the gate/up shrink before the GEMM, the down shrink a pass after it
-            assert names == ["_moe_shrink_kernel", "_moe_shrink_kernel"] and seen[1][1]["DOWN"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [16, 256])
-@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-def test_gpu_pair_dot_bf16(shape, num_tokens):
-    """"pair_dot" compiled at the real shapes (the interpreter checks neither a dot's 16-row minimum nor
-    shared memory), with one warp and with four, against the float32 reference."""
-    x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case(shape, num_tokens)
-    lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
-    want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
-    stage = {"group_m": 1, "num_stages": 2}
-    for warps in (1, 4):
-        config = {"block_m": 1, "split_k": 8, "pair_dot": True, "shrink": {**stage, "num_warps": warps},
-                  "gate_up": {**stage, "block_n": 128, "num_warps": warps},
-                  "down": {**stage, "block_n": 256, "num_warps": warps}}
-        got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
-        assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2, warps

@@ -153,30 +153,3 @@ def test_fill_kernel_through_the_engines_tables():
                 fill_entry(got, pool[i], tables.page_table, meta, slot)
                 fill_entry_ref(want, pool[i], tables.page_table, meta, slot)
                 assert torch.equal(got, want) and got.any(), (i, meta.targets, slot)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("grouped", [False, True])
-def test_gpu_stack_pdl_after_the_gemm_that_writes_y_and_h_equals_the_plain_launch(grouped):
-    """Config "stack_pdl": the stacked expand as a programmatic dependent of the GEMM right before it, which
-    writes y and h: bit for bit what a plain launch gives (it must read y and h only after its wait)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    world, meta, ext, x, slots, entry_of_slot = stack_world(torch.float16, count=40, mix="skewed")
-    pool, table = world.pool[0].cuda(), world.page_table.cuda()
-    meta = dense_lora_meta(world.layouts, 0, QKV, device="cuda", model=world.model)
-    ext, x, slots, entry_of_slot = ext.cuda(), x.cuda(), slots.cuda(), entry_of_slot.cuda()
-    batch = plan(slots, world, grouped)
-    outs = []
-    for stack_pdl in (False, True):
-        out = x @ ext.T  # the GEMM the expand depends on
-        y, h = out[:, :meta.out_cols], out[:, meta.out_cols:]
-        outs.append(lora_expand_stacked(y, h, entry_of_slot, pool, table, slots, meta, rank_block=RANK_BLOCK,
-                                        batch=batch, config={"stack_pdl": stack_pdl}).clone())
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1])
-    out = x @ ext.T
-    y0 = out[:, :meta.out_cols].clone()
-    want = lora_expand_stacked_ref(y0.clone(), out[:, meta.out_cols:], entry_of_slot, pool, table, slots, meta,
-                                   rank_block=RANK_BLOCK)
-    assert_close(outs[1], want, y0)
