@@ -41,7 +41,7 @@ import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
 from unipage.kernels import moe_lora_fused as lora_fused
 from unipage.kernels import moe_lora_sum as lora_sum
-from unipage.kernels.common import cdiv, config_devices, finish_early, hopper_or_later, next_pow2
+from unipage.kernels.common import cdiv, config_devices, hopper_or_later, next_pow2
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_act import SILU, GatedActivation, gated_act
 from unipage.kernels.moe_align import (
@@ -200,16 +200,11 @@ def _moe_gemm_kernel(
     RK: tl.constexpr = 16, RD: tl.constexpr = 16, SPLIT_K: tl.constexpr = 1, CHUNK_SLOTS: tl.constexpr = 1,
     STEPS: tl.constexpr = 2,
     RUN: tl.constexpr = 16, PAGE_SHIFT: tl.constexpr = 6, DOWN_SHRINK: tl.constexpr = True,
-    AFTER_PDL: tl.constexpr = False,
 ):
-    # AFTER_PDL: a programmatic dependent of the MoE LoRA shrink launched just before it (LoRA config
-    # "shrink_first"), whose output it never reads: it runs beside the shrink and waits for it only
-    # before it exits, so that its completion implies the shrink's (the expand after it reads both).
     num_m = tl.load(num_blocks_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     if pid >= num_m * num_n:
-        finish_early(AFTER_PDL)
         return
     pid_m, pid_n = swizzle(pid, num_m, num_n, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -276,7 +271,6 @@ def _moe_gemm_kernel(
     if FUSED and GATED and DOWN_SHRINK:  # the down shrink, from act as stored
         lora_fused.down_shrink(out, slot, pairs, expert, n0, N, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
                                RD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
-    finish_early(AFTER_PDL)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -297,9 +291,8 @@ def _weight_source(w: torch.Tensor, cfg: dict):
 
 def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, gated: bool,
                  weights=None, raw=None, token_slots=None, slot_flags=None, bias=None,
-                 activation: GatedActivation = SILU, fused=None, after_pdl: bool = False) -> None:
-    """``fused``: a `moe_lora_plan.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`);
-    ``after_pdl``: launched as a programmatic dependent of the kernel before it (`moe_gate_up`)."""
+                 activation: GatedActivation = SILU, fused=None) -> None:
+    """``fused``: a `moe_lora_plan.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`)."""
     k_dim, has_lora = a.shape[1], raw is not None
     w_src, tma = _weight_source(w, cfg)
     grid = (align.max_blocks * cdiv(n, cfg["block_n"]),)
@@ -319,8 +312,7 @@ def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, 
         ACT=activation.code,
         EVEN_K=k_dim % cfg["block_k"] == 0, USE_TMA=tma, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], AFTER_PDL=after_pdl, **lora_consts,
-        **({"launch_pdl": True} if after_pdl else {}))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **lora_consts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +377,7 @@ def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
 
 def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                 slot_flags=None, config: dict | None = None, *, bias=None,
-                activation: GatedActivation = SILU, lora_plan=None, after_pdl: bool = False) -> None:
+                activation: GatedActivation = SILU, lora_plan=None) -> None:
     """``act[p] = activation(x[t] @ Wg[e].T, x[t] @ Wu[e].T)`` for every pair ``p = (t, e)``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``topk_ids`` [T, K] int32; ``align`` from
@@ -397,9 +389,6 @@ def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_s
     ``activation``: `GatedActivation` (default silu).  ``lora_plan`` (instead of ``raw``): a
     `moe_lora_plan.MoeLoraPlan` after `moe_lora_shrink`: the LoRA pairs' gate/up deltas are added
     before the activation and their down shrink left in ``lora_plan.down_z`` (`moe_lora_fused`).
-    ``after_pdl`` (Hopper+): a programmatic dependent of the kernel launched just before it, which it
-    must not read from (`moe_lora_shrink` under LoRA config ``"shrink_first"``): its programs start while
-    that kernel runs and wait for it only before they exit.
     """
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
@@ -411,13 +400,13 @@ def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_s
     cfg = base_config(w_gate_up.shape[0], x.shape[1], inter, topk_ids, config)
     _launch_gemm(x, w_gate_up, act, align, cfg["gate_up"], n=inter, a_div=topk_ids.shape[-1], gated=True,
                  raw=raw, token_slots=token_slots, slot_flags=slot_flags, bias=bias, activation=activation,
-                 fused=lora_plan, after_pdl=after_pdl)
+                 fused=lora_plan)
 
 
 def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                     slot_flags=None, config: dict | None = None, *, bias=None,
-                    activation: GatedActivation = SILU, lora_plan=None, after_pdl: bool = False) -> None:
-    """Torch version of `moe_gate_up` (same arguments; ``align``, ``config`` and ``after_pdl`` unused; the fused
+                    activation: GatedActivation = SILU, lora_plan=None) -> None:
+    """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused; the fused
     LoRA's delta added in float32 to the unrounded product, its ``down_z`` not filled)."""
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
@@ -489,13 +478,10 @@ def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div:
 
 
 _TRITON = SimpleNamespace(fused=True, align=moe_align, gate_up=moe_gate_up, down=moe_down, plan=lora_ops.plan_moe_lora,
-                          lora_shrink=lora_ops.moe_lora_shrink, lora_gate_up=lora_ops.moe_lora_gate_up,
-                          lora_down=lora_ops.moe_lora_down,
+                          lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down,
                           lora_down_sum=lora_sum.moe_lora_down_sum)
 _TORCH = SimpleNamespace(fused=False, align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_down_ref,
-                         plan=lora_ops.plan_moe_lora_ref,
-                         lora_shrink=lambda plan, x: None,  # (the reference's gate/up pass shrinks itself)
-                         lora_gate_up=lora_ops.moe_lora_gate_up_ref,
+                         plan=lora_ops.plan_moe_lora_ref, lora_gate_up=lora_ops.moe_lora_gate_up_ref,
                          lora_down=lora_ops.moe_lora_down_ref, lora_down_sum=lora_sum.moe_lora_down_sum_ref)
 
 
@@ -523,12 +509,9 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
             lora_ops.moe_lora_down_shrink(plan, act)
     else:  # the separate gate/up pass (it also leaves down_z for a fused down)
         raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
-        first = bool(plan.config.get("shrink_first"))  # the LoRA shrink before the base GEMM, which runs beside it
-        if first:
-            ops.lora_shrink(plan, x)
         ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
-                    bias=gate_up_bias, activation=activation, after_pdl=first and lora_ops.shrink_pdl(plan))
-        ops.lora_gate_up(plan, x, raw, act, shrunk=first)
+                    bias=gate_up_bias, activation=activation)
+        ops.lora_gate_up(plan, x, raw, act)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias, lora_plan=plan if mode else None)
     if plan is not None and not mode:

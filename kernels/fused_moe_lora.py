@@ -138,7 +138,6 @@ __all__ = [
     "moe_lora_shrink",
     "plan_moe_lora",
     "plan_moe_lora_ref",
-    "shrink_pdl",
 ]
 
 
@@ -278,12 +277,10 @@ def _expand_gate_up_kernel(
     limit, R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, RD_T: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, ACT: tl.constexpr, RAW_LATE: tl.constexpr = False,
+    USE_PDL: tl.constexpr, ACT: tl.constexpr,
 ):
     # Everything up to `gdc_wait` reads only what existed before the shrink started (routing,
     # alignment, metadata, weights, the base GEMM's raw output): under PDL it overlaps the shrink.
-    # RAW_LATE (config "shrink_first": the kernel before this one is the base GEMM that writes raw):
-    # raw is read after the wait too.
     if USE_PDL:
         gdc_launch_dependents()
     num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
@@ -318,14 +315,10 @@ def _expand_gate_up_kernel(
     b_up = load_runs(pool_ptr, pt, up_virt + n0 + up_shift, up_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     a_down = load_runs(pool_ptr, pt, down_virt + n0, down_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     raw = raw_ptr + rows * stride_raw + cols[None, :]
-    if not RAW_LATE:
-        g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_wait()  # the shrink's partials are complete and visible from here on
-    if RAW_LATE:
-        g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
     dtype = pool_ptr.dtype.element_ty
     z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
     z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
@@ -439,12 +432,6 @@ def _use_pdl(plan: MoeLoraPlan) -> bool:
     return bool(plan.config.get("pdl")) and gdc_wait is not None and hopper_or_later(plan.topk_ids.device)
 
 
-def shrink_pdl(plan: MoeLoraPlan) -> bool:
-    """Whether `moe_lora_shrink` lets the launch after it start early (config ``"pdl"`` on Hopper+): then
-    under ``"shrink_first"`` the base gate/up GEMM after it is launched as its programmatic dependent."""
-    return _use_pdl(plan)
-
-
 def moe_lora_shrink(plan: MoeLoraPlan, x: torch.Tensor) -> None:
     """``plan.gate_up_z`` = split-K partials of ``x[t] @ A_gu[s, e].T`` and ``plan.down_z`` = 0 for every
     LoRA pair (``x`` [T, H] model dtype).  The first launch of `moe_lora_gate_up`, and of the fused path
@@ -479,22 +466,18 @@ def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
         **_launch_opts(cfg["shrink"]))
 
 
-def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor, *,
-                     shrunk: bool = False) -> None:
+def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
     """For every LoRA pair ``p = (t, e)``: ``act[p] = act_fn(h[:I], h[I:])``, ``h = raw[p] + delta_gu``
     (``act_fn``: ``plan.lora.activation``, silu-gated by default).
 
     ``x`` [T, H] and ``raw`` [TK, 2I] (from `fused_moe.moe_gate_up`) and ``act`` [TK, I]
     (written for LoRA pairs only), all the model dtype.  Also leaves ``act[p] @ A_d.T``
     in ``plan.down_z`` for `moe_lora_down` (or the fused down GEMM, config ``"fused": "down"``).
-    ``shrunk``: `moe_lora_shrink` already ran, before the base GEMM that wrote ``raw`` (config
-    ``"shrink_first"``); only the expand is launched, and it reads ``raw`` after its wait.
     """
     meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
     _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden), raw=(raw, num_pairs, 2 * meta.inter),
                  act=(act, num_pairs, meta.inter))
-    if not shrunk:
-        moe_lora_shrink(plan, x)
+    moe_lora_shrink(plan, x)
     cfg, tiles, page_shift = plan.config, _num_tile_bound(plan), plan.lora.pool.shape[1].bit_length() - 1
     r_pad, _, rd_pad = lora_pads(meta)
     rk_tile, rd_tile = tile_ranks(meta, cfg["block_m"])
@@ -510,7 +493,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
         RK_PAD=rk_tile, RD_PAD=rd_pad, RD_T=rd_tile, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
         CHUNK=chunk, GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift, EVEN_N=meta.inter % block_n == 0,
         S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code,
-        RAW_LATE=shrunk, **_launch_opts(cfg["gate_up"]), **extra)
+        **_launch_opts(cfg["gate_up"]), **extra)
 
 
 def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -559,10 +542,8 @@ def _read(plan: MoeLoraPlan, slot: int, offset: int, rows: int, cols: int) -> to
     return gather_block(plan.lora.pool, table, Block(offset, rows, cols)).float()
 
 
-def moe_lora_gate_up_ref(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor, *,
-                         shrunk: bool = False) -> None:
-    """Torch version of `moe_lora_gate_up` (float32 math; does not fill ``plan.down_z``; ``shrunk``
-    unused: it computes x @ A_gu.T itself)."""
+def moe_lora_gate_up_ref(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
+    """Torch version of `moe_lora_gate_up` (float32 math; does not fill ``plan.down_z``)."""
     meta, top_k = plan.lora.meta, plan.topk_ids.shape[1]
     inter = meta.inter
     for pairs, slot, f, start in _groups(plan):

@@ -291,39 +291,6 @@ def test_group_mode_whole_k_shrink(monkeypatch, hidden, split_k, mix, dtype):
     assert seen == [True, False]  # the flag reached the kernel, and only where set
 
 
-@pytest.mark.parametrize("block_m, mix, dtype", [(1, "zipf", torch.float32), (1, "skewed", torch.float16),
-                                                  (16, "uniform", torch.float32)])
-def test_shrink_first_launches_the_shrink_before_the_base_gemm(monkeypatch, block_m, mix, dtype):
-    """Config ``"shrink_first"``: the LoRA shrink runs before the base gate/up GEMM (on Hopper the GEMM then
-    runs beside it), the gate/up pass launches only its expand, which reads ``raw`` after its wait; the
-    output is the loop reference's, pair and group mode, tokens without adapter among them."""
-    import importlib
-
-    import unipage.kernels.fused_moe_lora as module
-
-    base_module = importlib.import_module("unipage.kernels.fused_moe")  # (the package's fused_moe is a function)
-    order, real_lora, real_base = [], module.launch, base_module.launch
-
-    def spy(real):
-        def launch(kernel, grid, *args, **kwargs):
-            order.append((kernel.fn.__name__, kwargs.get("RAW_LATE"), kwargs.get("AFTER_PDL")))
-            return real(kernel, grid, *args, **kwargs)
-        return launch
-
-    monkeypatch.setattr(module, "launch", spy(real_lora))
-    monkeypatch.setattr(base_module, "launch", spy(real_base))
-    c = _case(23, dtype, mix, seed=17)
-    config = {**_lora_config(block_m, split_k=2), "shrink_first": True}
-    first = _run(fused_experts, c, config)
-    _close(first, _loop_moe(c, dtype), dtype)
-    names = [name for name, _, _ in order]
-    assert names.index("_moe_shrink_kernel") < names.index("_moe_gemm_kernel") < names.index("_expand_gate_up_kernel")
-    assert names.count("_moe_shrink_kernel") == 1
-    assert ("_expand_gate_up_kernel", True, None) in order  # raw read after the wait
-    assert all(after is False for name, _, after in order if name == "_moe_gemm_kernel")  # no PDL on CPU
-    _close(_run(fused_experts_ref, c, config), _loop_moe(c, dtype), dtype)
-
-
 def test_stage_register_cap(monkeypatch):
     """A stage's ``"maxnreg"`` reaches its launch as a launch option, and only that stage's (the interpreter
     ignores the cap; `launch.check_binding` accepts it)."""
@@ -471,24 +438,6 @@ def test_gpu_fused_moe_lora_bf16(shape, num_tokens):
     base = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids)
     assert ((want - base).norm() / base.norm()).item() > 0.1  # the LoRA delta is not negligible
     assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [16, 256])
-@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-def test_gpu_shrink_first_equals_the_shrink_after_the_gemm(shape, num_tokens):
-    """``"shrink_first"`` on Hopper: the base GEMM is a programmatic dependent of the shrink and the expand
-    of that GEMM; the same sums as the default order (down_z's atomics may add in another order)."""
-    from unipage.kernels.moe_lora_plan import lora_config
-
-    x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case(shape, num_tokens)
-    for block_m in (1, 16):
-        config = {**lora_config(lora, topk_ids), "block_m": block_m, "pdl": True}
-        want = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
-        got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora,
-                            lora_config={**config, "shrink_first": True})
-        torch.cuda.synchronize()
-        assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= 2e-3
 
 
 def _compiled(kernel) -> int:
