@@ -32,14 +32,14 @@ def probe(engine, work: drv.Workload, batch: int, tokens: int, seed: int) -> lis
     model, ops, graphs = runner.model, runner.model.ops, (runner.graphs, runner.mixed)
     counts: list[int] = []
 
-    def route_linear(x, weight, top_k, renormalize, **options):
-        weights, ids = ops.route_linear(x, weight, top_k, renormalize, **options)
+    def route(logits, top_k, renormalize, **options):
+        weights, ids = ops.route(logits, top_k, renormalize, **options)
         if ids.shape[0] == batch:
             counts.append(int(torch.unique(ids).numel()))
         return weights, ids
 
     runner.graphs = runner.mixed = None
-    model.ops = dataclasses.replace(ops, route_linear=route_linear)
+    model.ops = dataclasses.replace(ops, route=route)
     try:
         drv.drive(engine, drv.Workload(f"{work.name}-experts", prompts, work.adapters[:batch], [tokens] * batch,
                                        batch), progress_s=float("inf"))

@@ -13,7 +13,6 @@ from unipage.kernels.fused_moe_lora import (MoeLora, MoeLoraMeta, MoeLoraPlan, m
                                             moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, plan_moe_lora,
                                             plan_moe_lora_ref)
 from unipage.kernels.kv_write import write_kv, write_kv_ref
-from unipage.kernels.moe_router import route_linear, route_linear_ref
 from unipage.kernels.lora import (LoraShrink, LoraShrinkRef, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_expand,
                                   lora_shrink_expand_ref, lora_shrink_ref)
 from unipage.kernels.lora_linear import linear_lora, linear_lora_ref
@@ -30,7 +29,7 @@ __all__ = [
     "DenseLoraMeta", "LoraBatch",
     "dense_lora_meta", "plan_block_m", "plan_lora_batch",
     "fused_experts", "fused_experts_ref", "fused_moe", "fused_moe_ref", "moe_down", "moe_down_ref", "moe_gate_up",
-    "moe_gate_up_ref", "route_topk", "route_topk_ref", "route_linear", "route_linear_ref", "MoeLora", "MoeLoraMeta", "MoeLoraPlan", "moe_lora_down",
+    "moe_gate_up_ref", "route_topk", "route_topk_ref", "MoeLora", "MoeLoraMeta", "MoeLoraPlan", "moe_lora_down",
     "moe_lora_down_ref", "moe_lora_gate_up", "moe_lora_gate_up_ref", "moe_lora_meta", "plan_moe_lora",
     "plan_moe_lora_ref",
     "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul",

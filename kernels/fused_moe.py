@@ -71,17 +71,6 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_ex
     col_ok = cols[None, :] < num_experts
     logits = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=row_ok[:, None] & col_ok,
                      other=0.0)
-    topk_softmax(logits, rows, row_ok, cols, num_experts, bias_ptr, weights_ptr, ids_ptr, TOP_K, RENORMALIZE,
-                 BLOCK_T, HAS_BIAS, ROUND_TO)
-
-
-@triton.jit
-def topk_softmax(logits, rows, row_ok, cols, num_experts, bias_ptr, weights_ptr, ids_ptr, TOP_K: tl.constexpr,
-                 RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr):
-    """Rows ``rows`` of ``logits [BLOCK_T, E_PAD]`` (their dtype's values): the bias added, the softmax over
-    the experts, the ``TOP_K`` largest (descending, renormalised if asked, rounded to ``ROUND_TO``) written
-    to ``weights_ptr`` / ``ids_ptr`` ``[T, TOP_K]``."""
-    col_ok = cols[None, :] < num_experts
     if HAS_BIAS:  # added in float32 and rounded to the logits' dtype, as torch's ``logits + bias``
         bias = tl.load(bias_ptr + cols, mask=cols < num_experts, other=0.0)
         logits = _round_to(logits.to(tl.float32) + bias.to(tl.float32)[None, :], logits.dtype)
@@ -122,19 +111,13 @@ def _check_route_args(router_logits: torch.Tensor, top_k: int, bias: torch.Tenso
     if router_logits.dim() != 2 or router_logits.dtype not in _DTYPES or router_logits.stride(1) != 1:
         raise ValueError(f"router_logits must be [T, E] float with unit column stride, got "
                          f"{tuple(router_logits.shape)} {router_logits.dtype}")
-    check_route_options(router_logits.shape[1], router_logits.dtype, router_logits.device, top_k, bias,
-                        weight_dtype)
-
-
-def check_route_options(num_experts: int, dtype: torch.dtype, device, top_k: int, bias: torch.Tensor | None,
-                        weight_dtype: torch.dtype | None) -> None:
-    """The routing options against logits of ``num_experts`` columns of ``dtype`` on ``device``."""
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
-    if bias is not None and (bias.shape != (num_experts,) or bias.dtype != dtype
-                             or bias.device != device or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous [E={num_experts}] {dtype} on "
-                         f"{device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, E={router_logits.shape[1]}], got {top_k}")
+    num_experts = router_logits.shape[1]
+    if bias is not None and (bias.shape != (num_experts,) or bias.dtype != router_logits.dtype
+                             or bias.device != router_logits.device or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [E={num_experts}] {router_logits.dtype} on "
+                         f"{router_logits.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
     if weight_dtype is not None and weight_dtype not in _DTYPES:
         raise ValueError(f"weight_dtype must be one of {_DTYPES}, got {weight_dtype}")
 

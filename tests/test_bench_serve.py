@@ -100,9 +100,9 @@ def test_the_expert_probe_watches_routing_of_the_batch_only_and_restores_the_eng
 
     def drive(eng, work, progress_s):
         seen["graphs"] = (runner.graphs, runner.mixed)
-        route_linear = runner.model.ops.route_linear
+        route = runner.model.ops.route
         for tokens in (5, 2, 2):  # a prefill of 5 tokens, then two decode steps of the batch
-            route_linear(torch.randn(tokens, 16), torch.randn(8, 16), 2, True)
+            route(torch.randn(tokens, 8), 2, True)
         seen["work"] = work
 
     monkeypatch.setattr(serve_experts.drv, "drive", drive)

@@ -25,7 +25,6 @@ class Ops:
     attention_prefill: Callable
     attention_decode: Callable | None  # None: decode batches go through attention_prefill
     route: Callable  # route_topk signature
-    route_linear: Callable  # route_linear signature: the router GEMM and route_topk (one launch for small T)
     experts: Callable  # fused_experts signature
     plans_lora: bool  # whether the LoRA ops use a LoraBatch plan (the references ignore it)
     rms_norm: Callable  # (x, weight, eps) -> normed
@@ -37,13 +36,11 @@ class Ops:
 
 
 TORCH = Ops("torch", K.lora_shrink_ref, K.lora_silu_mul_ref, K.linear_lora_ref,
-            K.write_kv_ref, K.paged_attention_prefill_ref, None, K.route_topk_ref, K.route_linear_ref,
-            K.fused_experts_ref,
+            K.write_kv_ref, K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref,
             plans_lora=False, rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref,
             silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref)
 TRITON = Ops("triton", K.lora_shrink, K.lora_silu_mul, K.linear_lora, K.write_kv,
-             K.paged_attention_prefill, K.paged_attention_decode, K.route_topk, K.route_linear, K.fused_experts,
-             plans_lora=True,
+             K.paged_attention_prefill, K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True,
              rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope=K.rope_qk, silu_mul=K.silu_mul,
              lora_expand_stacked=K.lora_expand_stacked, fill_entry=K.fill_entry)
 
