@@ -26,8 +26,8 @@ the projections' LoRA the other way, the fused decode projection (`lora_linear`)
 them without the shrink stack (`shrink_stack`: the paged shrink kernels), then with it again
 (``lora_stack_ab``: ``off`` and ``after``; ``shrink_stack`` says whether the engine built one); ``--moe-ab JSON``
 with those settings on every MoE LoRA launch config (paths as `kernels_moe.with_path`), then as tuned
-(``lora_moe_ab``: ``overrides``, ``other`` and ``after``); ``--dense-ab JSON`` likewise with settings on the
-dense LoRA launch configs (``lora_dense_ab``); then ``--prefill``
+(``lora_moe_ab``: ``overrides``, ``other`` and ``after``); ``--dense-ab JSON`` likewise with settings over the
+dense LoRA launch configs, tuned entries too (``lora_dense_ab``); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -64,6 +64,7 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
+from unipage.kernels import lora as lora_kernels
 from unipage.kernels import lora_linear, lora_meta, moe_lora_plan
 from unipage.engine import Engine
 from unipage.models.weights import read_config
@@ -288,20 +289,19 @@ def moe_ab(engine: Engine, args) -> dict:
 
 
 def dense_ab(engine: Engine, args) -> dict:
-    """Decode steps timed with ``--dense-ab``'s settings on the dense LoRA launch configs (set on both paths'
-    defaults, which the tuned entries overlay: e.g. ``"expand_warps"``), graphs captured anew, then as before."""
-    defaults = lora_meta._load_json()["default"]
-    saved = {path: dict(config) for path, config in defaults.items()}
+    """Decode steps timed with ``--dense-ab``'s settings over every dense LoRA launch config (the tuned
+    entries too: e.g. ``"block_n"``, ``"expand_warps"``), graphs captured anew, then as before."""
+    lookup = lora_kernels.launch_config
 
-    def switch(new: dict | None) -> None:
-        for path, config in defaults.items():
-            config.clear()
-            config.update(saved[path] | (new or {}))
-        lora_meta._tuned.cache_clear()  # (not reload_configs: it would read the file again)
+    def switch(fn) -> None:
+        lora_kernels.launch_config = fn
         _drop_graphs(engine)
 
+    def overlaid(*config_args) -> dict:
+        return lookup(*config_args) | args.dense_ab
+
     return {"overrides": args.dense_ab,
-            **_a_b_a(engine, args, "other", lambda: switch(args.dense_ab), lambda: switch(None))}
+            **_a_b_a(engine, args, "other", lambda: switch(overlaid), lambda: switch(lookup))}
 
 
 def _drop_graphs(engine: Engine) -> None:
@@ -451,7 +451,7 @@ def main(argv=None) -> None:
                    help="also time the LoRA run's decode steps with these settings on every MoE LoRA launch config "
                         "(group-mode entries too; e.g. '{\"split_k\": 8, \"gate_up.num_warps\": 1}'), then as tuned")
     p.add_argument("--dense-ab", type=overrides_arg, default=None, metavar="JSON",
-                   help="also time the LoRA run's decode steps with these settings on the dense LoRA launch configs "
+                   help="also time the LoRA run's decode steps with these settings over every dense LoRA launch config "
                         "(e.g. '{\"expand_warps\": 1}'), then as before")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import lora_breakdown as lb
-from unipage.kernels import lora_meta, moe_lora_plan
+from unipage.kernels import moe_lora_plan
 from unipage.kernels.moe_align import shape_key
 
 QWEN3 = shape_key(2048, 768, 128, 8)
@@ -34,25 +34,28 @@ def test_bad_moe_ab_is_refused(capsys):
     assert exc.value.code == 2 and "not JSON" in capsys.readouterr().err
 
 
-def test_dense_ab_sets_and_restores_the_default_configs(monkeypatch):
-    """`dense_ab` sets its keys on both paths' defaults (what every tuned entry overlays), then restores them;
-    the A-B-A timing itself is stood in for (it needs a GPU engine)."""
-    seen = []
+def test_dense_ab_overlays_every_dense_config_and_restores_the_lookup(monkeypatch):
+    """`dense_ab` sets its keys over every config the dense LoRA kernels look up (a tuned entry's too), then
+    puts the lookup back; the A-B-A timing itself is stood in for (it needs a GPU engine)."""
+    from unipage.kernels import lora as lora_kernels
+
+    seen, dropped = [], []
+    lookup = lora_kernels.launch_config
+    monkeypatch.setattr(lb.lora_kernels, "launch_config", lambda *a: {"block_n": 512, "expand_warps": 4})
 
     def a_b_a(engine, args, name, change, restore):
         for apply in (change, restore):
             apply()
-            seen.append({path: dict(c) for path, c in lora_meta._load_json()["default"].items()})
+            seen.append(lora_kernels.launch_config("meta", "batch", "dtype", "device"))
         return {}
 
-    dropped = []
     monkeypatch.setattr(lb, "_a_b_a", a_b_a)
     monkeypatch.setattr(lb, "_drop_graphs", lambda engine: dropped.append(engine))
-    before = {path: dict(c) for path, c in lora_meta._load_json()["default"].items()}
-    lb.dense_ab("engine", SimpleNamespace(dense_ab={"expand_warps": 1}))
-    assert all(c["expand_warps"] == 1 for c in seen[0].values()) and seen[1] == before
-    assert {path: dict(c) for path, c in lora_meta._load_json()["default"].items()} == before
-    assert dropped == ["engine", "engine"]
+    out = lb.dense_ab("engine", SimpleNamespace(dense_ab={"block_n": 128}))
+    assert seen == [{"block_n": 128, "expand_warps": 4}, {"block_n": 512, "expand_warps": 4}]
+    assert out["overrides"] == {"block_n": 128} and dropped == ["engine", "engine"]
+    monkeypatch.undo()
+    assert lora_kernels.launch_config is lookup
 
 
 def test_a_b_a_restores_when_the_changed_run_fails(monkeypatch):
@@ -84,9 +87,8 @@ def test_decode_tokens_cover_every_a_b_a(monkeypatch):
 
     monkeypatch.setattr(lb, "timed", stepping((0.01, 0.001, 0.001, 0.001)))
     monkeypatch.setattr(lb, "busy_wait", stepping((0.01, 0)))
-    monkeypatch.setattr(lb.lora_meta, "_load_json", lambda: {"default": {"shrink": {}}})
     args = SimpleNamespace(warmup_steps=3, timed_steps=30, steps=3, piece_layers=4, linear_ab=True,
-                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"expand_warps": 1})
+                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"block_n": 128})
     lb._timed_run(engine, args, ["a0"])
     assert len(steps) + args.warmup_steps < lb.decode_tokens(args)
     none = SimpleNamespace(**{**vars(args), "piece_layers": 0, "linear_ab": False, "stack_ab": False,
