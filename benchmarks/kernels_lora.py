@@ -215,6 +215,12 @@ def tune_one(setup: Setup, tokens: int) -> tuple[str, dict, float]:
     return path, {k: v for k, v in best.items() if default.get(k) != v}, best_s
 
 
+def kept_overrides(old: dict, new: dict) -> dict:
+    """A token bucket's new overrides, with the old ones of settings the tuning does not search (e.g. the
+    stacked expand's ``stacked_block_n``, set from engine A/B runs): a re-tune must not drop them."""
+    return {**{k: v for k, v in old.items() if k not in SEARCH}, **new}
+
+
 def tune(out=None, tokens=TOKENS, targets=QKV, path: Path = lora_meta.CONFIG_PATH, shape="llama3-8b") -> None:
     """Tune each token count's config on this GPU and write the overrides into ``path``."""
     setup = Setup(targets=targets, shape=shape)
@@ -228,7 +234,8 @@ def tune(out=None, tokens=TOKENS, targets=QKV, path: Path = lora_meta.CONFIG_PAT
             log.error("tuning tokens=%d failed:\n%s", count, traceback.format_exc())
             emit({"bench": "lora_dense_qkv_tune", "tokens": count, "error": repr(exc)}, out)
             continue
-        entry.setdefault(kind, {})[str(count)] = overrides
+        bucket = entry.setdefault(kind, {})
+        bucket[str(count)] = kept_overrides(bucket.get(str(count), {}), overrides)
         emit({"bench": "lora_dense_qkv_tune", "shape": key, "tokens": count, "path": kind, "us": seconds * 1e6,
               "overrides": overrides}, out)
         path.write_text(json.dumps(data, indent=2) + "\n")

@@ -90,12 +90,14 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
 
 
 def decode_tokens(args) -> int:
-    """Tokens a decoding request may make: its warm-up, `decode_times`' steps (2 x ``--timed-steps``), and as
-    many again with a warm-up for each run of every A-B-A asked for, with room to spare (a request that
-    finished mid-way would leave a run timing a smaller batch)."""
+    """Tokens a decoding request may make: those of the steps that prefill the others beside it, its
+    warm-up, `decode_times`' steps (2 x ``--timed-steps``), and as many again with a warm-up for each run of
+    every A-B-A asked for, with room to spare (a request that finished mid-way would leave a run timing a
+    smaller batch)."""
     abs_ = sum(map(bool, (args.piece_layers, args.linear_ab, args.stack_ab, args.moe_ab, args.dense_ab)))
     per_run = args.warmup_steps + 2 * args.timed_steps
-    return per_run * (1 + 2 * abs_) + args.steps + 100
+    prefill = -(-args.running * args.prompt // args.budget)
+    return prefill + per_run * (1 + 2 * abs_) + args.steps + 100
 
 
 def kernel_times(prof) -> dict[str, float]:

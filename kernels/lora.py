@@ -501,11 +501,13 @@ def _expand(y, shrunk: LoraShrink, scale: float, dependent: bool) -> torch.Tenso
     if stacked is None:
         layout = (shrunk.part, meta.num_slices * meta.rank_block, meta.rank_block, 0)
         split_k, options = plan.split_k, plan.expand_options if dependent else plan.expand_solo
-    else:  # one h in the model dtype per entry, no splits to sum (`lora_stack`)
+        grid, block_n = plan.expand_grid, plan.block_n
+    else:  # one h in the model dtype per entry, no splits to sum (`lora_stack`), its own column tile
         layout = (stacked.entry_of_slot, stacked.row_stride, stacked.piece_stride, stacked.entry_stride)
-        split_k, options = 1, plan.expand_solo | {"SPLITS": 1, "ENTRY": True}
-    launch(_expand_kernel, plan.expand_grid,
-        y, y.stride(0), *shrunk.args, meta.b_offset, shrunk.part, meta.col_tile_table(plan.block_n),
+        split_k, options = 1, plan.stacked_options
+        grid, block_n = plan.stacked_grid, plan.stacked_block_n
+    launch(_expand_kernel, grid,
+        y, y.stride(0), *shrunk.args, meta.b_offset, shrunk.part, meta.col_tile_table(block_n),
         shrunk.num_tokens, split_k, float(scale), *layout, **options)
     return y
 
@@ -525,6 +527,9 @@ class _Plan:
     expand_grid: tuple[int, int]
     expand_options: dict  # as a programmatic dependent of the shrink where the plan uses PDL
     expand_solo: dict  # as a plain launch
+    stacked_block_n: int  # the stacked expand (`lora_stack`): its column tile, grid and launch
+    stacked_grid: tuple[int, int]
+    stacked_options: dict
 
 
 def _cached_plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, contiguous: bool) -> _Plan:
@@ -558,17 +563,21 @@ def _plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, c
                   WAIT_PRIOR=False)
     early = shrink | ({"WAIT_PRIOR": True, "launch_pdl": True} if pdl and cfg.get("early", True) else {})
     # expand
-    block_n = cfg["block_n"]
-    if block_n < RUN or block_n % RUN:
-        _fail("config block_n", "a multiple of 64", block_n)
+    block_n, stacked_n = cfg["block_n"], cfg.get("stacked_block_n") or cfg["block_n"]
+    for name, value in (("block_n", block_n), ("stacked_block_n", stacked_n)):
+        if value < RUN or value % RUN:
+            _fail(f"config {name}", "a multiple of 64", value)
     expand = dict(RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,
                   WIDE=meta.rank_block <= 64 and not batch.grouped, Y_DIV=math.gcd(RUN, *meta.slice_starts),
                   EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), USE_PDL=pdl, **consts,
                   num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
                   **({"launch_pdl": True} if pdl else {}))
     solo = {k: v for k, v in expand.items() if k != "launch_pdl"} | {"USE_PDL": False}
+    stacked = solo | {"SPLITS": 1, "ENTRY": True, "BN": stacked_n,
+                      "EVEN_N": all(c % stacked_n == 0 for c in meta.slice_cols)}
     return _Plan(split_k, k_per_split, block_n, (batch.num_row_tiles, split_k, row_blocks), shrink, early,
-                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo)
+                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo, stacked_n,
+                 (batch.num_row_tiles, meta.col_tile_table(stacked_n).shape[0]), stacked)
 
 
 def _use_pdl(cfg: dict, device: torch.device) -> bool:

@@ -51,9 +51,12 @@ def test_dense_ab_overlays_every_dense_config_and_restores_the_lookup(monkeypatc
 
     monkeypatch.setattr(lb, "_a_b_a", a_b_a)
     monkeypatch.setattr(lb, "_drop_graphs", lambda engine: dropped.append(engine))
+    stub = lb.lora_kernels.launch_config
     out = lb.dense_ab("engine", SimpleNamespace(dense_ab={"block_n": 128}))
     assert seen == [{"block_n": 128, "expand_warps": 4}, {"block_n": 512, "expand_warps": 4}]
     assert out["overrides"] == {"block_n": 128} and dropped == ["engine", "engine"]
+    assert lb.lora_kernels.launch_config is stub  # the lookup put back
+    # (that the kernels see a lookup set there: test_kernel_lora_stack's own-column-tile test)
     monkeypatch.undo()
     assert lora_kernels.launch_config is lookup
 
@@ -87,8 +90,9 @@ def test_decode_tokens_cover_every_a_b_a(monkeypatch):
 
     monkeypatch.setattr(lb, "timed", stepping((0.01, 0.001, 0.001, 0.001)))
     monkeypatch.setattr(lb, "busy_wait", stepping((0.01, 0)))
-    args = SimpleNamespace(warmup_steps=3, timed_steps=30, steps=3, piece_layers=4, linear_ab=True,
-                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"block_n": 128})
+    args = SimpleNamespace(warmup_steps=12, timed_steps=5, steps=3, piece_layers=4, linear_ab=True,
+                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"block_n": 128}, running=16,
+                           prompt=1600, budget=4096)  # (warm-ups weigh enough that leaving them out fails)
     lb._timed_run(engine, args, ["a0"])
     assert len(steps) + args.warmup_steps < lb.decode_tokens(args)
     none = SimpleNamespace(**{**vars(args), "piece_layers": 0, "linear_ab": False, "stack_ab": False,

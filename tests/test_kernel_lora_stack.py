@@ -72,6 +72,34 @@ def test_both_expand_paths_and_a_layer_without_a_target(grouped):
     assert_untouched(got, y0, slots, meta)
 
 
+def test_stacked_expand_takes_its_own_column_tile(monkeypatch):
+    """Config ``"stacked_block_n"``: the stacked expand's column tile (its grid, ``BN`` and ``EVEN_N``), apart
+    from ``block_n``, which the separate path's expand keeps; the result is the reference's either way."""
+    from unipage.kernels import lora as lora_module
+
+    lookup, seen, real = lora_module.launch_config, [], lora_module.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel is lora_module._expand_kernel:
+            seen.append((grid, kwargs["BN"], kwargs["EVEN_N"], kwargs.get("ENTRY", False)))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(lora_module, "launch", spy)
+    monkeypatch.setattr(lora_module, "launch_config", lambda *a: lookup(*a) | {"block_n": 64, "stacked_block_n": 128})
+    world, meta, ext, x, slots, entry_of_slot = stack_world(torch.float32, seed=4)
+    n = meta.out_cols
+    y0, h = project(ext, x, n)
+    args = (entry_of_slot, world.pool[0], world.page_table, slots, meta)
+    got = lora_expand_stacked(y0.clone(), h, *args, rank_block=RANK_BLOCK)
+    assert_close(got, lora_expand_stacked_ref(y0.clone(), h, *args, rank_block=RANK_BLOCK), y0)
+    paged = lora_module.lora_shrink_expand(y0.clone(), x, world.pool[0], world.page_table, slots, meta)
+    assert_close(paged, got, y0)
+    (grid, bn, even, entry), (paged_grid, paged_bn, _, paged_entry) = seen
+    assert (bn, entry, paged_bn, paged_entry) == (128, True, 64, False)
+    assert (grid[1], paged_grid[1]) == (meta.col_tile_table(128).shape[0], meta.col_tile_table(64).shape[0])
+    assert even == all(c % 128 == 0 for c in meta.slice_cols)
+
+
 def test_a_slot_without_an_entry_gets_no_delta():
     world, meta, ext, x, slots, entry_of_slot = stack_world(torch.float32, mix="distinct")
     y, h = project(ext, x, meta.out_cols)
