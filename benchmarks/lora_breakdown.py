@@ -64,8 +64,7 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
-from unipage.kernels import lora as lora_kernels
-from unipage.kernels import lora_linear, lora_meta, moe_lora_plan
+from unipage.kernels import lora_linear, lora_meta, lora_plan, moe_lora_plan
 from unipage.engine import Engine
 from unipage.models.weights import read_config
 
@@ -293,10 +292,10 @@ def moe_ab(engine: Engine, args) -> dict:
 def dense_ab(engine: Engine, args) -> dict:
     """Decode steps timed with ``--dense-ab``'s settings over every dense LoRA launch config (the tuned
     entries too: e.g. ``"block_n"``, ``"expand_warps"``), graphs captured anew, then as before."""
-    lookup = lora_kernels.launch_config
+    lookup = lora_plan.launch_config
 
     def switch(fn) -> None:
-        lora_kernels.launch_config = fn
+        lora_plan.launch_config = fn
         _drop_graphs(engine)
 
     def overlaid(*config_args) -> dict:

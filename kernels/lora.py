@@ -60,35 +60,20 @@ contiguous; hoisted 11.6 us).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from unipage.kernels.common import (
-    finish_early,
-    fit_stages,
-    gdc_launch_dependents,
-    gdc_wait,
-    hopper_or_later,
-    load_runs,
-)
+from unipage.kernels.common import finish_early, gdc_launch_dependents, gdc_wait, load_runs
 from unipage.kernels.launch import launch
-from unipage.kernels.lora_meta import (
-    DenseLoraMeta,
-    LoraBatch,
-    launch_config,
-    next_pow2,
-    plan_lora_batch,
-    rows_block,
-    split_k_plan,
-)
+from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, plan_lora_batch
+from unipage.kernels.lora_plan import LoraPlan, cached_plan
+from unipage.kernels.lora_plan import fail as _fail
 
 from unipage.adapter_pack import gather_block
 from unipage.lora_layout import Block, round_up
 
-RUN = 64  # elements per translated run; == unipage.lora_layout.ALIGN
 # The GEMV path's expand (one token per tile) loads its tile whole; grouped tiles go 64 columns at
 # a time.  Measured on the H100 (Llama-3.1-8B, r16, 16 adapters, whole tiles against runs): GEMV
 # rows 10-24 % faster at 1 and 16 tokens for q/k/v, o, gate/up and down (qkv at 1 token 9.7 ->
@@ -333,10 +318,6 @@ def _expand_kernel(
 # ------------------------------------------------------------------ checks
 
 
-def _fail(name: str, expected: str, got) -> None:
-    raise ValueError(f"lora_shrink_expand: {name} must be {expected}, got {got}")
-
-
 def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype, device) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(name, "a tensor", type(t).__name__)
@@ -414,7 +395,7 @@ class LoraShrink:
     (None: nothing to add — no token or no rank)."""
 
     part: torch.Tensor | None  # [split_k, T, J*RB] fp32
-    plan: _Plan | None
+    plan: LoraPlan | None
     args: tuple  # the pool, table and batch arguments both kernels take
     meta: DenseLoraMeta
     num_tokens: int
@@ -466,14 +447,14 @@ def _shrink(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBa
 
 
 def launch_args(x, pool, page_table, token_slots, meta: DenseLoraMeta, batch: LoraBatch | None,
-                config: dict | None, contiguous: bool) -> tuple[LoraBatch, _Plan, tuple]:
+                config: dict | None, contiguous: bool) -> tuple[LoraBatch, LoraPlan, tuple]:
     """``(batch, plan, args)`` of a launch on ``x``'s rows (``batch`` planned here if None): the plan of
     the geometry and the pool, table and batch arguments both kernels take."""
     if batch is None:
         batch = plan_lora_batch(token_slots, meta.num_slots)
     if batch.num_tokens != x.shape[0]:
         _fail("batch.num_tokens", f"T = {x.shape[0]}", batch.num_tokens)
-    plan = _cached_plan(x, pool, meta, batch, config, contiguous)
+    plan = cached_plan(x, pool, meta, batch, config, contiguous)
     args = (pool, page_table, page_table.stride(0), token_slots,
             batch.tiles if batch.grouped else token_slots,
             batch.token_order if batch.grouped else token_slots, meta.rank)
@@ -510,79 +491,6 @@ def _expand(y, shrunk: LoraShrink, scale: float, dependent: bool) -> torch.Tenso
         y, y.stride(0), *shrunk.args, meta.b_offset, shrunk.part, meta.col_tile_table(block_n),
         shrunk.num_tokens, split_k, float(scale), *layout, **options)
     return y
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """The launch of one geometry (input width, slice widths and starts, rank block, dtype, page size,
-    paged or not) on one batch: everything but the tensors.  Every layer with that geometry shares it
-    (`_cached_plan`)."""
-
-    split_k: int
-    k_per_split: int
-    block_n: int
-    shrink_grid: tuple[int, int, int]
-    shrink_options: dict  # constexprs and launch options
-    shrink_early: dict  # as a programmatic dependent of the kernel before it where the plan uses PDL
-    expand_grid: tuple[int, int]
-    expand_options: dict  # as a programmatic dependent of the shrink where the plan uses PDL
-    expand_solo: dict  # as a plain launch
-    stacked_block_n: int  # the stacked expand (`lora_stack`): its column tile, grid and launch
-    stacked_grid: tuple[int, int]
-    stacked_options: dict
-
-
-def _cached_plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, contiguous: bool) -> _Plan:
-    """`_plan`, kept in ``batch.plans`` for the other layers of the step (not with a ``config`` override)."""
-    if config:
-        return _plan(x, pool, meta, batch, config, contiguous)
-    key = (meta.d_in, meta.slice_cols, meta.slice_starts, meta.rank_block, pool.dtype, pool.shape[1], contiguous,
-           x.device)
-    plan = batch.plans.get(key)
-    if plan is None:
-        plan = batch.plans[key] = _plan(x, pool, meta, batch, None, contiguous)
-    return plan
-
-
-def _plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | None, contiguous: bool) -> _Plan:
-    cfg = launch_config(meta, batch, pool.dtype, pool.device) | (config or {})
-    pdl = _use_pdl(cfg, pool.device)
-    consts = {"J": meta.num_slices, "RB": meta.rank_block, "BM": batch.block_m, "GROUPED": batch.grouped,
-              "PAGED": not contiguous, "LOG2_P": pool.shape[1].bit_length() - 1, "FP32": pool.dtype == torch.float32}
-    # shrink
-    if batch.grouped and meta.rank_block > RUN:
-        cfg = {**cfg, "split_k": 1}  # the expand sums splits of [BM, 64]-rank chunks: keep it in registers
-    rows = rows_block(meta, cfg)
-    row_blocks = -(-(meta.num_slices * meta.rank_block) // rows)
-    block_k, stages = fit_stages(cfg["block_k"], cfg["shrink_stages"], batch.block_m + rows, x.element_size(),
-                                 x.device)  # x rows and A rows per stage
-    block_k, split_k, k_per_split = split_k_plan(meta.d_in, block_k, batch.num_row_tiles * row_blocks, cfg,
-                                                 x.device)
-    shrink = dict(ROWS=rows, BK=block_k, EVEN_K=meta.d_in % block_k == 0, USE_PDL=pdl,
-                  HOIST=k_per_split <= pool.shape[1], **consts, num_warps=cfg["shrink_warps"], num_stages=stages,
-                  WAIT_PRIOR=False)
-    early = shrink | ({"WAIT_PRIOR": True, "launch_pdl": True} if pdl and cfg.get("early", True) else {})
-    # expand
-    block_n, stacked_n = cfg["block_n"], cfg.get("stacked_block_n") or cfg["block_n"]
-    for name, value in (("block_n", block_n), ("stacked_block_n", stacked_n)):
-        if value < RUN or value % RUN:
-            _fail(f"config {name}", "a multiple of 64", value)
-    expand = dict(RK=min(meta.rank_block, 64), SPLITS=next_pow2(split_k), BN=block_n,
-                  WIDE=meta.rank_block <= 64 and not batch.grouped, Y_DIV=math.gcd(RUN, *meta.slice_starts),
-                  EVEN_N=all(c % block_n == 0 for c in meta.slice_cols), USE_PDL=pdl, **consts,
-                  num_warps=cfg["expand_warps"], num_stages=cfg["expand_stages"],
-                  **({"launch_pdl": True} if pdl else {}))
-    solo = {k: v for k, v in expand.items() if k != "launch_pdl"} | {"USE_PDL": False}
-    stacked = solo | {"SPLITS": 1, "ENTRY": True, "BN": stacked_n,
-                      "EVEN_N": all(c % stacked_n == 0 for c in meta.slice_cols)}
-    return _Plan(split_k, k_per_split, block_n, (batch.num_row_tiles, split_k, row_blocks), shrink, early,
-                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo, stacked_n,
-                 (batch.num_row_tiles, meta.col_tile_table(stacked_n).shape[0]), stacked)
-
-
-def _use_pdl(cfg: dict, device: torch.device) -> bool:
-    """Launch the expand as a programmatic dependent of the shrink (Hopper+, config ``"pdl"``, default on)."""
-    return bool(cfg.get("pdl", True)) and gdc_wait is not None and hopper_or_later(device)
 
 
 # --------------------------------------------------------------- reference

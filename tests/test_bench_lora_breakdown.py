@@ -37,28 +37,28 @@ def test_bad_moe_ab_is_refused(capsys):
 def test_dense_ab_overlays_every_dense_config_and_restores_the_lookup(monkeypatch):
     """`dense_ab` sets its keys over every config the dense LoRA kernels look up (a tuned entry's too), then
     puts the lookup back; the A-B-A timing itself is stood in for (it needs a GPU engine)."""
-    from unipage.kernels import lora as lora_kernels
+    from unipage.kernels import lora_plan
 
     seen, dropped = [], []
-    lookup = lora_kernels.launch_config
-    monkeypatch.setattr(lb.lora_kernels, "launch_config", lambda *a: {"block_n": 512, "expand_warps": 4})
+    lookup = lora_plan.launch_config
+    monkeypatch.setattr(lb.lora_plan, "launch_config", lambda *a: {"block_n": 512, "expand_warps": 4})
 
     def a_b_a(engine, args, name, change, restore):
         for apply in (change, restore):
             apply()
-            seen.append(lora_kernels.launch_config("meta", "batch", "dtype", "device"))
+            seen.append(lora_plan.launch_config("meta", "batch", "dtype", "device"))
         return {}
 
     monkeypatch.setattr(lb, "_a_b_a", a_b_a)
     monkeypatch.setattr(lb, "_drop_graphs", lambda engine: dropped.append(engine))
-    stub = lb.lora_kernels.launch_config
+    stub = lb.lora_plan.launch_config
     out = lb.dense_ab("engine", SimpleNamespace(dense_ab={"block_n": 128}))
     assert seen == [{"block_n": 128, "expand_warps": 4}, {"block_n": 512, "expand_warps": 4}]
     assert out["overrides"] == {"block_n": 128} and dropped == ["engine", "engine"]
-    assert lb.lora_kernels.launch_config is stub  # the lookup put back
+    assert lb.lora_plan.launch_config is stub  # the lookup put back
     # (that the kernels see a lookup set there: test_kernel_lora_stack's own-column-tile test)
     monkeypatch.undo()
-    assert lora_kernels.launch_config is lookup
+    assert lora_plan.launch_config is lookup
 
 
 def test_a_b_a_restores_when_the_changed_run_fails(monkeypatch):

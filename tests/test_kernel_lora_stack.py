@@ -76,8 +76,9 @@ def test_stacked_expand_takes_its_own_column_tile(monkeypatch):
     """Config ``"stacked_block_n"``: the stacked expand's column tile (its grid, ``BN`` and ``EVEN_N``), apart
     from ``block_n``, which the separate path's expand keeps; the result is the reference's either way."""
     from unipage.kernels import lora as lora_module
+    from unipage.kernels import lora_plan
 
-    lookup, seen, real = lora_module.launch_config, [], lora_module.launch
+    lookup, seen, real = lora_plan.launch_config, [], lora_module.launch
 
     def spy(kernel, grid, *args, **kwargs):
         if kernel is lora_module._expand_kernel:
@@ -85,7 +86,7 @@ def test_stacked_expand_takes_its_own_column_tile(monkeypatch):
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(lora_module, "launch", spy)
-    monkeypatch.setattr(lora_module, "launch_config", lambda *a: lookup(*a) | {"block_n": 64, "stacked_block_n": 128})
+    monkeypatch.setattr(lora_plan, "launch_config", lambda *a: lookup(*a) | {"block_n": 64, "stacked_block_n": 128})
     world, meta, ext, x, slots, entry_of_slot = stack_world(torch.float32, seed=4)
     n = meta.out_cols
     y0, h = project(ext, x, n)
