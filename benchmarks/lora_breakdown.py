@@ -277,32 +277,29 @@ def stack_ab(engine: Engine, args) -> dict:
 
 def moe_ab(engine: Engine, args) -> dict:
     """Decode steps timed with ``--moe-ab``'s overrides set on every MoE LoRA launch config (paths as
-    `kernels_moe.with_path`: ``"split_k"``, ``"gate_up.num_warps"``), graphs captured anew, then as before
-    (``after``), as `pieces_ab` does."""
-    lookup = moe_lora_plan.launch_config
-
-    def switch(fn) -> None:
-        moe_lora_plan.launch_config = fn
-        _drop_graphs(engine)
-
-    return {"overrides": args.moe_ab,
-            **_a_b_a(engine, args, "other", lambda: switch(overridden(lookup, args.moe_ab)), lambda: switch(lookup))}
+    `kernels_moe.with_path`: ``"split_k"``, ``"gate_up.num_warps"``), then as before (`_lookup_ab`)."""
+    return _lookup_ab(engine, args, moe_lora_plan, overridden(moe_lora_plan.launch_config, args.moe_ab), args.moe_ab)
 
 
 def dense_ab(engine: Engine, args) -> dict:
     """Decode steps timed with ``--dense-ab``'s settings over every dense LoRA launch config (the tuned
-    entries too: e.g. ``"block_n"``, ``"expand_warps"``), graphs captured anew, then as before."""
+    entries too: e.g. ``"block_n"``, ``"expand_warps"``), then as before (`_lookup_ab`)."""
     lookup = lora_plan.launch_config
+    return _lookup_ab(engine, args, lora_plan, lambda *config_args: lookup(*config_args) | args.dense_ab,
+                      args.dense_ab)
+
+
+def _lookup_ab(engine: Engine, args, module, other, overrides: dict) -> dict:
+    """``module.launch_config`` (the lookup its kernels' launches call) replaced by ``other``, graphs captured
+    anew, decode steps timed; then the lookup put back and timed again, as `pieces_ab` does."""
+    lookup = module.launch_config
 
     def switch(fn) -> None:
-        lora_plan.launch_config = fn
+        module.launch_config = fn
         _drop_graphs(engine)
 
-    def overlaid(*config_args) -> dict:
-        return lookup(*config_args) | args.dense_ab
-
-    return {"overrides": args.dense_ab,
-            **_a_b_a(engine, args, "other", lambda: switch(overlaid), lambda: switch(lookup))}
+    return {"overrides": overrides,
+            **_a_b_a(engine, args, "other", lambda: switch(other), lambda: switch(lookup))}
 
 
 def _drop_graphs(engine: Engine) -> None:

@@ -83,8 +83,8 @@ def make_plan(x, pool, meta: DenseLoraMeta, batch: LoraBatch, config: dict | Non
     stacked = solo | {"SPLITS": 1, "ENTRY": True, "BN": stacked_n,
                       "EVEN_N": all(c % stacked_n == 0 for c in meta.slice_cols)}
     return LoraPlan(split_k, k_per_split, block_n, (batch.num_row_tiles, split_k, row_blocks), shrink, early,
-                 (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo, stacked_n,
-                 (batch.num_row_tiles, meta.col_tile_table(stacked_n).shape[0]), stacked)
+                    (batch.num_row_tiles, meta.col_tile_table(block_n).shape[0]), expand, solo, stacked_n,
+                    (batch.num_row_tiles, meta.col_tile_table(stacked_n).shape[0]), stacked)
 
 
 def use_pdl(cfg: dict, device: torch.device) -> bool:
