@@ -2,7 +2,8 @@
 
     python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
-                                        [--stack-ab] [--moe-ab JSON] [--dense-ab JSON] [--linear-config JSON]
+                                        [--stack-ab] [--moe-ab JSON] [--dense-ab JSON] [--skinny-ab]
+                                        [--linear-config JSON]
                                         [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
@@ -27,7 +28,9 @@ them without the shrink stack (`shrink_stack`: the paged shrink kernels), then w
 (``lora_stack_ab``: ``off`` and ``after``; ``shrink_stack`` says whether the engine built one); ``--moe-ab JSON``
 with those settings on every MoE LoRA launch config (paths as `kernels_moe.with_path`), then as tuned
 (``lora_moe_ab``: ``overrides``, ``other`` and ``after``); ``--dense-ab JSON`` likewise with settings over the
-dense LoRA launch configs, tuned entries too (``lora_dense_ab``); then ``--prefill``
+dense LoRA launch configs, tuned entries too (``lora_dense_ab``); ``--skinny-ab`` times both runs' steps
+with every projection on ``F.linear`` (no tuned `skinny` entry), then with the entries again
+(``*_skinny_ab``: ``off`` and ``after``); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
 mixed) one record: wall and device time per step, and the device time per
@@ -64,7 +67,7 @@ from timing import emit
 from unipage.scheduler import Request, SamplingParams, SchedulerConfig
 
 from unipage.config import LoRAConfig, ModelConfig
-from unipage.kernels import lora_linear, lora_meta, lora_plan, moe_lora_plan
+from unipage.kernels import lora_linear, lora_meta, lora_plan, moe_lora_plan, skinny
 from unipage.engine import Engine
 from unipage.models.weights import read_config
 
@@ -93,7 +96,8 @@ def decode_tokens(args) -> int:
     warm-up, `decode_times`' steps (2 x ``--timed-steps``), and as many again with a warm-up for each run of
     every A-B-A asked for, with room to spare (a request that finished mid-way would leave a run timing a
     smaller batch)."""
-    abs_ = sum(map(bool, (args.piece_layers, args.linear_ab, args.stack_ab, args.moe_ab, args.dense_ab)))
+    abs_ = sum(map(bool, (args.piece_layers, args.linear_ab, args.stack_ab, args.moe_ab, args.dense_ab,
+                          args.skinny_ab)))
     per_run = args.warmup_steps + 2 * args.timed_steps
     prefill = -(-args.running * args.prompt // args.budget)
     return prefill + per_run * (1 + 2 * abs_) + args.steps + 100
@@ -289,6 +293,18 @@ def dense_ab(engine: Engine, args) -> dict:
                       args.dense_ab)
 
 
+def skinny_ab(engine: Engine, args) -> dict:
+    """Decode steps timed with every projection on ``F.linear`` (`skinny.tuned_config` finding no entry),
+    graphs captured anew, then with the tuned skinny entries again (``after``), as `pieces_ab` does."""
+    lookup = skinny.tuned_config
+
+    def switch(fn) -> None:
+        skinny.tuned_config = fn
+        _drop_graphs(engine)
+
+    return _a_b_a(engine, args, "off", lambda: switch(lambda *shape: None), lambda: switch(lookup))
+
+
 def _lookup_ab(engine: Engine, args, module, other, overrides: dict) -> dict:
     """``module.launch_config`` (the lookup its kernels' launches call) replaced by ``other``, graphs captured
     anew, decode steps timed; then the lookup put back and timed again, as `pieces_ab` does."""
@@ -399,6 +415,8 @@ def _timed_run(engine: Engine, args, adapters: list[str | None]) -> dict:
         out["moe_ab"] = moe_ab(engine, args)
     if args.dense_ab and any(adapters):  # the dense LoRA kernels likewise
         out["dense_ab"] = dense_ab(engine, args)
+    if args.skinny_ab:  # the projections on cuBLAS, then with the skinny kernel where tuned
+        out["skinny_ab"] = skinny_ab(engine, args)
     return out
 
 
@@ -451,6 +469,9 @@ def main(argv=None) -> None:
     p.add_argument("--dense-ab", type=overrides_arg, default=None, metavar="JSON",
                    help="also time the LoRA run's decode steps with these settings over every dense LoRA launch config "
                         "(e.g. '{\"expand_warps\": 1}'), then as before")
+    p.add_argument("--skinny-ab", action="store_true",
+                   help="also time both runs' decode steps with every projection on F.linear, then with the tuned "
+                        "skinny kernel entries again")
     p.add_argument("--linear-config", default=None, metavar="JSON",
                    help="launch settings merged into lora_linear.LINEAR (the fused decode projection)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write Chrome traces of 3 decode steps here")
@@ -500,7 +521,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            for ab in ("pieces", "linear_ab", "stack_ab", "moe_ab", "dense_ab"):
+            for ab in ("pieces", "linear_ab", "stack_ab", "moe_ab", "dense_ab", "skinny_ab"):
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call

@@ -45,6 +45,7 @@ from unipage.kernels.common import finish_early, gdc_wait
 from unipage.kernels.launch import launch
 from unipage.kernels.lora import _sum_splits, lora_shrink, lora_shrink_expand, lora_shrink_expand_ref
 from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, next_pow2, plan_lora_batch
+from unipage.kernels import skinny
 
 __all__ = ["LINEAR", "check_config", "linear_lora", "linear_lora_ref", "fused_linear"]
 
@@ -240,7 +241,7 @@ def linear_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, poo
     if batch is None:
         batch = plan_lora_batch(token_slots, meta.num_slots)
     if not fused_linear(x.shape[0], meta, cfg):
-        y = _projection(x, w, bias)
+        y = skinny.linear(x, w, bias)  # (F.linear but for weights with a tuned skinny entry)
         return lora_shrink_expand(y, x, pool, page_table, token_slots, meta, batch=batch, scale=scale, early=early)
     check_config(cfg)  # (only here: the engine's default path pays nothing for settings it does not use)
     block_n = cfg["block_n"]

@@ -61,6 +61,27 @@ def test_dense_ab_overlays_every_dense_config_and_restores_the_lookup(monkeypatc
     assert lora_plan.launch_config is lookup
 
 
+def test_skinny_ab_turns_every_entry_off_then_back(monkeypatch):
+    """`skinny_ab`: the projections' tuned skinny entries gone (F.linear everywhere), then back."""
+    from unipage.kernels import skinny
+
+    seen, dropped = [], []
+    monkeypatch.setattr(skinny, "tuned_config", lambda *shape: {"block_n": 32})
+    stub = skinny.tuned_config
+
+    def a_b_a(engine, args, name, change, restore):
+        for apply in (change, restore):
+            apply()
+            seen.append(skinny.tuned_config(3136, 4096, "dtype", "device"))
+        return {}
+
+    monkeypatch.setattr(lb, "_a_b_a", a_b_a)
+    monkeypatch.setattr(lb, "_drop_graphs", lambda engine: dropped.append(engine))
+    lb.skinny_ab("engine", None)
+    assert seen == [None, {"block_n": 32}] and dropped == ["engine", "engine"]
+    assert skinny.tuned_config is stub
+
+
 def test_a_b_a_restores_when_the_changed_run_fails(monkeypatch):
     calls = []
 
@@ -91,10 +112,10 @@ def test_decode_tokens_cover_every_a_b_a(monkeypatch):
     monkeypatch.setattr(lb, "timed", stepping((0.01, 0.001, 0.001, 0.001)))
     monkeypatch.setattr(lb, "busy_wait", stepping((0.01, 0)))
     args = SimpleNamespace(warmup_steps=12, timed_steps=5, steps=3, piece_layers=4, linear_ab=True,
-                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"block_n": 128}, running=16,
+                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"block_n": 128}, skinny_ab=True, running=16,
                            prompt=1600, budget=4096)  # (warm-ups weigh enough that leaving them out fails)
     lb._timed_run(engine, args, ["a0"])
     assert len(steps) + args.warmup_steps < lb.decode_tokens(args)
     none = SimpleNamespace(**{**vars(args), "piece_layers": 0, "linear_ab": False, "stack_ab": False,
-                              "moe_ab": None, "dense_ab": None})
+                              "moe_ab": None, "dense_ab": None, "skinny_ab": False})
     assert lb.decode_tokens(none) < len(steps)  # fewer A-B-As, fewer tokens

@@ -19,6 +19,7 @@ import torch
 import engine_support as es
 from unipage import LLM, SamplingParams
 from unipage.config import LoRAConfig, PoolConfig
+from unipage.kernels import skinny
 from unipage.scheduler import SchedulerConfig
 
 pytestmark = pytest.mark.gpu
@@ -34,6 +35,17 @@ def family(request, tmp_path_factory):
 
 
 def test_bf16_triton_engine_matches_transformers_peft(family):
+    check_against_transformers(family)
+
+
+def test_skinny_projections_match_transformers_peft(family, monkeypatch):
+    """Every projection and router of decode steps of at most 16 tokens through the skinny kernel (split K)."""
+    entry = skinny.SKINNY | {"max_tokens": 16, "block_n": 16, "block_k": 64, "split_k": 2}
+    monkeypatch.setattr(skinny, "tuned_config", lambda *shape: entry)
+    check_against_transformers(family)
+
+
+def check_against_transformers(family):
     llm = LLM(family.model_dir, family.adapters, device="cuda", dtype="bfloat16", kernels="triton",
               pool=PoolConfig(num_pages=2048), lora=LoRAConfig(max_rank=32, max_adapters_per_batch=8),
               scheduler=SchedulerConfig(max_model_len=512))

@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from unipage.config import ModelConfig
 from unipage.errors import CheckpointError
@@ -274,14 +273,14 @@ class DecoderLM:
         """``x @ w.T (+ bias)`` plus the LoRA delta of ``meta``'s targets (None: the layer has no LoRA
         for them).  ``stacked``: the projection's shrink stack (`shrink_stack`), used in steps that take it."""
         if self._has_lora(meta, ctx) and ctx.stack is not None and stacked is not None:
-            out = F.linear(x, stacked.ext, stacked.bias)  # the projection and every entry's h = x @ A.T
+            out = self.ops.linear(x, stacked.ext, stacked.bias)  # the projection and every entry's h = x @ A.T
             return self.ops.lora_expand_stacked(out[:, :stacked.n], out[:, stacked.n:], ctx.stack.entry_of_slot,
                                                 pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
                                                 rank_block=ctx.stack.rank_block, batch=ctx.plan)
         if self._has_lora(meta, ctx):  # the projection and its delta (`linear_lora`: separate launches or one kernel)
             return self.ops.linear_lora(x, w, bias, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta,
                                         batch=ctx.plan, early=True)  # (the shrink may start as x's writer drains)
-        return F.linear(x, w, bias)  # (the bias in the GEMM's epilogue: one launch, one rounding)
+        return self.ops.linear(x, w, bias)  # (the bias in the GEMM's epilogue: one launch, one rounding)
 
     @staticmethod
     def _has_lora(meta, ctx: _Context) -> bool:
@@ -313,7 +312,7 @@ class DecoderLM:
 
     def _mlp(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
         meta = layer_lora and layer_lora.gate_up
-        gate_up = x @ layer.w_gate_up.T
+        gate_up = self.ops.linear(x, layer.w_gate_up, None)
         if self._has_lora(meta, ctx):  # the LoRA expand and the activation in one kernel where that is faster
             shrunk = self.ops.lora_shrink(x, pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, batch=ctx.plan,
                                           early=True)
@@ -325,7 +324,7 @@ class DecoderLM:
     def _moe(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
         # the router bias and the rounding of the weights to the model dtype (as transformers does) are
         # done by the routing kernel: no separate launches
-        weights, ids = self.ops.route(x @ layer.router.T, self.model.top_k, self.renormalize,
+        weights, ids = self.ops.route(self.ops.linear(x, layer.router, None), self.model.top_k, self.renormalize,
                                       bias=layer.router_bias, weight_dtype=x.dtype)
         moe_lora = None
         if ctx.lora is not None and layer_lora.moe.any_lora:

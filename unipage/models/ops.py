@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from unipage import kernels as K
 
@@ -33,16 +34,18 @@ class Ops:
     silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up
     lora_expand_stacked: Callable  # lora_expand_stacked signature: the expand from a shrink stack's h
     fill_entry: Callable  # fill_entry signature: a slot's A rows into a shrink stack's entry
+    linear: Callable  # (x, w, bias) -> x @ w.T (+ bias): the projections and router without LoRA's delta
 
 
 TORCH = Ops("torch", K.lora_shrink_ref, K.lora_silu_mul_ref, K.linear_lora_ref,
             K.write_kv_ref, K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref,
             plans_lora=False, rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref,
-            silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref)
+            silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref,
+            linear=F.linear)
 TRITON = Ops("triton", K.lora_shrink, K.lora_silu_mul, K.linear_lora, K.write_kv,
              K.paged_attention_prefill, K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True,
              rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope=K.rope_qk, silu_mul=K.silu_mul,
-             lora_expand_stacked=K.lora_expand_stacked, fill_entry=K.fill_entry)
+             lora_expand_stacked=K.lora_expand_stacked, fill_entry=K.fill_entry, linear=K.linear)
 
 
 def ops_for(device: torch.device, kernels: str | None = None) -> Ops:

@@ -1,0 +1,136 @@
+"""GPU benchmark of the skinny linear (`kernels.skinny`) against ``F.linear`` (cuBLAS), JSON lines.
+
+    python benchmarks/kernels_skinny.py [--tokens 1 16 64] [--config JSON] [--out FILE]
+    python benchmarks/kernels_skinny.py --tune [--tokens 16] [--save] [--out FILE]   # sweep the settings
+
+Shapes: GPT-OSS-20B's decode projections, bf16 (with its bias where the model has one): qkv and o with
+the shrink stack of 8 adapters of rank 32 under W (what setup (a)'s LoRA steps run), without it (the
+base model's), and the router.  Each timing is a CUDA graph of ``LAYERS`` projections with weights of
+their own (W comes from HBM, as in a decode step), L2 flushed before each replay, per projection.
+Rows ``skinny``: ``linear_us`` (F.linear), ``skinny_us`` (the kernel with `SKINNY` updated by
+``--config``), ``floor_us`` (W, the bias and x over the read bandwidth measured in the run) and
+``max_rel_diff`` (the kernel against F.linear, over the largest value).  ``--tune`` times every
+setting of `SWEEP` per shape: rows ``skinny_tune`` with the best setting and the five fastest; with
+``--save`` it writes the best into ``configs/skinny.json`` for this GPU where it beat ``F.linear`` by
+`MARGIN` (``max_tokens``: the largest ``--tokens``) and drops the shape's entry where it did not, so
+`skinny.linear` keeps cuBLAS there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import emit, read_bandwidth, time_graph
+from unipage.kernels import skinny as sk
+from unipage.kernels.common import device_key, record_tuned_device
+from unipage.kernels.skinny import SKINNY, skinny_linear
+
+LAYERS = 24
+MARGIN = 0.03  # --save: an entry only where the kernel beat F.linear by this fraction
+# name: (N, K, bias)
+SHAPES = {"gpt-oss-20b qkv+stack": (5120 + 8 * 3 * 32, 2880, True), "gpt-oss-20b o+stack": (2880 + 8 * 32, 4096, True),
+          "gpt-oss-20b qkv": (5120, 2880, True), "gpt-oss-20b o": (2880, 4096, True),
+          "gpt-oss-20b router": (32, 2880, False)}
+SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8), "num_stages": (3, 5)}
+
+
+def setup(name: str, tokens: int) -> dict:
+    n, k, bias = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    return {"x": rand(tokens, k), "w": [rand(n, k) * 0.02 for _ in range(LAYERS)], "b": rand(n) if bias else None,
+            "bytes": (n * k + (n if bias else 0) + tokens * k) * 2}
+
+
+def per_layer_us(fn) -> float:
+    return time_graph(fn) / LAYERS * 1e6
+
+
+def skinny(s: dict, config: dict):
+    return lambda: [skinny_linear(s["x"], w, s["b"], config) for w in s["w"]]
+
+
+def cublas(s: dict):
+    return lambda: [F.linear(s["x"], w, s["b"]) for w in s["w"]]
+
+
+def rel_diff(s: dict, config: dict) -> float:
+    want = F.linear(s["x"], s["w"][0], s["b"]).float()
+    got = skinny_linear(s["x"], s["w"][0], s["b"], config).float()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def tune(args, out) -> None:
+    for name, tokens in itertools.product(args.shapes, args.tokens):
+        s, results = setup(name, tokens), []
+        for values in itertools.product(*SWEEP.values()):
+            config = SKINNY | dict(zip(SWEEP, values))
+            try:
+                results.append((round(per_layer_us(skinny(s, config)), 2), config))
+            except Exception as exc:  # noqa: BLE001 (out of resources: that setting is skipped, and said so)
+                print(f"{name} {config}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+        results.sort(key=lambda r: r[0])
+        row = {"bench": "skinny_tune", "shape": name, "tokens": tokens, "linear_us": round(per_layer_us(cublas(s)), 2),
+               "best_us": results[0][0], "best": results[0][1], "top5": [[t, c] for t, c in results[:5]],
+               "max_rel_diff": round(rel_diff(s, results[0][1]), 5), "commit": os.environ.get("UNIPAGE_COMMIT")}
+        emit(row, out)
+        if args.save and tokens == max(args.tokens):
+            save(row, device_key("cuda"))
+    if args.save:
+        record_tuned_device()
+
+
+def save(row: dict, device: str, path=None) -> None:
+    """Write ``row``'s best setting (a ``skinny_tune`` row) as the entry of its shape for ``device`` in
+    ``configs/skinny.json`` (``path``: that file) if it beat F.linear by `MARGIN`, else drop the entry."""
+    path = path or sk.CONFIG_PATH
+    data = json.loads(path.read_text())
+    n, k, _ = SHAPES[row["shape"]]
+    table, key = data.setdefault("tuned", {}).setdefault(device, {}), sk.shape_key(n, k, torch.bfloat16)
+    if row["best_us"] <= row["linear_us"] * (1 - MARGIN):
+        table[key] = {**{name: row["best"][name] for name in ("block_n", "block_k", "split_k", "num_warps",
+                                                             "num_stages")}, "max_tokens": row["tokens"]}
+    else:
+        table.pop(key, None)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    sk.reload_configs()
+
+
+def bench(args, out) -> None:
+    bandwidth, config = read_bandwidth(), SKINNY | json.loads(args.config or "{}")
+    for name, tokens in itertools.product(args.shapes, args.tokens):
+        s = setup(name, tokens)
+        floor = s["bytes"] / bandwidth * 1e6
+        skinny_us = per_layer_us(skinny(s, config))
+        emit({"bench": "skinny", "shape": name, "tokens": tokens, "linear_us": round(per_layer_us(cublas(s)), 2),
+              "skinny_us": round(skinny_us, 2), "floor_us": round(floor, 2),
+              "skinny_over_floor": round(skinny_us / floor, 2), "read_gbps": round(bandwidth / 1e9, 1),
+              "max_rel_diff": round(rel_diff(s, config), 5), "config": config,
+              "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[16])
+    p.add_argument("--tune", action="store_true", help="sweep the launch settings instead")
+    p.add_argument("--save", action="store_true", help="--tune: write the winners into configs/skinny.json")
+    p.add_argument("--config", default=None, help="JSON merged into SKINNY (not with --tune)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels_skinny.py needs a CUDA device")
+    with open(args.out, "a") if args.out else open(os.devnull, "w") as f:
+        (tune if args.tune else bench)(args, f if args.out else sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
