@@ -39,7 +39,16 @@ MARGIN = 0.03  # --save: an entry only where the kernel beat F.linear by this fr
 SHAPES = {"gpt-oss-20b qkv+stack": (5120 + 8 * 3 * 32, 2880, True), "gpt-oss-20b o+stack": (2880 + 8 * 32, 4096, True),
           "gpt-oss-20b qkv": (5120, 2880, True), "gpt-oss-20b o": (2880, 4096, True),
           "gpt-oss-20b router": (32, 2880, False)}
-SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8), "num_stages": (3, 5)}
+# the plain kernel, then the swapped one (w's tile the dot's tall operand: block_n >= 64)
+SWEEP = ({"swap": (False,), "block_n": (16, 32, 64), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
+          "num_stages": (3, 5)},
+         {"swap": (True,), "block_n": (64, 128), "block_k": (128, 256), "split_k": (1, 2, 4), "num_stages": (3, 5),
+          "num_warps": (4, 8)})
+
+
+def settings() -> list[dict]:
+    """Every setting of every grid of `SWEEP`."""
+    return [dict(zip(grid, values)) for grid in SWEEP for values in itertools.product(*grid.values())]
 
 
 def setup(name: str, tokens: int) -> dict:
@@ -71,8 +80,8 @@ def rel_diff(s: dict, config: dict) -> float:
 def tune(args, out) -> None:
     for name, tokens in itertools.product(args.shapes, args.tokens):
         s, results = setup(name, tokens), []
-        for values in itertools.product(*SWEEP.values()):
-            config = SKINNY | dict(zip(SWEEP, values))
+        for setting in settings():
+            config = SKINNY | setting
             try:
                 results.append((round(per_layer_us(skinny(s, config)), 2), config))
             except Exception as exc:  # noqa: BLE001 (out of resources: that setting is skipped, and said so)
@@ -97,7 +106,7 @@ def save(row: dict, device: str, path=None) -> None:
     table, key = data.setdefault("tuned", {}).setdefault(device, {}), sk.shape_key(n, k, torch.bfloat16)
     if row["best_us"] <= row["linear_us"] * (1 - MARGIN):
         table[key] = {**{name: row["best"][name] for name in ("block_n", "block_k", "split_k", "num_warps",
-                                                             "num_stages")}, "max_tokens": row["tokens"]}
+                                                             "num_stages", "swap")}, "max_tokens": row["tokens"]}
     else:
         table.pop(key, None)
     path.write_text(json.dumps(data, indent=1) + "\n")

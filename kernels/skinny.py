@@ -5,7 +5,8 @@ columns: it only has to read W once, so its floor is W's bytes over the read ban
 picks tiles of 16 x 64 there, and for GPT-OSS-20B's o projection (K 4096) a split-K kernel plus a
 separate reduction launch.  This kernel streams W in column tiles of ``block_n`` rows of W, the
 whole (padded) x block in every program, and optionally splits K over ``split_k`` programs per
-tile.
+tile.  ``swap`` computes ``y.T = w @ x.T`` instead, so that w's ``block_n x block_k`` tile is the tall
+operand of the dot (on Hopper, a warpgroup MMA that reads it from shared memory; block_n >= 64).
 
 Math (per output element, fp32 accumulation, one rounding to the output dtype)::
 
@@ -46,7 +47,8 @@ __all__ = ["SKINNY", "check_config", "linear", "shape_key", "skinny_linear", "sk
 
 CONFIG_PATH = Path(__file__).with_name("configs") / "skinny.json"
 # the settings a tuned entry overlays; max_tokens: x of at most this many rows takes the kernel
-SKINNY = {"max_tokens": 0, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 4}
+SKINNY = {"max_tokens": 0, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 4,
+          "swap": False}
 MAX_ROWS = 64  # the kernel's x block: at most this many rows (a larger x takes F.linear)
 COUNTERS = 1 << 14  # per-device split-K counters: column tiles one launch may have
 
@@ -57,7 +59,7 @@ _counters: dict[torch.device, torch.Tensor] = {}
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr):
+                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
     tile, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BM)
     cols = tile * BN + tl.arange(0, BN)
@@ -66,18 +68,21 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_p
     k_start = split * k_per_split
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + ks)[None, :]
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_start + ks)[None, :]
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k in range(k_start, k_start + k_per_split, BK):
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            wt = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            k_ok = (k + ks < K)[None, :]
-            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
-            wt = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
-        acc = tl.dot(xt, tl.trans(wt), acc)
-        x_ptrs += BK
-        w_ptrs += BK
+    if SWAP:  # y.T = w @ x.T: w's tile is the dot's tall operand (Hopper: wgmma from shared memory)
+        acc_t = tl.zeros((BN, BM), tl.float32)
+        for k in range(k_start, k_start + k_per_split, BK):
+            xt, wt = _load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k + ks, K, EVEN_K)
+            acc_t = tl.dot(wt, tl.trans(xt), acc_t)
+            x_ptrs += BK
+            w_ptrs += BK
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(k_start, k_start + k_per_split, BK):
+            xt, wt = _load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k + ks, K, EVEN_K)
+            acc = tl.dot(xt, tl.trans(wt), acc)
+            x_ptrs += BK
+            w_ptrs += BK
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT > 1:
         part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]
@@ -91,6 +96,18 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_p
             _store_y(acc, b_ptr, y_ptr, rows, cols, stride_ym, col_ok, out_mask, HAS_BIAS)
     else:
         _store_y(acc, b_ptr, y_ptr, rows, cols, stride_ym, col_ok, out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_offs, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        wt = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+    else:
+        k_ok = (k_offs < K)[None, :]
+        xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
+        wt = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
+    return xt, wt
 
 
 @triton.jit
@@ -109,6 +126,8 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"skinny_linear: block_k must be a power of two >= 16, got {cfg['block_k']}")
     if not (isinstance(cfg["split_k"], int) and 1 <= cfg["split_k"] <= 16):
         raise ValueError(f"skinny_linear: split_k must be in [1, 16], got {cfg['split_k']}")
+    if not isinstance(cfg["swap"], bool):
+        raise ValueError(f"skinny_linear: swap must be a bool, got {cfg['swap']!r}")
     if not 0 <= cfg["max_tokens"] <= MAX_ROWS:
         raise ValueError(f"skinny_linear: max_tokens must be in [0, {MAX_ROWS}], got {cfg['max_tokens']}")
 
@@ -123,6 +142,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
                          f"{x.device} and {w.dtype} {w.device}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("skinny_linear: x's and w's rows must be contiguous")
+    if w.numel() >= 1 << 31 or x.numel() >= 1 << 31:
+        raise ValueError(f"skinny_linear: w and x must have fewer than 2**31 elements, got {w.numel()} and {x.numel()}")
     if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.device != w.device):
         raise ValueError(f"skinny_linear: bias must be [{w.shape[0]}] {w.dtype}, got {tuple(bias.shape)} "
                          f"{bias.dtype}")
@@ -160,7 +181,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     launch(_skinny_kernel, (tiles, split), x, w, bias if bias is not None else w, y, part, counters,
            rows, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
            HAS_BIAS=bias is not None, BM=block_m, BN=block_n, BK=block_k, SPLIT=split,
-           EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
+           EVEN_K=k % k_per_split == 0, SWAP=bool(cfg["swap"]),
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y
 

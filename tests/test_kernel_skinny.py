@@ -25,9 +25,10 @@ def assert_matches(y, x, w, b):
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_matches_reference(rows, split_k):
+@pytest.mark.parametrize("swap", [False, True])
+def test_matches_reference(rows, split_k, swap):
     x, w, b = operands(rows, 72, 200)  # 72 columns: a partial tile of 32; K 200: partial tiles of 32
-    y = skinny_linear(x, w, b, {"block_n": 32, "block_k": 32, "split_k": split_k})
+    y = skinny_linear(x, w, b, {"block_n": 32, "block_k": 32, "split_k": split_k, "swap": swap})
     assert y.shape == (rows, 72) and y.dtype == x.dtype
     assert_matches(y, x, w, b)
     torch.testing.assert_close(y, skinny_linear_ref(x, w, b), rtol=2e-3, atol=2e-3)
@@ -95,7 +96,7 @@ def test_bad_input_and_config():
         skinny_linear(x, w.T.contiguous().T, None)
     with pytest.raises(ValueError, match="bias must be \\[40\\]"):
         skinny_linear(x, w, b[:39])
-    for bad in ({"block_n": 24}, {"block_k": 8}, {"split_k": 0}, {"max_tokens": 65}):
+    for bad in ({"block_n": 24}, {"block_k": 8}, {"split_k": 0}, {"max_tokens": 65}, {"swap": 1}):
         with pytest.raises(ValueError, match="skinny_linear"):
             skinny_linear(x, w, b, bad)
 
@@ -103,12 +104,13 @@ def test_bad_input_and_config():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("split_k", [1, 4])
-def test_gpu_bf16_projection_shapes(rows, split_k):
+@pytest.mark.parametrize("swap", [False, True])
+def test_gpu_bf16_projection_shapes(rows, split_k, swap):
     """GPT-OSS-20B's o with its shrink stack (K 4096), bf16, 50 launches: a split-K race would show."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     x, w, b = operands(rows, 3136, 4096, dtype=torch.bfloat16, seed=4, device="cuda")
-    cfg = {"block_n": 32, "block_k": 256, "split_k": split_k}
+    cfg = {"block_n": 64 if swap else 32, "block_k": 256, "split_k": split_k, "swap": swap}
     first = skinny_linear(x, w, b, cfg)
     assert_matches(first, x, w, b)
     for _ in range(50):
