@@ -12,7 +12,7 @@ from unipage.kernels.fused_moe import (fused_experts, fused_experts_ref, fused_m
 from unipage.kernels.fused_moe_lora import (MoeLora, MoeLoraMeta, MoeLoraPlan, moe_lora_down, moe_lora_down_ref,
                                             moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, plan_moe_lora,
                                             plan_moe_lora_ref)
-from unipage.kernels.kv_write import write_kv, write_kv_ref
+from unipage.kernels.kv_write import rope_write_kv, rope_write_kv_ref, write_kv, write_kv_ref
 from unipage.kernels.lora import (LoraShrink, LoraShrinkRef, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_expand,
                                   lora_shrink_expand_ref, lora_shrink_ref)
 from unipage.kernels.lora_linear import linear_lora, linear_lora_ref
@@ -23,7 +23,7 @@ from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, dense_lora_meta,
 
 __all__ = [
     "AttentionConfig", "paged_attention_decode", "paged_attention_decode_ref", "paged_attention_prefill",
-    "paged_attention_prefill_ref", "write_kv", "write_kv_ref",
+    "paged_attention_prefill_ref", "write_kv", "write_kv_ref", "rope_write_kv", "rope_write_kv_ref",
     "lora_shrink_expand", "lora_shrink_expand_ref", "LoraShrink", "LoraShrinkRef", "lora_shrink", "lora_shrink_ref",
     "lora_expand", "lora_expand_ref", "linear_lora", "linear_lora_ref", "lora_silu_mul", "lora_silu_mul_ref",
     "lora_expand_stacked", "lora_expand_stacked_ref", "fill_entry", "fill_entry_ref",

@@ -19,6 +19,10 @@ row ``t % bt``.  A *slot* names one row of one page: ``slot = page * bt + row``.
                pool[page].view(2, bt, KVH, D)[1, row] = v[i]
 
 ``bt`` is not an argument: it follows from ``P / (2 * KVH * D)``.
+
+`rope_write_kv` is the decoder's launch: q and k rotated (`elementwise.rope_qk`'s math and
+rounding), q' returned, and the rotated k with v written to their slots, one program per token
+(no k' tensor between two launches); `rope_write_kv_ref` is `rope_qk_ref` then `write_kv_ref`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels.common import next_pow2
+from unipage.kernels.elementwise import DTYPES, _check_rope_args, _rotate_heads, rope_qk_ref
 from unipage.kernels.launch import launch
 
 
@@ -112,3 +117,70 @@ def write_kv_ref(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     pages = pool.view(pool.shape[0], 2, block_tokens, k.shape[1], k.shape[2])
     pages[slots // block_tokens, 0, slots % block_tokens] = k[keep]
     pages[slots // block_tokens, 1, slots % block_tokens] = v[keep]
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr,  # [T, HQ, D], [T, KVH, D], [T, KVH, D]: last stride 1
+    cos_ptr, sin_ptr,  # [T, D], last dim contiguous
+    q_out_ptr,  # [T, HQ, D] contiguous
+    pool_ptr,  # [N, P] contiguous
+    slot_ptr,  # [T] int64
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+    HQ: tl.constexpr, HQ_P: tl.constexpr, KVH: tl.constexpr, KVH_P: tl.constexpr, HALF: tl.constexpr,
+    HALF_P: tl.constexpr, BT: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, HALF_P)[None, :]
+    m = offs < HALF
+    c1 = tl.load(cos_ptr + t * stride_ct + offs, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + offs, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + offs, mask=m, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, HQ, c1, c2, s1, s2, HQ_P, HALF, HALF_P)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:  # the page row holds [KVH, D] contiguous: the rotated k goes there as into a q_out row
+        row = pool_ptr + (slot // BT) * (2 * BT * KVH * 2 * HALF) + (slot % BT) * (KVH * 2 * HALF)
+        _rotate_heads(k_ptr + t * stride_kt, row, t * 0, stride_kt, stride_kh, KVH, c1, c2, s1, s2, KVH_P, HALF,
+                      HALF_P)
+        offs_h = tl.arange(0, KVH_P)[:, None]
+        offs_d = tl.arange(0, 2 * HALF_P)[None, :]
+        mask = (offs_h < KVH) & (offs_d < 2 * HALF)
+        v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+        tl.store(row + BT * KVH * 2 * HALF + offs_h * (2 * HALF) + offs_d, v, mask=mask)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  pool: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q and k rotated by the step's cos/sin, the rotated k and v written into their slots of ``pool``;
+    returns q' (new, contiguous ``[T, HQ, D]``).  Arguments as for `elementwise.rope_qk` (q, k, cos, sin)
+    and `write_kv` (pool, v, slot_mapping; a slot of -1 writes nothing for its token)."""
+    _check_rope_args(q, k, cos, sin)
+    block_tokens = _check_write_args(pool, k, v, slot_mapping)
+    if q.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {q.dtype}")
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
+    tokens, heads_q, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_out
+    half = head_dim // 2
+    launch(_rope_write_kv_kernel, (tokens,),
+        q, k, v, cos, sin, q_out, pool, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), HQ=heads_q, HQ_P=next_pow2(heads_q), KVH=kv_heads,
+        KVH_P=next_pow2(kv_heads), HALF=half, HALF_P=next_pow2(half), BT=block_tokens,
+        num_warps=4 if heads_q * head_dim <= 4096 else 8)
+    return q_out
+
+
+def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      pool: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Torch reference of `rope_write_kv`: `rope_qk_ref`, then `write_kv_ref` of the rotated k."""
+    q_out, k_out = rope_qk_ref(q, k, cos, sin)
+    write_kv_ref(pool, k_out, v, slot_mapping)
+    return q_out

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from unipage.kernels.common import cdiv, config_devices, next_pow2
+from unipage.kernels.common import cdiv, config_devices, fit_stages, next_pow2
 from unipage.kernels.launch import launch
 
 __all__ = ["SKINNY", "check_config", "linear", "shape_key", "skinny_linear", "skinny_linear_ref", "tuned_config"]
@@ -169,7 +169,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
-    block_m, block_n, block_k = max(16, next_pow2(rows)), cfg["block_n"], cfg["block_k"]
+    block_m, block_n = max(16, next_pow2(rows)), cfg["block_n"]
+    # (a setting tuned at 16 rows must still launch at 64: block_k, then the stages, shrink to fit)
+    block_k, stages = fit_stages(cfg["block_k"], cfg["num_stages"], block_m + block_n, x.element_size(), x.device)
     split = max(1, min(cfg["split_k"], cdiv(k, block_k)))
     k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_per_split)  # (no empty split)
@@ -182,7 +184,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
            rows, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
            HAS_BIAS=bias is not None, BM=block_m, BN=block_n, BK=block_k, SPLIT=split,
            EVEN_K=k % k_per_split == 0, SWAP=bool(cfg["swap"]),
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           num_warps=cfg["num_warps"], num_stages=stages)
     return y
 
 

@@ -135,6 +135,40 @@ def test_rope_matches_reference_on_qkv_views(monkeypatch, dtype, tokens, heads, 
     torch.testing.assert_close(got_k, want_k, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads", [(2, 4, 1), (7, 6, 3)])
+def test_rope_write_kv_matches_rope_then_write(monkeypatch, dtype, tokens, heads, kv_heads):
+    """The fused launch against `rope_qk_ref` then `write_kv_ref`: q' the same, the same pool (noise kept
+    outside the written rows, a token with slot -1 writing nothing), from strided views of a fused qkv."""
+    poison(monkeypatch)
+    dim, block_tokens, pages = 16, 4, 6
+    qkv = rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = (t.reshape(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    cos, sin = _cos_sin(tokens, dim, dtype)
+    pool = rand(pages, 2 * block_tokens * kv_heads * dim, dtype=dtype, seed=3)
+    slots = torch.randperm(pages * block_tokens, generator=torch.Generator().manual_seed(1))[:tokens]
+    slots[tokens // 2] = -1
+    want_pool = pool.clone()
+    want_q = K.rope_write_kv_ref(q, k, v, cos, sin, want_pool, slots.to(DEVICE))
+    got_q = K.rope_write_kv(q, k, v, cos, sin, pool, slots.to(DEVICE))
+    assert got_q.is_contiguous()
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(pool, want_pool, **TOL[dtype])
+    assert not torch.equal(want_pool, rand(pages, 2 * block_tokens * kv_heads * dim, dtype=dtype, seed=3))
+
+
+def test_rope_write_kv_rejects_bad_inputs():
+    q, k, v = rand(3, 2, 16), rand(3, 1, 16), rand(3, 1, 16)
+    cos, sin = _cos_sin(3, 16, torch.float32)
+    pool, slots = rand(4, 2 * 4 * 16), torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="cos must be"):
+        K.rope_write_kv(q, k, v, cos[:2], sin, pool, slots)
+    with pytest.raises(ValueError, match="v shape"):
+        K.rope_write_kv(q, k, rand(3, 2, 16), cos, sin, pool, slots)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        K.rope_write_kv(q, k, v, cos, sin, pool, slots.int())
+
+
 def test_rope_reference_is_a_rotation_of_each_pair():
     """Dimensions i and i + D/2 rotate together by the angle of position · inv_freq[i]."""
     tokens, dim = 5, 16
@@ -257,15 +291,15 @@ def _model_dir(kind: str, root) -> str:
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "olmoe"])
 def test_decoder_with_the_elementwise_kernels_matches_the_torch_set(kind, tmp_path):
     """Prefill and decode steps of a tiny model: the torch set vs the same set with the Triton
-    rms_norm / add_rms_norm / rope / silu_mul (a hybrid only a test builds: on CPU the engine uses TORCH)."""
+    rms_norm / add_rms_norm / rope_write_kv / silu_mul (a hybrid only a test builds: on CPU the engine uses TORCH)."""
     import dataclasses
 
     from unipage import LLM, SamplingParams
     from unipage.config import PoolConfig
     from unipage.models.ops import TORCH
 
-    hybrid = dataclasses.replace(TORCH, rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope=K.rope_qk,
-                                 silu_mul=K.silu_mul)
+    hybrid = dataclasses.replace(TORCH, rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm,
+                                 rope_write_kv=K.rope_write_kv, silu_mul=K.silu_mul)
     model_dir = _model_dir(kind, tmp_path)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [5]]
     runs = []

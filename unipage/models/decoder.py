@@ -242,10 +242,8 @@ class DecoderLM:
         v = v.reshape(tokens, m.num_kv_heads, m.head_dim)
         if self.family.qk_norm == "head":
             q, k = norm(q, layer.q_norm, self.eps), norm(k, layer.k_norm, self.eps)
-        q, k = self.ops.rope(q, k, ctx.cos, ctx.sin)  # new contiguous tensors
-        slot_mapping, _ = _kv_tables(layer, ctx.batch)
-        self.ops.write_kv(pool_l, k, v, slot_mapping)  # v: a strided view of qkv, which write_kv takes
-        return q
+        slot_mapping, _ = _kv_tables(layer, ctx.batch)  # q' new and contiguous; k' and v only into their pages
+        return self.ops.rope_write_kv(q, k, v, ctx.cos, ctx.sin, pool_l, slot_mapping)
 
     def layer_out(self, i: int, h: torch.Tensor, attended: torch.Tensor, pool: torch.Tensor, ctx: _Context,
                   rows: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:

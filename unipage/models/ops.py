@@ -22,7 +22,6 @@ class Ops:
     lora_shrink: Callable  # the dense LoRA shrink (lora_shrink signature), for:
     lora_silu_mul: Callable  # (gate_up, shrunk) -> silu(gate) * up of gate_up plus its LoRA delta
     linear_lora: Callable  # linear_lora signature: x @ w.T (+ bias) plus its LoRA delta
-    write_kv: Callable
     attention_prefill: Callable
     attention_decode: Callable | None  # None: decode batches go through attention_prefill
     route: Callable  # route_topk signature
@@ -30,7 +29,7 @@ class Ops:
     plans_lora: bool  # whether the LoRA ops use a LoraBatch plan (the references ignore it)
     rms_norm: Callable  # (x, weight, eps) -> normed
     add_rms_norm: Callable  # (h, delta, weight, eps) -> (h + delta, normed)
-    rope: Callable  # rope_qk signature: (q, k, cos, sin) -> (q', k')
+    rope_write_kv: Callable  # rope_write_kv signature: (q, k, v, cos, sin, pool, slot_mapping) -> q'
     silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up
     lora_expand_stacked: Callable  # lora_expand_stacked signature: the expand from a shrink stack's h
     fill_entry: Callable  # fill_entry signature: a slot's A rows into a shrink stack's entry
@@ -38,13 +37,13 @@ class Ops:
 
 
 TORCH = Ops("torch", K.lora_shrink_ref, K.lora_silu_mul_ref, K.linear_lora_ref,
-            K.write_kv_ref, K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref,
-            plans_lora=False, rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope=K.rope_qk_ref,
-            silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref,
+            K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref,
+            plans_lora=False, rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref,
+            rope_write_kv=K.rope_write_kv_ref, silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref,
             linear=F.linear)
-TRITON = Ops("triton", K.lora_shrink, K.lora_silu_mul, K.linear_lora, K.write_kv,
+TRITON = Ops("triton", K.lora_shrink, K.lora_silu_mul, K.linear_lora,
              K.paged_attention_prefill, K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True,
-             rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope=K.rope_qk, silu_mul=K.silu_mul,
+             rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope_write_kv=K.rope_write_kv, silu_mul=K.silu_mul,
              lora_expand_stacked=K.lora_expand_stacked, fill_entry=K.fill_entry, linear=K.linear)
 
 
