@@ -3,9 +3,9 @@
 `serve_models.DecodeFloor` counts the experts a step reads as the expected number under uniform top-k
 routing (`serve_models.experts_touched`).  A random model's router need not route uniformly: tokens of
 one adapter, or a greedy run that repeats itself, may share experts.  `probe` runs a short workload of
-the measured batch eagerly (no CUDA graphs, so the routing op, `add_rms_norm_route`, can be watched) and
-counts the distinct experts of every MoE layer call that routes exactly the batch's tokens (at setup a's
-shapes only the full-batch decode steps do: prefill steps carry hundreds of prompt tokens); `row` turns that into the
+the measured batch eagerly (no CUDA graphs, so the routing op can be watched) and counts the distinct
+experts of every MoE layer call that routes exactly the batch's tokens (at setup a's shapes only the
+full-batch decode steps do: prefill steps carry hundreds of prompt tokens); `row` turns that into the
 floor with the measured count and the run's step time over it.  Only the base experts' term changes:
 the LoRA floor keeps the uniform count.  The probe sees the first decode positions after fresh prompts;
 the measured run's median step comes from positions up to its output length, where a greedy random
@@ -32,14 +32,14 @@ def probe(engine, work: drv.Workload, batch: int, tokens: int, seed: int) -> lis
     model, ops, graphs = runner.model, runner.model.ops, (runner.graphs, runner.mixed)
     counts: list[int] = []
 
-    def add_rms_norm_route(*args, **options):  # (a MoE layer's norm and routing: `norm_route`)
-        total, x, weights, ids = ops.add_rms_norm_route(*args, **options)
+    def route(logits, top_k, renormalize, **options):
+        weights, ids = ops.route(logits, top_k, renormalize, **options)
         if ids.shape[0] == batch:
             counts.append(int(torch.unique(ids).numel()))
-        return total, x, weights, ids
+        return weights, ids
 
     runner.graphs = runner.mixed = None
-    model.ops = dataclasses.replace(ops, add_rms_norm_route=add_rms_norm_route)
+    model.ops = dataclasses.replace(ops, route=route)
     try:
         drv.drive(engine, drv.Workload(f"{work.name}-experts", prompts, work.adapters[:batch], [tokens] * batch,
                                        batch), progress_s=float("inf"))

@@ -71,16 +71,6 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_ex
     col_ok = cols[None, :] < num_experts
     logits = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=row_ok[:, None] & col_ok,
                      other=0.0)
-    route_rows(logits, bias_ptr, weights_ptr, ids_ptr, rows, row_ok, cols, num_experts, TOP_K, RENORMALIZE,
-               BLOCK_T, HAS_BIAS, ROUND_TO)
-
-
-@triton.jit
-def route_rows(logits, bias_ptr, weights_ptr, ids_ptr, rows, row_ok, cols, num_experts, TOP_K: tl.constexpr,
-               RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_TO: tl.constexpr):
-    """`route_topk` of the router logits ``[BLOCK_T, E_PAD]`` (their dtype) of tokens ``rows``: writes their
-    weights and ids (also `norm_route`'s epilogue)."""
-    col_ok = cols[None, :] < num_experts
     if HAS_BIAS:  # added in float32 and rounded to the logits' dtype, as torch's ``logits + bias``
         bias = tl.load(bias_ptr + cols, mask=cols < num_experts, other=0.0)
         logits = _round_to(logits.to(tl.float32) + bias.to(tl.float32)[None, :], logits.dtype)

@@ -291,8 +291,7 @@ def _model_dir(kind: str, root) -> str:
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "olmoe"])
 def test_decoder_with_the_elementwise_kernels_matches_the_torch_set(kind, tmp_path):
     """Prefill and decode steps of a tiny model: the torch set vs the same set with the Triton
-    rms_norm / add_rms_norm / rope_write_kv / silu_mul / add_rms_norm_route (the MoE layers' add, norm and
-    routing) (a hybrid only a test builds: on CPU the engine uses TORCH)."""
+    rms_norm / add_rms_norm / rope_write_kv / silu_mul (a hybrid only a test builds: on CPU the engine uses TORCH)."""
     import dataclasses
 
     from unipage import LLM, SamplingParams
@@ -300,8 +299,7 @@ def test_decoder_with_the_elementwise_kernels_matches_the_torch_set(kind, tmp_pa
     from unipage.models.ops import TORCH
 
     hybrid = dataclasses.replace(TORCH, rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm,
-                                 rope_write_kv=K.rope_write_kv, silu_mul=K.silu_mul,
-                                 add_rms_norm_route=K.add_rms_norm_route)
+                                 rope_write_kv=K.rope_write_kv, silu_mul=K.silu_mul)
     model_dir = _model_dir(kind, tmp_path)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [5]]
     runs = []

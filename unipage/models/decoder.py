@@ -253,16 +253,9 @@ class DecoderLM:
         layer, pool_l, layer_lora = self._layer(i, pool, ctx)
         out = attended.reshape(attended.shape[0], -1)
         o = self._project(out, layer.w_o, layer.b_o, pool_l, layer_lora and layer_lora.o, ctx, layer.o_stack)
-        # each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed; a MoE
-        # layer's router GEMM and routing go with them (one launch for small steps: `norm_route`)
-        if layer.router is not None:
-            h, x, weights, ids = self.ops.add_rms_norm_route(
-                h, o, layer.post_norm, self.eps, layer.router, self.model.top_k, self.renormalize,
-                bias=layer.router_bias, weight_dtype=h.dtype)
-            mlp = self._moe(layer, x, weights, ids, pool_l, layer_lora, ctx)
-        else:
-            h, x = self.ops.add_rms_norm(h, o, layer.post_norm, self.eps)
-            mlp = self._mlp(layer, x, pool_l, layer_lora, ctx)
+        # each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed
+        h, x = self.ops.add_rms_norm(h, o, layer.post_norm, self.eps)
+        mlp = (self._moe if layer.router is not None else self._mlp)(layer, x, pool_l, layer_lora, ctx)
         if i + 1 < len(self.layers):
             return self.ops.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, self.eps)
         if rows is not None:  # the last residual add and the final norm only for the rows sampled
@@ -326,10 +319,11 @@ class DecoderLM:
             act = self.ops.silu_mul(gate_up)
         return self._project(act, layer.w_down, None, pool_l, layer_lora and layer_lora.down, ctx)
 
-    def _moe(self, layer: LayerWeights, x, weights, ids, pool_l, layer_lora: LayerLora | None, ctx: _Context):
-        """The experts of ``x`` routed to ``ids`` with ``weights`` (`layer_out`'s `add_rms_norm_route`: the
-        router bias and the rounding of the weights to the model dtype, as transformers does, are the routing
-        kernel's)."""
+    def _moe(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
+        # the router bias and the rounding of the weights to the model dtype (as transformers does) are
+        # done by the routing kernel: no separate launches
+        weights, ids = self.ops.route(self.ops.linear(x, layer.router, None), self.model.top_k, self.renormalize,
+                                      bias=layer.router_bias, weight_dtype=x.dtype)
         moe_lora = None
         if ctx.lora is not None and layer_lora.moe.any_lora:
             moe_lora = MoeLora(pool_l, ctx.lora.page_table, ctx.batch.token_slots, layer_lora.moe,

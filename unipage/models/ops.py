@@ -24,7 +24,7 @@ class Ops:
     linear_lora: Callable  # linear_lora signature: x @ w.T (+ bias) plus its LoRA delta
     attention_prefill: Callable
     attention_decode: Callable | None  # None: decode batches go through attention_prefill
-    add_rms_norm_route: Callable  # add_rms_norm_route signature: a MoE layer's add, norm, router and routing
+    route: Callable  # route_topk signature
     experts: Callable  # fused_experts signature
     plans_lora: bool  # whether the LoRA ops use a LoraBatch plan (the references ignore it)
     rms_norm: Callable  # (x, weight, eps) -> normed
@@ -36,15 +36,13 @@ class Ops:
     linear: Callable  # (x, w, bias) -> x @ w.T (+ bias): the projections and router without LoRA's delta
 
 
-TORCH = Ops("torch", lora_shrink=K.lora_shrink_ref, lora_silu_mul=K.lora_silu_mul_ref,
-            linear_lora=K.linear_lora_ref, attention_prefill=K.paged_attention_prefill_ref, attention_decode=None,
-            add_rms_norm_route=K.add_rms_norm_route_ref, experts=K.fused_experts_ref, plans_lora=False,
-            rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope_write_kv=K.rope_write_kv_ref,
-            silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref,
+TORCH = Ops("torch", K.lora_shrink_ref, K.lora_silu_mul_ref, K.linear_lora_ref,
+            K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref,
+            plans_lora=False, rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref,
+            rope_write_kv=K.rope_write_kv_ref, silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref,
             linear=F.linear)
-TRITON = Ops("triton", lora_shrink=K.lora_shrink, lora_silu_mul=K.lora_silu_mul, linear_lora=K.linear_lora,
-             attention_prefill=K.paged_attention_prefill, attention_decode=K.paged_attention_decode,
-             add_rms_norm_route=K.add_rms_norm_route, experts=K.fused_experts, plans_lora=True,
+TRITON = Ops("triton", K.lora_shrink, K.lora_silu_mul, K.linear_lora,
+             K.paged_attention_prefill, K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True,
              rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope_write_kv=K.rope_write_kv, silu_mul=K.silu_mul,
              lora_expand_stacked=K.lora_expand_stacked, fill_entry=K.fill_entry, linear=K.linear)
 
