@@ -173,14 +173,22 @@ def _rope_kernel(
     HALF: tl.constexpr, HALF_P: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, HALF_P)
+    _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, HQ, c1, c2, s1, s2, HQ_P, HALF, HALF_P)
+    _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, HK, c1, c2, s1, s2, HK_P, HALF, HALF_P)
+
+
+@triton.jit
+def cos_sin_halves(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """Token ``t``'s cos and sin halves ``(c1, c2, s1, s2)``, ``[1, HALF_P]`` float32 each (also
+    `kv_write.rope_write_kv`'s)."""
     offs = tl.arange(0, HALF_P)[None, :]
     m = offs < HALF
     c1 = tl.load(cos_ptr + t * stride_ct + offs, mask=m, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs, mask=m, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_st + offs, mask=m, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_st + HALF + offs, mask=m, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, HQ, c1, c2, s1, s2, HQ_P, HALF, HALF_P)
-    _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, HK, c1, c2, s1, s2, HK_P, HALF, HALF_P)
+    return c1, c2, s1, s2
 
 
 def _check_rope_args(q, k, cos, sin) -> None:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from unipage.kernels.common import next_pow2
-from unipage.kernels.elementwise import DTYPES, _check_rope_args, _rotate_heads, rope_qk_ref
+from unipage.kernels.elementwise import DTYPES, _check_rope_args, _rotate_heads, cos_sin_halves, rope_qk_ref
 from unipage.kernels.launch import launch
 
 
@@ -131,12 +131,7 @@ def _rope_write_kv_kernel(
     HALF_P: tl.constexpr, BT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, HALF_P)[None, :]
-    m = offs < HALF
-    c1 = tl.load(cos_ptr + t * stride_ct + offs, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + offs, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + HALF + offs, mask=m, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, HALF_P)
     _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, HQ, c1, c2, s1, s2, HQ_P, HALF, HALF_P)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:  # the page row holds [KVH, D] contiguous: the rotated k goes there as into a q_out row

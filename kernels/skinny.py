@@ -68,21 +68,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_p
     k_start = split * k_per_split
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + ks)[None, :]
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_start + ks)[None, :]
-    if SWAP:  # y.T = w @ x.T: w's tile is the dot's tall operand (Hopper: wgmma from shared memory)
-        acc_t = tl.zeros((BN, BM), tl.float32)
-        for k in range(k_start, k_start + k_per_split, BK):
-            xt, wt = _load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k + ks, K, EVEN_K)
-            acc_t = tl.dot(wt, tl.trans(xt), acc_t)
-            x_ptrs += BK
-            w_ptrs += BK
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros((BM, BN), tl.float32)
-        for k in range(k_start, k_start + k_per_split, BK):
-            xt, wt = _load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k + ks, K, EVEN_K)
-            acc = tl.dot(xt, tl.trans(wt), acc)
-            x_ptrs += BK
-            w_ptrs += BK
+    acc = tl.zeros((BN, BM) if SWAP else (BM, BN), tl.float32)
+    for k in range(k_start, k_start + k_per_split, BK):
+        xt, wt = _load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k + ks, K, EVEN_K)
+        acc = _mma(acc, xt, wt, SWAP)
+        x_ptrs += BK
+        w_ptrs += BK
+    if SWAP:
+        acc = tl.trans(acc)
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT > 1:
         part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]
@@ -96,6 +89,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_p
             _store_y(acc, b_ptr, y_ptr, rows, cols, stride_ym, col_ok, out_mask, HAS_BIAS)
     else:
         _store_y(acc, b_ptr, y_ptr, rows, cols, stride_ym, col_ok, out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _mma(acc, xt, wt, SWAP: tl.constexpr):
+    """``acc + x @ w.T`` (``[BM, BN]``), or with SWAP ``acc + w @ x.T`` (``[BN, BM]``: w's tile the dot's tall
+    operand; on Hopper a warpgroup MMA that reads it from shared memory)."""
+    if SWAP:
+        out = tl.dot(wt, tl.trans(xt), acc)
+    else:
+        out = tl.dot(xt, tl.trans(wt), acc)
+    return out
 
 
 @triton.jit
