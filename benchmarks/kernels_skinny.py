@@ -10,10 +10,10 @@ their own (W comes from HBM, as in a decode step), L2 flushed before each replay
 Rows ``skinny``: ``linear_us`` (F.linear), ``skinny_us`` (the kernel with `SKINNY` updated by
 ``--config``), ``floor_us`` (W, the bias and x over the read bandwidth measured in the run) and
 ``max_rel_diff`` (the kernel against F.linear, over the largest value).  ``--tune`` times every
-setting of `SWEEP` per shape: rows ``skinny_tune`` with the best setting and the five fastest; with
-``--save`` it writes the best into ``configs/skinny.json`` for this GPU where it beat ``F.linear`` by
-`MARGIN` (``max_tokens``: the largest ``--tokens``) and drops the shape's entry where it did not, so
-`skinny.linear` keeps cuBLAS there.
+setting of `SWEEP` per shape and ``--tokens`` count: rows ``skinny_tune`` with the best setting and the
+five fastest; with ``--save`` it writes a shape's entry into ``configs/skinny.json`` for this GPU up to
+the largest count to which the kernel beat ``F.linear`` by `MARGIN` at every count timed (`save`), and
+drops it where the kernel lost at the smallest, so that `skinny.linear` keeps cuBLAS there.
 """
 
 from __future__ import annotations
@@ -78,35 +78,53 @@ def rel_diff(s: dict, config: dict) -> float:
 
 
 def tune(args, out) -> None:
-    for name, tokens in itertools.product(args.shapes, args.tokens):
-        s, results = setup(name, tokens), []
-        for setting in settings():
-            config = SKINNY | setting
-            try:
-                results.append((round(per_layer_us(skinny(s, config)), 2), config))
-            except Exception as exc:  # noqa: BLE001 (out of resources: that setting is skipped, and said so)
-                print(f"{name} {config}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
-        results.sort(key=lambda r: r[0])
-        row = {"bench": "skinny_tune", "shape": name, "tokens": tokens, "linear_us": round(per_layer_us(cublas(s)), 2),
-               "best_us": results[0][0], "best": results[0][1], "top5": [[t, c] for t, c in results[:5]],
-               "max_rel_diff": round(rel_diff(s, results[0][1]), 5), "commit": os.environ.get("UNIPAGE_COMMIT")}
-        emit(row, out)
-        if args.save and tokens == max(args.tokens):
-            save(row, device_key("cuda"))
+    for name in args.shapes:
+        rows = [row for row in (tune_one(name, tokens) for tokens in sorted(args.tokens)) if row is not None]
+        for row in rows:
+            emit(row, out)
+        if args.save:
+            save(rows, device_key("cuda"))
     if args.save:
         record_tuned_device()
 
 
-def save(row: dict, device: str, path=None) -> None:
-    """Write ``row``'s best setting (a ``skinny_tune`` row) as the entry of its shape for ``device`` in
-    ``configs/skinny.json`` (``path``: that file) if it beat F.linear by `MARGIN`, else drop the entry."""
+def tune_one(name: str, tokens: int) -> dict | None:
+    """The ``skinny_tune`` row of one shape at ``tokens`` rows: every `SWEEP` setting timed (None: none ran)."""
+    s, results = setup(name, tokens), []
+    for setting in settings():
+        config = SKINNY | setting
+        try:
+            results.append((round(per_layer_us(skinny(s, config)), 2), config))
+        except Exception as exc:  # noqa: BLE001 (out of resources: that setting is skipped, and said so)
+            print(f"{name} {config}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+    if not results:
+        print(f"{name} at {tokens} tokens: no setting ran", file=sys.stderr)
+        return None
+    results.sort(key=lambda r: r[0])
+    return {"bench": "skinny_tune", "shape": name, "tokens": tokens, "linear_us": round(per_layer_us(cublas(s)), 2),
+            "best_us": results[0][0], "best": results[0][1], "top5": [[t, c] for t, c in results[:5]],
+            "max_rel_diff": round(rel_diff(s, results[0][1]), 5), "commit": os.environ.get("UNIPAGE_COMMIT")}
+
+
+def save(rows: list[dict], device: str, path=None) -> None:
+    """The entry of one shape for ``device`` in ``configs/skinny.json`` (``path``: that file), from its
+    ``skinny_tune`` rows (ascending tokens): the best setting of the largest token count up to which the
+    kernel beat F.linear by `MARGIN` at every count timed (``max_tokens``: that count); no entry if it
+    lost at the smallest."""
+    if not rows:
+        return
+    won = None
+    for row in rows:
+        if row["best_us"] > row["linear_us"] * (1 - MARGIN):
+            break
+        won = row
     path = path or sk.CONFIG_PATH
     data = json.loads(path.read_text())
-    n, k, _ = SHAPES[row["shape"]]
+    n, k, _ = SHAPES[rows[0]["shape"]]
     table, key = data.setdefault("tuned", {}).setdefault(device, {}), sk.shape_key(n, k, torch.bfloat16)
-    if row["best_us"] <= row["linear_us"] * (1 - MARGIN):
-        table[key] = {**{name: row["best"][name] for name in ("block_n", "block_k", "split_k", "num_warps",
-                                                             "num_stages", "swap")}, "max_tokens": row["tokens"]}
+    if won is not None:
+        table[key] = {**{name: won["best"][name] for name in ("block_n", "block_k", "split_k", "num_warps",
+                                                             "num_stages", "swap")}, "max_tokens": won["tokens"]}
     else:
         table.pop(key, None)
     path.write_text(json.dumps(data, indent=1) + "\n")

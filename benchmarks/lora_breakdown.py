@@ -294,15 +294,13 @@ def dense_ab(engine: Engine, args) -> dict:
 
 
 def skinny_ab(engine: Engine, args) -> dict:
-    """Decode steps timed with every projection on ``F.linear`` (`skinny.tuned_config` finding no entry),
-    graphs captured anew, then with the tuned skinny entries again (``after``), as `pieces_ab` does."""
-    lookup = skinny.tuned_config
-
-    def switch(fn) -> None:
-        skinny.tuned_config = fn
+    """Decode steps timed with every projection on ``F.linear`` (`skinny.ENABLED` off), graphs captured anew,
+    then with the tuned skinny entries again (``after``), as `pieces_ab` does."""
+    def switch(on: bool) -> None:
+        skinny.ENABLED = on
         _drop_graphs(engine)
 
-    return _a_b_a(engine, args, "off", lambda: switch(lambda *shape: None), lambda: switch(lookup))
+    return _a_b_a(engine, args, "off", lambda: switch(False), lambda: switch(True))
 
 
 def _lookup_ab(engine: Engine, args, module, other, overrides: dict) -> dict:

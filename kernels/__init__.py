@@ -18,7 +18,7 @@ from unipage.kernels.lora import (LoraShrink, LoraShrinkRef, lora_expand, lora_e
 from unipage.kernels.lora_linear import linear_lora, linear_lora_ref
 from unipage.kernels.lora_stack import fill_entry, fill_entry_ref, lora_expand_stacked, lora_expand_stacked_ref
 from unipage.kernels.lora_silu import lora_silu_mul, lora_silu_mul_ref
-from unipage.kernels.skinny import linear, skinny_linear, skinny_linear_ref
+from unipage.kernels.skinny import skinny_linear, skinny_linear_ref
 from unipage.kernels.lora_meta import DenseLoraMeta, LoraBatch, dense_lora_meta, plan_block_m, plan_lora_batch
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
     "moe_gate_up_ref", "route_topk", "route_topk_ref", "MoeLora", "MoeLoraMeta", "MoeLoraPlan", "moe_lora_down",
     "moe_lora_down_ref", "moe_lora_gate_up", "moe_lora_gate_up_ref", "moe_lora_meta", "plan_moe_lora",
     "plan_moe_lora_ref",
-    "linear", "skinny_linear", "skinny_linear_ref",
+    "skinny_linear", "skinny_linear_ref",
     "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref", "rope_qk", "rope_qk_ref", "silu_mul",
     "silu_mul_ref",
 ]

@@ -19,7 +19,8 @@ starts after the kernel that wrote it; an early one starts its dependents only a
 for that kernel), and nothing else writes what the kernel reads before the wait.
 
 `linear_lora` takes the kernel for batches of at most ``LINEAR["max_tokens"]`` tokens; otherwise it runs
-the matmul with its bias (`F.linear`) and `lora.lora_shrink_expand`.
+the matmul with its bias (`skinny.linear`: ``F.linear`` unless the weight has a tuned skinny entry) and
+`lora.lora_shrink_expand`.
 
 Status (H200, bf16, 16 tokens over 8 adapters of rank 32, GPT-OSS-20B's attention; rows in
 benchmarks/results/kernels-lora-linear-h200.jsonl and lora-breakdown-h200.jsonl): it agrees with the
@@ -219,7 +220,7 @@ def check_config(cfg: dict) -> None:
 
 def _projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` in torch, the bias in the GEMM's epilogue (one launch, one rounding, as
-    transformers' ``nn.Linear``): the separate path's first launch, and the reference's."""
+    transformers' ``nn.Linear``): the reference's projection."""
     return F.linear(x, w, bias)
 
 

@@ -43,13 +43,16 @@ import triton.language as tl
 from unipage.kernels.common import cdiv, config_devices, fit_stages, next_pow2
 from unipage.kernels.launch import launch
 
-__all__ = ["SKINNY", "check_config", "linear", "shape_key", "skinny_linear", "skinny_linear_ref", "tuned_config"]
+__all__ = ["ENABLED", "SKINNY", "check_config", "linear", "shape_key", "skinny_linear", "skinny_linear_ref",
+           "tuned_config"]
 
 CONFIG_PATH = Path(__file__).with_name("configs") / "skinny.json"
 # the settings a tuned entry overlays; max_tokens: x of at most this many rows takes the kernel
 SKINNY = {"max_tokens": 0, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 4,
           "swap": False}
 MAX_ROWS = 64  # the kernel's x block: at most this many rows (a larger x takes F.linear)
+MAX_SPLIT = 16  # split_k at most
+ENABLED = True  # False: `linear` is F.linear everywhere (an A/B switch; captured graphs keep what they hold)
 COUNTERS = 1 << 14  # per-device split-K counters: column tiles one launch may have
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -128,8 +131,8 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"skinny_linear: block_n must be a power of two in [16, 256], got {cfg['block_n']}")
     if not (pow2(cfg["block_k"]) and cfg["block_k"] >= 16):
         raise ValueError(f"skinny_linear: block_k must be a power of two >= 16, got {cfg['block_k']}")
-    if not (isinstance(cfg["split_k"], int) and 1 <= cfg["split_k"] <= 16):
-        raise ValueError(f"skinny_linear: split_k must be in [1, 16], got {cfg['split_k']}")
+    if not (isinstance(cfg["split_k"], int) and 1 <= cfg["split_k"] <= MAX_SPLIT):
+        raise ValueError(f"skinny_linear: split_k must be in [1, {MAX_SPLIT}], got {cfg['split_k']}")
     if not isinstance(cfg["swap"], bool):
         raise ValueError(f"skinny_linear: swap must be a bool, got {cfg['swap']!r}")
     if not 0 <= cfg["max_tokens"] <= MAX_ROWS:
@@ -146,11 +149,18 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
                          f"{x.device} and {w.dtype} {w.device}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("skinny_linear: x's and w's rows must be contiguous")
-    if w.numel() >= 1 << 31 or x.numel() >= 1 << 31:
-        raise ValueError(f"skinny_linear: w and x must have fewer than 2**31 elements, got {w.numel()} and {x.numel()}")
-    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.device != w.device):
-        raise ValueError(f"skinny_linear: bias must be [{w.shape[0]}] {w.dtype}, got {tuple(bias.shape)} "
-                         f"{bias.dtype}")
+    if max(_span(x), _span(w), MAX_SPLIT * MAX_ROWS * w.shape[0]) >= 1 << 31:  # (element offsets are 32-bit)
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and w {tuple(w.shape)} must span fewer than 2**31 "
+                         f"elements, and N x {MAX_SPLIT * MAX_ROWS} too (the split-K partials)")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.device != w.device
+                             or bias.stride(0) != 1):
+        raise ValueError(f"skinny_linear: bias must be contiguous [{w.shape[0]}] {w.dtype}, got "
+                         f"{tuple(bias.shape)} {bias.dtype} with strides {bias.stride()}")
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from a 2-D tensor's first to its last, plus one."""
+    return (t.shape[0] - 1) * t.stride(0) + t.shape[1] if t.numel() else 0
 
 
 def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -158,6 +168,9 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
         raise ValueError(f"skinny_linear: {tiles} column tiles with split_k > 1, at most {COUNTERS}")
     counters = _counters.get(device)
     if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (its zero-fill would only be
+            raise RuntimeError("skinny_linear: the first split-K launch on a device must run before CUDA graph "
+                               "capture (its counters are made and zeroed then)")  # recorded, not run)
         counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return counters
 
@@ -180,7 +193,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_per_split)  # (no empty split)
     tiles = cdiv(n, block_n)
-    part = counters = y
+    part = counters = y  # (unused pointers without split-K)
     if split > 1:
         part = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device, tiles)
@@ -220,18 +233,19 @@ def _load_json() -> dict:
 
 
 def reload_configs() -> None:
-    """Read ``configs/skinny.json`` again at the next lookup (after a tuner rewrote it)."""
+    """Read ``configs/skinny.json`` again at the next lookup (after a tuner rewrote it; CUDA graphs captured
+    before keep the launches they hold)."""
     _load_json.cache_clear()
     tuned_config.cache_clear()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)``: `skinny_linear` for w's tuned entry (`tuned_config`) and a 2-D x of 1 to its
-    ``max_tokens`` rows, rows contiguous; ``F.linear`` otherwise."""
-    rows = x.shape[0]
-    if x.dim() == 2 and 0 < rows <= MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype \
-            and x.dtype in (torch.float16, torch.bfloat16):
+    ``max_tokens`` rows, rows and the bias contiguous; ``F.linear`` otherwise (and while `ENABLED` is False)."""
+    if ENABLED and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1 \
+            and x.dtype == w.dtype and x.dtype in (torch.float16, torch.bfloat16) \
+            and (bias is None or bias.stride(0) == 1):
         cfg = tuned_config(w.shape[0], w.shape[1], w.dtype, w.device)
-        if cfg is not None and rows <= cfg["max_tokens"]:
+        if cfg is not None and x.shape[0] <= cfg["max_tokens"]:
             return skinny_linear(x, w, bias, cfg)
     return F.linear(x, w, bias)

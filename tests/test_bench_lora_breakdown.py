@@ -61,25 +61,22 @@ def test_dense_ab_overlays_every_dense_config_and_restores_the_lookup(monkeypatc
     assert lora_plan.launch_config is lookup
 
 
-def test_skinny_ab_turns_every_entry_off_then_back(monkeypatch):
-    """`skinny_ab`: the projections' tuned skinny entries gone (F.linear everywhere), then back."""
+def test_skinny_ab_turns_the_kernel_off_then_back(monkeypatch):
+    """`skinny_ab`: `skinny.linear` on F.linear everywhere (graphs dropped), then the kernel again."""
     from unipage.kernels import skinny
 
     seen, dropped = [], []
-    monkeypatch.setattr(skinny, "tuned_config", lambda *shape: {"block_n": 32})
-    stub = skinny.tuned_config
 
     def a_b_a(engine, args, name, change, restore):
         for apply in (change, restore):
             apply()
-            seen.append(skinny.tuned_config(3136, 4096, "dtype", "device"))
+            seen.append(skinny.ENABLED)
         return {}
 
     monkeypatch.setattr(lb, "_a_b_a", a_b_a)
     monkeypatch.setattr(lb, "_drop_graphs", lambda engine: dropped.append(engine))
     lb.skinny_ab("engine", None)
-    assert seen == [None, {"block_n": 32}] and dropped == ["engine", "engine"]
-    assert skinny.tuned_config is stub
+    assert seen == [False, True] and dropped == ["engine", "engine"] and skinny.ENABLED
 
 
 def test_a_b_a_restores_when_the_changed_run_fails(monkeypatch):

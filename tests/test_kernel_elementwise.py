@@ -22,8 +22,9 @@ def rand(*shape, dtype=torch.float32, seed=0, device=DEVICE) -> torch.Tensor:
     return (x * sign).to(dtype).to(device)
 
 
-def poison(monkeypatch) -> None:
-    """Outputs allocated by the launchers start as NaN instead of whatever memory held."""
+def poison(monkeypatch, *modules) -> None:
+    """Outputs allocated by the launchers of ``modules`` (default: `elementwise`) start as NaN instead of
+    whatever memory held."""
     import unipage.kernels.elementwise as E
 
     real_empty, real_like = torch.empty, torch.empty_like
@@ -40,7 +41,8 @@ def poison(monkeypatch) -> None:
         def empty_like(*a, **kw):
             return real_like(*a, **kw).fill_(float("nan"))
 
-    monkeypatch.setattr(E, "torch", Torch())
+    for module in modules or (E,):
+        monkeypatch.setattr(module, "torch", Torch())
 
 
 # -- RMSNorm ---------------------------------------------------------------
@@ -140,7 +142,9 @@ def test_rope_matches_reference_on_qkv_views(monkeypatch, dtype, tokens, heads, 
 def test_rope_write_kv_matches_rope_then_write(monkeypatch, dtype, tokens, heads, kv_heads):
     """The fused launch against `rope_qk_ref` then `write_kv_ref`: q' the same, the same pool (noise kept
     outside the written rows, a token with slot -1 writing nothing), from strided views of a fused qkv."""
-    poison(monkeypatch)
+    import unipage.kernels.kv_write as kv_write
+
+    poison(monkeypatch, kv_write)
     dim, block_tokens, pages = 16, 4, 6
     qkv = rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
     q, k, v = (t.reshape(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))

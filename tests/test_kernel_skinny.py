@@ -63,6 +63,10 @@ def test_linear_dispatch(monkeypatch):
     assert torch.equal(linear(x5, w, b), F.linear(x5, w, b))  # more rows than max_tokens
     assert torch.equal(linear(x[:, :32], w[:, :32], b), F.linear(x[:, :32], w[:, :32], b))  # no entry
     assert torch.equal(linear(x.float(), w.float(), b.float()), F.linear(x.float(), w.float(), b.float()))
+    b2 = torch.stack([b, b], 1)[:, 0]  # a strided bias: F.linear takes it, the kernel does not
+    assert torch.equal(linear(x, w, b2), F.linear(x, w, b2))
+    monkeypatch.setattr(skinny, "ENABLED", False)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     assert calls == [entry]  # only the first call took the kernel
 
 
@@ -94,8 +98,12 @@ def test_bad_input_and_config():
         skinny_linear(x.float(), w.float(), None)
     with pytest.raises(ValueError, match="contiguous"):
         skinny_linear(x, w.T.contiguous().T, None)
-    with pytest.raises(ValueError, match="bias must be \\[40\\]"):
+    with pytest.raises(ValueError, match="bias must be contiguous \\[40\\]"):
         skinny_linear(x, w, b[:39])
+    with pytest.raises(ValueError, match="bias must be contiguous"):
+        skinny_linear(x, w, torch.stack([b, b], 1)[:, 0])
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        skinny_linear(x, torch.zeros(1, 64, dtype=x.dtype).expand(1 << 25, 64), None)
     for bad in ({"block_n": 24}, {"block_k": 8}, {"split_k": 0}, {"max_tokens": 65}, {"swap": 1}):
         with pytest.raises(ValueError, match="skinny_linear"):
             skinny_linear(x, w, b, bad)
@@ -105,7 +113,7 @@ def test_bad_input_and_config():
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("swap", [False, True])
-def test_gpu_bf16_projection_shapes(rows, split_k, swap):
+def test_gpu_bf16_projection_shapes(rows, split_k, swap, monkeypatch):
     """GPT-OSS-20B's o with its shrink stack (K 4096), bf16, 50 launches: a split-K race would show."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -113,5 +121,18 @@ def test_gpu_bf16_projection_shapes(rows, split_k, swap):
     cfg = {"block_n": 64 if swap else 32, "block_k": 256, "split_k": split_k, "swap": swap}
     first = skinny_linear(x, w, b, cfg)
     assert_matches(first, x, w, b)
+    real_empty = torch.empty
+
+    class Poisoned:  # every output starts as NaN: a launch that wrote nothing cannot pass for the last one's
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*a, **kw):
+            return real_empty(*a, **kw).fill_(float("nan"))
+
+    monkeypatch.setattr(skinny, "torch", Poisoned())
     for _ in range(50):
         assert torch.equal(skinny_linear(x, w, b, cfg), first)
+    if split_k > 1:
+        assert skinny._counters[x.device].count_nonzero().item() == 0  # every tile's counter back to 0

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from unipage import kernels as K
+from unipage.kernels import skinny
 
 
 @dataclass(frozen=True)
@@ -33,18 +34,20 @@ class Ops:
     silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up
     lora_expand_stacked: Callable  # lora_expand_stacked signature: the expand from a shrink stack's h
     fill_entry: Callable  # fill_entry signature: a slot's A rows into a shrink stack's entry
-    linear: Callable  # (x, w, bias) -> x @ w.T (+ bias): the projections and router without LoRA's delta
+    linear: Callable  # (x, w, bias) -> x @ w.T (+ bias): projections, shrink-stack GEMMs, gate/up, the router
 
 
-TORCH = Ops("torch", K.lora_shrink_ref, K.lora_silu_mul_ref, K.linear_lora_ref,
-            K.paged_attention_prefill_ref, None, K.route_topk_ref, K.fused_experts_ref,
-            plans_lora=False, rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref,
-            rope_write_kv=K.rope_write_kv_ref, silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref,
+TORCH = Ops("torch", lora_shrink=K.lora_shrink_ref, lora_silu_mul=K.lora_silu_mul_ref,
+            linear_lora=K.linear_lora_ref, attention_prefill=K.paged_attention_prefill_ref, attention_decode=None,
+            route=K.route_topk_ref, experts=K.fused_experts_ref, plans_lora=False,
+            rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope_write_kv=K.rope_write_kv_ref,
+            silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref,
             linear=F.linear)
-TRITON = Ops("triton", K.lora_shrink, K.lora_silu_mul, K.linear_lora,
-             K.paged_attention_prefill, K.paged_attention_decode, K.route_topk, K.fused_experts, plans_lora=True,
+TRITON = Ops("triton", lora_shrink=K.lora_shrink, lora_silu_mul=K.lora_silu_mul, linear_lora=K.linear_lora,
+             attention_prefill=K.paged_attention_prefill, attention_decode=K.paged_attention_decode,
+             route=K.route_topk, experts=K.fused_experts, plans_lora=True,
              rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope_write_kv=K.rope_write_kv, silu_mul=K.silu_mul,
-             lora_expand_stacked=K.lora_expand_stacked, fill_entry=K.fill_entry, linear=K.linear)
+             lora_expand_stacked=K.lora_expand_stacked, fill_entry=K.fill_entry, linear=skinny.linear)
 
 
 def ops_for(device: torch.device, kernels: str | None = None) -> Ops:

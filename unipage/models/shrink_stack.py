@@ -4,7 +4,7 @@ For every layer's q/k/v and o projections, a `ShrinkStack` keeps the base weight
 of up to K adapters in one buffer ``ext [n + K*J*RB, D]`` (layout in `unipage.kernels.lora_stack`);
 the layer's weight and bias become views of ext's first n rows, so W is not held twice.  A step of
 at most ``max_tokens`` tokens with LoRA (`covers`) then runs ``x @ ext.T`` — the projection and every
-entry's ``h = x @ A.T`` in one cuBLAS GEMM — and `lora_expand_stacked`, instead of the paged shrink
+entry's ``h = x @ A.T`` in one GEMM (`Ops.linear`) — and `lora_expand_stacked`, instead of the paged shrink
 kernel: one launch fewer per projection.  Larger steps take the paged shrink; B stays in the pool.
 
 Entries.  `prepare`, before such a step's forward pass, gives each adapter slot of the step an entry
