@@ -320,10 +320,10 @@ class DecoderLM:
         return self._project(act, layer.w_down, None, pool_l, layer_lora and layer_lora.down, ctx)
 
     def _moe(self, layer: LayerWeights, x, pool_l, layer_lora: LayerLora | None, ctx: _Context):
-        # the router bias and the rounding of the weights to the model dtype (as transformers does) are
-        # done by the routing kernel: no separate launches
-        weights, ids = self.ops.route(self.ops.linear(x, layer.router, None), self.model.top_k, self.renormalize,
-                                      bias=layer.router_bias, weight_dtype=x.dtype)
+        # the router's bias goes into its GEMM (one rounding, as transformers' F.linear); the routing kernel
+        # rounds the weights to the model dtype, as transformers does
+        logits = self.ops.linear(x, layer.router, layer.router_bias)
+        weights, ids = self.ops.route(logits, self.model.top_k, self.renormalize, weight_dtype=x.dtype)
         moe_lora = None
         if ctx.lora is not None and layer_lora.moe.any_lora:
             moe_lora = MoeLora(pool_l, ctx.lora.page_table, ctx.batch.token_slots, layer_lora.moe,
