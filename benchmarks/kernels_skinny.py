@@ -38,7 +38,7 @@ MARGIN = 0.03  # --save: an entry only where the kernel beat F.linear by this fr
 # name: (N, K, bias)
 SHAPES = {"gpt-oss-20b qkv+stack": (5120 + 8 * 3 * 32, 2880, True), "gpt-oss-20b o+stack": (2880 + 8 * 32, 4096, True),
           "gpt-oss-20b qkv": (5120, 2880, True), "gpt-oss-20b o": (2880, 4096, True),
-          "gpt-oss-20b router": (32, 2880, False)}
+          "gpt-oss-20b router": (32, 2880, True)}
 # the plain kernel, then the swapped one (w's tile the dot's tall operand: block_n >= 64)
 SWEEP = ({"swap": (False,), "block_n": (16, 32, 64), "block_k": (128, 256, 512), "split_k": (1, 2, 4, 8),
           "num_stages": (3, 5)},
