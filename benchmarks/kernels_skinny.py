@@ -7,8 +7,8 @@ Shapes: GPT-OSS-20B's decode projections, bf16 (with its bias where the model ha
 the shrink stack of 8 adapters of rank 32 under W (what setup (a)'s LoRA steps run), without it (the
 base model's), and the router.  Each timing is a CUDA graph of ``LAYERS`` projections with weights of
 their own (W comes from HBM, as in a decode step), L2 flushed before each replay, per projection.
-Rows ``skinny``: ``linear_us`` (F.linear), ``skinny_us`` (the kernel with `SKINNY` updated by
-``--config``), ``floor_us`` (W, the bias and x over the read bandwidth measured in the run) and
+Rows ``skinny``: ``linear_us`` (F.linear), ``skinny_us`` (the kernel with the shape's tuned entry for
+this GPU, else `SKINNY`, updated by ``--config``), ``floor_us`` (W, the bias and x over the read bandwidth measured in the run) and
 ``max_rel_diff`` (the kernel against F.linear, over the largest value).  ``--tune`` times every
 setting of `SWEEP` per shape and ``--tokens`` count: rows ``skinny_tune`` with the best setting and the
 five fastest; with ``--save`` it writes a shape's entry into ``configs/skinny.json`` for this GPU up to
@@ -123,18 +123,24 @@ def save(rows: list[dict], device: str, path=None) -> None:
     n, k, _ = SHAPES[rows[0]["shape"]]
     table, key = data.setdefault("tuned", {}).setdefault(device, {}), sk.shape_key(n, k, torch.bfloat16)
     if won is not None:
-        table[key] = {**{name: won["best"][name] for name in ("block_n", "block_k", "split_k", "num_warps",
-                                                             "num_stages", "swap")}, "max_tokens": won["tokens"]}
+        table[key] = {**{name: won["best"][name] for name in SKINNY if name != "max_tokens"},
+                      "max_tokens": won["tokens"]}
     else:
         table.pop(key, None)
     path.write_text(json.dumps(data, indent=1) + "\n")
     sk.reload_configs()
 
 
+def served_config(name: str) -> dict:
+    """The setting `skinny.linear` runs for shape ``name`` on this GPU (its tuned entry), else `SKINNY`'s."""
+    n, k, _ = SHAPES[name]
+    return sk.tuned_config(n, k, torch.bfloat16, torch.device("cuda", torch.cuda.current_device())) or SKINNY
+
+
 def bench(args, out) -> None:
-    bandwidth, config = read_bandwidth(), SKINNY | json.loads(args.config or "{}")
+    bandwidth, overrides = read_bandwidth(), json.loads(args.config or "{}")
     for name, tokens in itertools.product(args.shapes, args.tokens):
-        s = setup(name, tokens)
+        s, config = setup(name, tokens), served_config(name) | overrides
         floor = s["bytes"] / bandwidth * 1e6
         skinny_us = per_layer_us(skinny(s, config))
         emit({"bench": "skinny", "shape": name, "tokens": tokens, "linear_us": round(per_layer_us(cublas(s)), 2),
@@ -150,7 +156,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=[16])
     p.add_argument("--tune", action="store_true", help="sweep the launch settings instead")
     p.add_argument("--save", action="store_true", help="--tune: write the winners into configs/skinny.json")
-    p.add_argument("--config", default=None, help="JSON merged into SKINNY (not with --tune)")
+    p.add_argument("--config", default=None, help="JSON merged into each shape's setting (not with --tune)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -29,7 +29,7 @@ them without the shrink stack (`shrink_stack`: the paged shrink kernels), then w
 with those settings on every MoE LoRA launch config (paths as `kernels_moe.with_path`), then as tuned
 (``lora_moe_ab``: ``overrides``, ``other`` and ``after``); ``--dense-ab JSON`` likewise with settings over the
 dense LoRA launch configs, tuned entries too (``lora_dense_ab``); ``--skinny-ab`` times both runs' steps
-with every projection on ``F.linear`` (no tuned `skinny` entry), then with the entries again
+with every projection on ``F.linear`` (`skinny.ENABLED` off), then with the skinny kernel again
 (``*_skinny_ab``: ``off`` and ``after``); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
 decodes is profiled (twice: the first makes its graphs).  Per window (decode,
