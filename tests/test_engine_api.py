@@ -17,7 +17,7 @@ from unipage.config import LoRAConfig, PoolConfig
 from unipage.engine import Engine
 from unipage.errors import AdapterBusyError, CheckpointError, UnknownAdapterError
 from unipage.models.weights import Checkpoint
-from unipage.sampling import filter_logits, make_generator, sample
+from unipage.sampling import filter_logits, make_generator, sample, sample_tokens
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -114,7 +114,7 @@ def test_adapter_effects_run_once_the_forward_pass_is_launched(moe, monkeypatch)
 
     monkeypatch.setattr(engine.model, "forward", logged("forward", engine.model.forward))
     monkeypatch.setattr(engine, "_perform", logged("effects", engine._perform))
-    monkeypatch.setattr(runner_module, "sample", logged("sample", runner_module.sample))
+    monkeypatch.setattr(runner_module, "sample_tokens", logged("sample", runner_module.sample_tokens))
     monkeypatch.setattr(engine.storage, "mark_step", logged("mark", engine.storage.mark_step))
     engine.add_request(Request("r", [1, 2, 3], adapter="a", sampling=GREEDY, max_tokens=2))
     engine.step()  # the load starts (and completes, on CPU); nothing runs
@@ -192,6 +192,34 @@ def test_filter_logits_keeps_the_nucleus():
     kept = filter_logits(logits, top_k=0, top_p=0.7).isfinite().tolist()
     assert kept == [True, True, False, False]  # 0.5 < 0.7, 0.5 + 0.3 reaches it
     assert filter_logits(logits, top_k=3, top_p=1.0).isfinite().tolist() == [True, True, True, False]
+
+
+def test_filter_logits_matches_masking_the_sorted_tail():
+    """The nucleus is cut without reading anything back on the host: the same as dropping, in sorted order,
+    every token whose predecessors' mass reaches top_p."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        logits = torch.randn(50, generator=gen) * 3
+        top_p = float(torch.rand((), generator=gen))
+        probs = torch.softmax(logits, dim=-1)
+        order = torch.argsort(logits, descending=True)
+        before = torch.cumsum(probs[order], dim=-1) - probs[order]
+        keep = set(order[(before < top_p) | (torch.arange(50) == 0)].tolist())
+        got = filter_logits(logits, top_k=0, top_p=top_p)
+        assert {i for i in range(50) if got[i].isfinite()} == keep
+        assert torch.equal(got[sorted(keep)], logits[sorted(keep)])
+
+
+def test_sample_tokens_gives_sample_as_a_tensor():
+    """`sample_tokens` (what the runner feeds to a decode step run ahead) is `sample` before the host reads
+    it: greedy and seeded rows alike."""
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=5, top_p=0.9),
+              SamplingParams(temperature=1.2, seed=6, top_k=4), SamplingParams(temperature=0)]
+    tokens = sample_tokens(logits, params, [make_generator(p, torch.device("cpu")) for p in params])
+    assert tokens.dtype == torch.int64 and tokens.shape == (4,)
+    assert tokens.tolist() == sample(logits, params, [make_generator(p, torch.device("cpu")) for p in params])
+    assert tokens[0] == logits[0].argmax() and tokens[3] == logits[3].argmax()
 
 
 def test_sampler_draws_from_the_distribution():

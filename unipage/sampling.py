@@ -29,7 +29,7 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """``logits [V]`` with everything outside the top-k and the top-p nucleus set to -inf."""
+    """``logits [V]`` with everything outside the top-k and the top-p nucleus set to -inf (no host sync)."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -39,19 +39,25 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
         drop = before >= top_p
         drop[0] = False
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits [R, V]``."""
-    tokens = logits.argmax(dim=-1).tolist()
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``logits [R, V]``, as an int64 tensor on their device; nothing waits for the
+    device (the decode run-ahead feeds these tokens to the next step before the host has read them)."""
+    tokens = logits.argmax(dim=-1)
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.temperature < GREEDY_BELOW:
             continue
         scaled = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(scaled, dim=-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+        tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
     return tokens
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of ``logits [R, V]``."""
+    return sample_tokens(logits, params, generators).tolist()
