@@ -35,6 +35,9 @@ class SchedulerConfig:
     #   step, every running request only decodes and the batch has room: prompts whose adapters land a step or
     #   two apart then share one prefill step (0 = never wait; the slo policy's TTFT prediction does not count
     #   these waits; see Admission.waits), >= 0
+    decode_kv_ahead: int = 0  # a decode also takes KV room for this many tokens past its own where the pool has
+    #   them free or reclaimable (never preempting for them): the engine's decode run-ahead writes the next
+    #   step's KV before this scheduler has seen the step's tokens (`unipage.runner`), >= 0
     affinity_max_wait_s: float = 1.0  # affinity: a request waiting this long goes first, in FCFS order, >= 0
     vtc_client: str = "adapter"  # vtc: whose virtual token counter a request charges: adapter or tenant
     vtc_input_weight: float = 1.0  # vtc: counter increment per prompt token computed, > 0
@@ -46,7 +49,8 @@ class SchedulerConfig:
         require(int_at_least(self.max_model_len, 2), "max_model_len", "an integer >= 2", self.max_model_len)
         for name in ("max_num_batched_tokens", "max_num_seqs", "lookahead"):
             require(int_at_least(getattr(self, name), 1), name, "an integer >= 1", getattr(self, name))
-        for name in ("long_prefill_token_threshold", "max_skips", "prefetch_depth", "prefill_coalesce_steps"):
+        for name in ("long_prefill_token_threshold", "max_skips", "prefetch_depth", "prefill_coalesce_steps",
+                     "decode_kv_ahead"):
             require(int_at_least(getattr(self, name), 0), name, "an integer >= 0", getattr(self, name))
         require(self.admission in ADMISSION_MODES, "admission", f"one of {list(ADMISSION_MODES)}",
                  self.admission)

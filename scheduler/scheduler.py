@@ -97,6 +97,9 @@ class Scheduler:
         self._slides = bool(self.kv.window)  # sliding-window layers return pages that leave the window
         self._grouped = self.kv.num_groups > 1  # ... from a block table of their own
         self._chunk = config.long_prefill_token_threshold or config.max_num_batched_tokens
+        self._ahead = 0 if self._reserve else config.decode_kv_ahead  # (reserve mode: the reservation's room)
+        if self._ahead > self.block_tokens:
+            raise ValueError(f"decode_kv_ahead {self._ahead} exceeds a KV block ({self.block_tokens} tokens)")
         self.running_adapters: dict[str, int] = {}  # adapter -> running requests using it (read-only)
         self._awaiting: dict[str, dict[str, Request]] = {}  # adapter -> its WAITING_FOR_ADAPTER requests
         self._in_flight: Step | None = None  # the step being run
@@ -242,21 +245,21 @@ class Scheduler:
         without a preemption, it goes one by one and stops at the first request that would need one, and
         returns how many requests it scheduled; `_schedule_from` takes over from there.
         """
-        running, full = self.running, []
+        running, full, ahead = self.running, [], self._ahead
         if self.kv.prefix_caching and not self._slides:  # (with slides, the slide loop committed)
             commit, block = self.kv.commit, self.block_tokens
             for req in running:  # the hottest loop of a step
                 done = req.num_computed_tokens
-                if done >= req.next_commit:  # a block filled: commit it (`_commit`, inlined) ...
+                if done >= req.next_commit:  # a block filled: commit it (`_commit`, inlined)
                     commit(req.request_id, req.all_token_ids, done)
                     req.next_commit = (done // block + 1) * block
-                    if done >= req.capacity:  # ... and if it was the last, one more (next_commit <= capacity)
-                        full.append(req)
+                if done + ahead >= req.capacity:  # its last block is full (or will be within `ahead`): one more
+                    full.append(req)
                 req.num_computed_tokens = done + 1
         else:
             for req in running:
                 done = req.num_computed_tokens
-                if done >= req.capacity:
+                if done + ahead >= req.capacity:
                     full.append(req)
                 req.num_computed_tokens = done + 1
         if full and not self._grow_each(full, step):
@@ -267,11 +270,13 @@ class Scheduler:
         return len(running)
 
     def _schedule_decodes_one_by_one(self, step: Step) -> int:
-        """`_schedule_decodes` when memory is short: growth one request at a time, up to a preemption."""
-        running, scheduled = self.running, len(self.running)
+        """`_schedule_decodes` when memory is short: growth one request at a time, up to a preemption (room
+        ahead, ``decode_kv_ahead``, is taken where it fits and never preempts)."""
+        running, scheduled, ahead = self.running, len(self.running), self._ahead
         for req in running:
             done = req.num_computed_tokens
-            if done >= req.capacity and not self._extend_kv(req, done + 1, step):
+            if (done + ahead >= req.capacity and not (ahead and self._extend_kv(req, done + 1 + ahead, step))
+                    and done >= req.capacity and not self._extend_kv(req, done + 1, step)):
                 scheduled = running.index(req)
                 break
             req.num_computed_tokens = done + 1
@@ -319,7 +324,7 @@ class Scheduler:
                 if done + n > req.capacity and not self._grow(req, done + n, step):
                     continue  # preempted itself
                 step.partial.append(len(reqs))
-            elif done + n > req.capacity and not self._grow(req, done + n, step):
+            elif not self._room(req, done + n, step):
                 continue
             reqs.append(req)
             counts.append(n)
@@ -332,6 +337,16 @@ class Scheduler:
             if not budget:
                 break
         step.budget = budget
+
+    def _room(self, req: Request, tokens: int, step: Step) -> bool:
+        """Room for ``tokens`` tokens of KV as `_grow` makes it, and ``decode_kv_ahead`` more where they fit
+        without preempting (one growth a step: `_extend_kv` records the step's new pages)."""
+        ahead = tokens + self._ahead
+        if ahead <= req.capacity:
+            return True
+        if self._ahead and self._extend_kv(req, ahead, step):
+            return True
+        return tokens <= req.capacity or self._grow(req, tokens, step)
 
     def _grow(self, req: Request, tokens: int, step: Step) -> bool:
         """Room for ``tokens`` tokens of KV; preempt victims (not yet scheduled) until it fits. False: req was one."""
