@@ -5,7 +5,9 @@
 
 Builds the engine as `lora_breakdown` does (random weights at ``--shape``, ``--adapters`` random adapters of
 ``--rank`` on every linear layer), brings ``--running`` requests to steady decode, base model and then the
-adapters round-robin, and runs ``--steps`` decode steps back to back as a server does (no extra syncs).
+adapters round-robin, and runs ``--steps`` decode steps back to back as a server does (no extra syncs), but
+without the decode run-ahead (`lora_breakdown.build`), so that each step's host work is what the GPU waits
+for; ``serve.py`` times steps with it.
 The engine's phases are wrapped with host timers; per run one row of medians in microseconds:
 
 - ``exposed_us``: from the previous step's sampled tokens reaching the host to this step's decode graph run
@@ -64,17 +66,21 @@ class HostClock:
         self._wrap(graphs.inputs, "fill", "fill_rows")
         self._wrap(graphs, "run", "graph_run", mark="launched")
         self._wrap(runner.model, "logits", "logits")
-        self._wrap(runner_module, "sample", "sample", mark="sampled")
+        self._wrap(runner_module, "sample_tokens", "sample", mark="sampled", sync=True)
         self._wrap(engine.storage, "mark_step", "mark_step")
         self._wrap(engine, "_poll_loads", "poll")
         self._wrap(engine, "_watch_progress", "watch")
 
-    def _wrap(self, owner, name: str, phase: str, mark: str | None = None) -> None:
+    def _wrap(self, owner, name: str, phase: str, mark: str | None = None, sync: bool = False) -> None:
+        """``sync``: the call ends once the device has caught up (sampling launches; the runner reads its
+        tokens just after)."""
         real = getattr(owner, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             out = real(*args, **kwargs)
+            if sync and out.is_cuda:
+                torch.cuda.current_stream(out.device).synchronize()
             end = time.perf_counter()
             self.spent[phase] = self.spent.get(phase, 0.0) + end - start
             if mark:

@@ -84,7 +84,8 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
                     lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.adapters),
                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
-                                              max_num_batched_tokens=args.budget), load_format="dummy")
+                                              max_num_batched_tokens=args.budget), load_format="dummy",
+                    run_ahead=False)  # (steps timed one by one: none launched ahead of its own)
     names = [f"a{i}" for i in range(len(paths))]
     for name, path in zip(names, paths):
         engine.add_adapter(name, path)

@@ -123,8 +123,9 @@ def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None 
                       host_cache_bytes=int(a.host_cache_gib * (1 << 30)))
     pool = PoolConfig(num_pages=pool_pages) if pool_pages else None
     drv.log(f"loading {os.path.basename(model_dir)} (dummy weights) on {ctx.device}")
+    graphs = GRAPHS[a.cuda_graphs] if ctx.device.type == "cuda" else None
     return Engine(model_dir, device=ctx.device, dtype=a.dtype, pool=pool, lora=lora, scheduler=sched,
-                  load_format="dummy", cuda_graphs=GRAPHS[a.cuda_graphs] if ctx.device.type == "cuda" else None)
+                  load_format="dummy", cuda_graphs=graphs, run_ahead=("on" in a.run_ahead) if graphs else None)
 
 
 def graphs_label(ctx: Context) -> str:
@@ -154,6 +155,7 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
     with drv.DiskLog(engine) as disk:
         count = min(a.warmup_requests, work.concurrency, len(work.prompts))
         warm = drv.warm_up(engine, dataclasses.replace(work, concurrency=count), a.warmup_tokens)
+        ahead = engine.runner.ahead_taken, engine.runner.ahead_dropped
         with drv.StepLog(engine, ranks, floor) as steps:
             drv.log(f"{work.name}: {len(work.prompts)} requests, {work.concurrency} in flight")
             timeline = drv.drive(engine, work, steps)
@@ -170,6 +172,7 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
               "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_graph_pieces(engine),
+              "run_ahead": engine.runner.run_ahead, **ahead_counts(engine, ahead),
               "linear": dict(lora_linear.LINEAR),
               "commit": ctx.commit}
     emit(record, ctx.out)
@@ -240,8 +243,28 @@ def setup_a(ctx: Context) -> None:
 
 
 def variants(ctx: Context, engine: Engine, work: drv.Workload):
-    """`piece_variants` or, with ``--linear-configs``, `linear_variants` (they exclude each other)."""
+    """`piece_variants`, or with ``--linear-configs`` `linear_variants`, or with several ``--run-ahead``
+    values `run_ahead_variants` (they exclude each other)."""
+    if len(ctx.args.run_ahead) > 1:
+        return run_ahead_variants(ctx, engine, work)
     return (linear_variants if ctx.args.linear_configs else piece_variants)(ctx, engine, work)
+
+
+def run_ahead_variants(ctx: Context, engine: Engine, work: drv.Workload):
+    """``work`` once per ``--run-ahead`` value, the engine's decode run-ahead (`ModelRunner.run_ahead`) set
+    to it before each run: an A/B in one process (the scheduler keeps its KV room ahead throughout).  Runs
+    get prompts as in `piece_variants`, names ``-ra<value>-<i>``."""
+    if engine.runner.graphs is None:
+        raise SystemExit("--run-ahead on needs the decode CUDA graphs (a CUDA device, --cuda-graphs all or decode)")
+    for i, value in enumerate(ctx.args.run_ahead):
+        engine.runner.run_ahead = value == "on"
+        yield _fresh_prompts(ctx, engine, work, f"{work.name}-ra{value}-{i}", i)
+
+
+def ahead_counts(engine: Engine, before: tuple[int, int]) -> dict:
+    """Decode steps run ahead during a run: used, and thrown away (`ModelRunner.ahead_taken` / ``_dropped``)."""
+    runner = engine.runner
+    return {"ahead_taken": runner.ahead_taken - before[0], "ahead_dropped": runner.ahead_dropped - before[1]}
 
 
 def linear_variants(ctx: Context, engine: Engine, work: drv.Workload):
@@ -477,6 +500,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "(default: c 3, others 0)")
     p.add_argument("--cuda-graphs", choices=sorted(GRAPHS), default="all",
                    help="CUDA graphs of decode and mixed steps (all), of decode steps only, or none (CUDA only)")
+    p.add_argument("--run-ahead", nargs="+", choices=["on", "off"], default=["on"],
+                   help="decode steps launch the next one before the host reads their tokens (Engine(run_ahead=...), "
+                        "CUDA graphs only); several values: a, b run each workload once per value, in one process")
     p.add_argument("--host-cache-gib", type=float, default=8.0, help="host tier (CPU memory) for adapters")
     p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
                    help="b: model shapes")

@@ -50,7 +50,7 @@ def moe(tmp_path_factory):
 
 
 def test_every_phase_of_a_decode_step_is_timed(moe, monkeypatch):
-    monkeypatch.setattr(runner_module, "sample", runner_module.sample)  # HostClock wraps it: restored after
+    monkeypatch.setattr(runner_module, "sample_tokens", runner_module.sample_tokens)  # HostClock wraps it: restored after
     engine = Engine(moe.model_dir, device="cpu", pool=PoolConfig(num_pages=512))
     engine.add_adapter("a", moe.adapters["fused-r4"])
     engine.runner.graphs = EagerDecode(engine.runner)

@@ -124,3 +124,67 @@ def test_a_finished_sequence_is_not_kept_alive():
     del done
     gc.collect()
     assert probe() is None
+
+
+def _check_fed(inputs: DecodeInputs, seqs: list[Seq], bucket: int, groups: int, room: list[bool]) -> None:
+    """A fill run ahead: rows of sequences with a page for their position take their token from the device
+    (id -1); the others are padding."""
+    for i, (seq, ok) in enumerate(zip(seqs, room)):
+        pos = seq.num_computed
+        tables = (seq.block_table, seq.window_table)[:groups]
+        assert ok == all(pos // BT < len(t) for t in tables)
+        if not ok:
+            assert (inputs.np64[:2, i] == 0).all() and (inputs.np64[2:, i] == -1).all()
+            assert inputs.lens[i] == 1 and inputs.slots[i] == -1 and (inputs.tables[i, :, 0] == 0).all()
+            continue
+        assert inputs.np64[0, i] == -1 and inputs.np64[1, i] == pos
+        assert inputs.lens[i] == pos + 1 and inputs.slots[i] == seq.slot
+        for g, table in enumerate(tables):
+            assert inputs.np64[2 + g, i] == table[pos // BT] * BT + pos % BT
+            assert np.array_equal(inputs.tables[i, g, :len(table)], table), f"row {i} group {g}"
+    n = len(seqs)
+    assert (inputs.np64[:2, n:bucket] == 0).all() and (inputs.np64[2:, n:bucket] == -1).all()
+    assert (inputs.lens[n:bucket] == 1).all() and (inputs.slots[n:bucket] == -1).all()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_fills_run_ahead_feed_tokens_and_pad_sequences_without_a_page(groups, seed):
+    """Between plain fills, fills of the step after (`DecodeGraphs.run_ahead`): each sequence one position
+    on before its token is known, its page for it there or not yet; the plain fill after is still whole."""
+    rng = random.Random(seed)
+    inputs = DecodeInputs(ROWS, groups, MAX_BLOCKS, BT, pin=False)
+    seqs = [_new(rng, groups) for _ in range(8)]
+    padded = fed = 0
+    for _ in range(150):
+        bucket = rng.randrange(len(seqs), ROWS + 1)
+        inputs.fill(seqs, bucket)
+        _check(inputs, seqs, bucket, groups)
+        for seq in seqs:  # the step ran: its token is on the device only
+            seq.num_computed += 1
+            if rng.random() < 0.7:  # the scheduler kept room ahead
+                while len(seq.block_table) * BT < seq.num_computed + 1:
+                    seq.block_table.append(rng.randrange(0, 500))
+                    if seq.window_table is not None:
+                        seq.window_table.append(rng.randrange(0, 500))
+        seqs = [s for s in seqs if len(s.block_table) <= MAX_BLOCKS] or [_new(rng, groups)]  # (as `accepts`)
+        room = inputs.fill(seqs, bucket, fed=True)
+        _check_fed(inputs, seqs, bucket, groups, room)
+        padded, fed = padded + room.count(False), fed + room.count(True)
+        for seq in seqs:  # the token reaches the host; the next step's pages come
+            seq.token_ids.append(rng.randrange(1, 100))
+            while len(seq.block_table) * BT < seq.num_computed + 1:
+                seq.block_table.append(rng.randrange(0, 500))
+                if seq.window_table is not None:
+                    seq.window_table.append(rng.randrange(0, 500))
+        if rng.random() < 0.2:
+            seqs.insert(rng.randrange(len(seqs) + 1), _new(rng, groups))
+        if rng.random() < 0.2 or len(seqs) > ROWS:
+            seqs.pop(rng.randrange(len(seqs)))
+        seqs = [s for s in seqs if len(s.block_table) <= MAX_BLOCKS] or [_new(rng, groups)]
+    assert padded > 20 and fed > 500
+
+
+def test_a_plain_fill_returns_none():
+    inputs = DecodeInputs(4, 1, 8, BT, pin=False)
+    assert inputs.fill([Seq(list(range(3)), 2, 1, [1], None)], 2) is None

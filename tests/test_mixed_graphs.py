@@ -83,3 +83,10 @@ def test_cuda_graphs_values_are_checked(family, value):
         LLM(family.model_dir, device="cpu", pool=PoolConfig(num_pages=64), cuda_graphs=value)
     with pytest.raises(ValueError, match="needs the Triton kernels"):
         LLM(family.model_dir, device="cpu", pool=PoolConfig(num_pages=64), cuda_graphs="decode")
+
+
+@pytest.mark.parametrize("value, message", [("on", "run_ahead must be None, True or False"),
+                                            (True, "run_ahead needs the decode CUDA graphs")])
+def test_run_ahead_values_are_checked(family, value, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(family.model_dir, device="cpu", pool=PoolConfig(num_pages=64), run_ahead=value)

@@ -17,6 +17,7 @@ a load completes inside the step that starts it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -75,12 +76,16 @@ class Engine:
     def __init__(self, model_dir: str | os.PathLike, *, device: str | torch.device | None = None,
                  dtype: str | None = None, pool: PoolConfig | None = None, lora: LoRAConfig | None = None,
                  scheduler: SchedulerConfig | None = None, kernels: str | None = None,
-                 load_format: str = "safetensors", cuda_graphs: bool | str | None = None) -> None:
+                 load_format: str = "safetensors", cuda_graphs: bool | str | None = None,
+                 run_ahead: bool | None = None) -> None:
         """``load_format``: "safetensors" reads the checkpoint's weights; "dummy" needs only its
         ``config.json`` and draws random weights on the device (benchmarks at real shapes).
         ``cuda_graphs``: replay captured CUDA graphs for decode steps (`unipage.graphs`) and, piecewise
         around the attention, for the other steps (`unipage.mixed_graphs`); ``"decode"``: for decode
-        steps only; False: none.  Default: both with the Triton kernels on CUDA.  `close` (or a ``with``
+        steps only; False: none.  Default: both with the Triton kernels on CUDA.
+        ``run_ahead``: each decode step launches the next one's graph before the host reads its tokens, so
+        that the GPU does not wait for the host between decode steps (`ModelRunner.execute`; the scheduler
+        then keeps KV room a token ahead, ``decode_kv_ahead``).  Default: on with the decode graphs.  `close` (or a ``with``
         block) releases the pool storage's shared memory and reader processes."""
         self.closed = False
         model_dir = os.fspath(model_dir)
@@ -105,9 +110,13 @@ class Engine:
         self.storage = PoolStorage(self.config, self.device)
         try:
             max_len = min(int(hf.get("max_position_embeddings") or 4096), 8192)
-            self.scheduler = Scheduler(self.memory, scheduler or SchedulerConfig(max_model_len=max_len))
+            scheduler = scheduler or SchedulerConfig(max_model_len=max_len)
+            limits = self._graph_limits(cuda_graphs, run_ahead, scheduler)
+            if limits is not None and limits.run_ahead and not scheduler.decode_kv_ahead:
+                scheduler = dataclasses.replace(scheduler, decode_kv_ahead=1)
+            self.scheduler = Scheduler(self.memory, scheduler)
             self.runner = ModelRunner(self.model, self.storage.pool, self.config.pool.block_tokens, self.device,
-                                      graphs=self._graph_limits(cuda_graphs), lora_slots=self._lora_slots())
+                                      graphs=limits, lora_slots=self._lora_slots())
         except BaseException:  # no engine to close: release the storage here
             self.close()
             raise
@@ -143,17 +152,22 @@ class Engine:
         if self.model.stack is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _graph_limits(self, wanted: bool | str | None) -> GraphLimits | None:
+    def _graph_limits(self, wanted: bool | str | None, ahead: bool | None,
+                      sched: SchedulerConfig) -> GraphLimits | None:
         if not (wanted is None or isinstance(wanted, bool) or (isinstance(wanted, str) and wanted == "decode")):
             raise ValueError(f"cuda_graphs must be None, True, False or 'decode', got {wanted!r}")
+        if ahead not in (None, True, False):
+            raise ValueError(f"run_ahead must be None, True or False, got {ahead!r}")
         triton = self.model.ops.name == "triton"
         if wanted and not triton:
             raise ValueError("cuda_graphs needs the Triton kernels on a CUDA device")
         if not (triton if wanted is None else wanted):
+            if ahead:
+                raise ValueError("run_ahead needs the decode CUDA graphs (cuda_graphs)")
             return None
-        sched = self.scheduler.config
         mixed = 0 if wanted == "decode" else sched.max_num_batched_tokens
-        return GraphLimits(sched.max_num_seqs, sched.max_model_len, self.config.lora.max_adapters_per_batch, mixed)
+        return GraphLimits(sched.max_num_seqs, sched.max_model_len, self.config.lora.max_adapters_per_batch, mixed,
+                           ahead is not False)
 
     def _lora_slots(self) -> int | None:
         """Dense models: LoRA tables sized for every adapter the pool could hold (an adapter takes at least

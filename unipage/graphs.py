@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -125,11 +126,17 @@ class DecodeInputs:
         self._held: list[weakref.ref | None] = [None] * rows  # the sequence whose tables row i holds
         self._written = [[0] * groups for _ in range(rows)]  # pages of each table written in row i
 
-    def fill(self, seqs, bucket: int) -> None:
-        """Rows ``[0, len(seqs))`` from ``seqs`` (`SeqState`s, one token each), padding up to ``bucket``."""
+    def fill(self, seqs, bucket: int, fed: bool = False) -> list[bool] | None:
+        """Rows ``[0, len(seqs))`` from ``seqs`` (`SeqState`s, one token each, at ``num_computed``), padding up
+        to ``bucket``.  ``fed``: the tokens are not on the host yet: each row's id is -1, which the graph
+        replaces by `DecodeGraphs.fed`'s token of that row, and a sequence whose tables hold no page for
+        its position yet gets a padding row; returns which rows hold their sequence (None without ``fed``)."""
         n, bt, np64 = len(seqs), self.block_tokens, self.np64
         pos = [seq.num_computed for seq in seqs]
-        np64[0, :n] = [seq.token_ids[p] for seq, p in zip(seqs, pos)]
+        room = [self._has_room(seq, p // bt) for seq, p in zip(seqs, pos)] if fed else None
+        if fed and not all(room):
+            pos = [p if ok else 0 for p, ok in zip(pos, room)]  # (a page every table has; padded below)
+        np64[0, :n] = -1 if fed else [seq.token_ids[p] for seq, p in zip(seqs, pos)]
         np64[1, :n] = pos
         self.lens[:n] = [p + 1 for p in pos]
         self.slots[:n] = [seq.slot for seq in seqs]
@@ -138,7 +145,13 @@ class DecodeInputs:
             np64[2 + group, :n] = [t[p // bt] * bt + p % bt for t, p in zip(tables, pos)]
         for i, seq in enumerate(seqs):
             self._write_tables(i, seq)
+        for i in () if room is None else (i for i, ok in enumerate(room) if not ok):
+            self.pad(i, i + 1)
         self.pad(n, bucket)
+        return room
+
+    def _has_room(self, seq, block: int) -> bool:
+        return block < len(seq.block_table) and (self.groups == 1 or block < len(seq.window_table))
 
     def _write_tables(self, row: int, seq) -> None:
         held, written = self._held[row], self._written[row]
@@ -166,6 +179,18 @@ class DecodeInputs:
         self._held[start:end] = [None] * (end - start)
 
 
+@dataclass
+class RunAhead:
+    """A decode step launched by `DecodeGraphs.run_ahead`, to be taken by `take_ahead`.  It holds its
+    sequences, so their ids name them while it lives."""
+
+    seqs: list  # `SeqState`s of the rows, in order
+    rows: dict[int, int]  # id(seq) -> its row, for the sequences that got one
+    positions: list[int]  # each row's position
+    hidden: torch.Tensor  # [bucket, H] the graph's output
+    epoch: int  # `DecodeGraphs.epoch` at the launch
+
+
 def bucket_sizes(max_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond; the last is ``max_seqs``."""
     sizes, b = [], 1
@@ -187,6 +212,7 @@ class DecodeGraphs:
         self.dev64 = torch.zeros(2 + groups, rows, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(rows * (2 + groups * max_blocks), dtype=torch.int32, device=device)
         self.max_blocks, self.groups = max_blocks, groups
+        self.fed = torch.zeros(rows, dtype=torch.int64, device=device)  # tokens fed on the device (`run_ahead`)
         self.cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(rows, dtype=torch.int64, device=device)
         self.piece_layers = PIECE_LAYERS
@@ -194,6 +220,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], tuple[list[torch.cuda.CUDAGraph], torch.Tensor]] = {}  # (bucket, LoRA) ->
         self.generation = -1  # the LoRA tables' generation the graphs were captured with
         self.replays = self.captures = 0  # counters, for tests and benchmarks
+        self.epoch = 0  # counts `drop`s: a step run ahead is stale once its graphs are gone
         self.mempool = torch.cuda.graph_pool_handle()
         self._copied = torch.cuda.Event()
 
@@ -219,12 +246,47 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
             self.captures += 1
-        pieces, hidden = self.graphs[key]
-        for graph in pieces:
+        self._replay(key)
+        return self.graphs[key][1][:count]
+
+    def run_ahead(self, seqs, tokens: torch.Tensor) -> RunAhead | None:
+        """Launch the decode step after the one just run for the same ``seqs``, each one position further
+        (their ``num_computed``), before the host has their ``tokens`` (``[len(seqs)]`` on the device, the
+        step's samples): the graph takes them from `fed`.  None (nothing launched) if that step's graph is
+        not captured; a sequence without a KV page for its position is left out.  The caller takes the
+        result with `take_ahead` before any other replay."""
+        count = len(seqs)
+        bucket = next(b for b in self.buckets if b >= count)
+        key = (bucket, self.lora.page_table is not None and any(seq.slot >= 0 for seq in seqs))
+        if self.lora.generation != self.generation or key not in self.graphs:
+            return None
+        self._copied.synchronize()
+        room = self.inputs.fill(seqs, bucket, fed=True)
+        self.fed[:count].copy_(tokens)
+        self._replay(key)
+        rows = {id(seq): i for i, (seq, ok) in enumerate(zip(seqs, room)) if ok}
+        return RunAhead(seqs, rows, [seq.num_computed for seq in seqs], self.graphs[key][1], self.epoch)
+
+    def take_ahead(self, ahead: RunAhead, seqs) -> torch.Tensor | None:
+        """The hidden states of ``seqs``' decode step if ``ahead`` ran it: each of them in one of its rows
+        at its position now, and its graph still held; else None."""
+        if ahead.epoch != self.epoch or self.lora.generation != self.generation:
+            return None
+        rows = []
+        for seq in seqs:
+            row = ahead.rows.get(id(seq))
+            if row is None or ahead.positions[row] != seq.num_computed:
+                return None
+            rows.append(row)
+        if rows == list(range(len(rows))):
+            return ahead.hidden[:len(rows)]
+        return ahead.hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
+
+    def _replay(self, key: tuple[int, bool]) -> None:
+        for graph in self.graphs[key][0]:
             graph.replay()
         self._copied.record()  # the replay's copies out of the pinned rows are done once this passes
         self.replays += 1
-        return hidden[:count]
 
     def capture_all(self) -> int:
         """Capture every bucket now (largest first, so smaller graphs reuse its memory), with and
@@ -248,6 +310,7 @@ class DecodeGraphs:
         their memory pool goes with them, so later captures take a new one (PyTorch does not reuse a pool
         whose graphs are all gone).  Steps capture again as they need them."""
         self.graphs.clear()
+        self.epoch += 1
         self.mempool = torch.cuda.graph_pool_handle()
         self.generation = self.lora.generation
 
@@ -261,6 +324,8 @@ class DecodeGraphs:
         used = self.buckets[-1] * 2 + bucket * self.groups * self.max_blocks  # lengths, slots, the bucket's tables
         self.dev64.copy_(self.inputs.host64, non_blocking=True)
         self.dev32[:used].copy_(self.inputs.host32[:used], non_blocking=True)
+        ids = self.dev64[0, :bucket]
+        torch.where(ids < 0, self.fed[:bucket], ids, out=ids)  # rows run ahead take their token from `fed`
 
     def _batch(self, bucket: int, lora: bool) -> StepBatch:
         adapters, rows = min(bucket, self.max_adapters), self.buckets[-1]

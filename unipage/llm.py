@@ -72,17 +72,19 @@ class LLM:
                  device: str | torch.device | None = None, dtype: str | None = None,
                  pool: PoolConfig | None = None, lora: LoRAConfig | None = None,
                  scheduler: SchedulerConfig | None = None, kernels: str | None = None,
-                 load_format: str = "safetensors", cuda_graphs: bool | str | None = None) -> None:
+                 load_format: str = "safetensors", cuda_graphs: bool | str | None = None,
+                 run_ahead: bool | None = None) -> None:
         """Load ``model_dir`` (config.json + safetensors) onto ``device`` (default CUDA if present)
         in ``dtype`` (default the checkpoint's); register ``adapters`` {name: PEFT directory}.
         ``load_format="dummy"``: random weights from config.json alone (benchmarks).
         ``cuda_graphs``: replay CUDA graphs of decode and mixed steps; ``"decode"``: of decode steps
-        only (default: both, with the Triton kernels; see `Engine`).
+        only (default: both, with the Triton kernels; see `Engine`).  ``run_ahead``: decode steps launch
+        their successors before their tokens reach the host (default: with the decode graphs; `Engine`).
         `close` (or a ``with`` block) releases the engine's shared memory and reader processes."""
         model_dir = os.fspath(model_dir)
         self.engine = Engine(model_dir, device=device, dtype=dtype, pool=pool, lora=lora, scheduler=scheduler,
                              kernels=kernels, load_format=load_format,
-                             cuda_graphs=cuda_graphs)
+                             cuda_graphs=cuda_graphs, run_ahead=run_ahead)
         try:
             has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
             self.tokenizer = Tokenizer(model_dir, self.engine.hf_config) if has_tokenizer else None

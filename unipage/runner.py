@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from unipage.graphs import DecodeGraphs
+from unipage.graphs import DecodeGraphs, RunAhead
 from unipage.lora_layout import AdapterLayout
 from unipage.mixed_graphs import MixedGraphs
 from unipage.models.decoder import DecoderLM
 from unipage.models.lora_tables import LoraTables
 from unipage.models.shrink_stack import ShrinkStack
-from unipage.sampling import make_generator, sample
+from unipage.sampling import make_generator, sample_tokens
 from unipage.scheduler import SamplingParams, SchedulerOutput
 from unipage.staging import StagedUpload
 from unipage.step_inputs import host_batch, upload
@@ -49,6 +49,7 @@ class GraphLimits:
     max_model_len: int  # sets the block-table width of the graphs
     max_adapters: int  # distinct adapters per step (the LoRA kernels' tile-height hint)
     max_tokens: int = 0  # mixed steps up to this many tokens replay piecewise graphs (0: they run eagerly)
+    run_ahead: bool = False  # launch each decode step's successor before reading its tokens (`ModelRunner`)
 
 
 @dataclass
@@ -78,6 +79,9 @@ class ModelRunner:
         self.seqs: dict[str, SeqState] = {}
         self._generators: dict[str, torch.Generator | None] = {}  # of preempted requests, until resumed
         self.keep_logits = keep_logits
+        self.run_ahead = graphs is not None and graphs.run_ahead
+        self._ahead: RunAhead | None = None  # the decode step launched ahead, if any
+        self.ahead_taken = self.ahead_dropped = 0  # steps run ahead that were used / thrown away
 
     # -- adapter slots (the engine calls these while performing effects) --
     def slot_loaded(self, slot: int, pages, layout: AdapterLayout) -> None:
@@ -114,7 +118,15 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------
     def execute(self, out: SchedulerOutput, during: Callable[[], None] | None = None) -> StepOutput:
         """Run the step's forward pass and sample.  ``during`` is called once the forward pass is launched
-        and before sampling waits for it (at once if nothing runs): host work that overlaps the GPU."""
+        and before sampling waits for it (at once if nothing runs): host work that overlaps the GPU.
+
+        With ``run_ahead`` a decode step launches its successor's graph (`DecodeGraphs.run_ahead`) before
+        the host reads its tokens: the same sequences one position on, fed their tokens on the device.
+        The next step uses that launch if it is a decode step of those sequences (any subset, any order:
+        requests finishing, aborted or preempted leave rows unused), else throws it away: the GPU then
+        runs it for nothing, and its KV writes are overwritten or fall in pages whose owner is gone (all
+        on one stream, before whatever comes next, so pages freed meanwhile are written in order)."""
+        ahead, self._ahead = self._ahead, None
         if not out.req_ids:
             if during is not None:
                 during()
@@ -125,29 +137,46 @@ class ModelRunner:
         self._prepare_stack(seqs, out.num_scheduled_tokens)
         samplers = [i for i, (seq, n) in enumerate(zip(seqs, out.num_scheduled_tokens))
                     if seq.num_computed + n == len(seq.token_ids)]
-        if self.graphs is not None and self.graphs.accepts(out.num_scheduled_tokens, [s.block_table for s in seqs]):
-            hidden = self.graphs.run(seqs)
+        decode = self.graphs is not None and self.graphs.accepts(out.num_scheduled_tokens,
+                                                                  [s.block_table for s in seqs])
+        hidden = self._take_ahead(seqs, ahead if decode else None) if ahead is not None else None
+        if decode:
+            hidden = self.graphs.run(seqs) if hidden is None else hidden
             logits = self.model.logits(hidden if len(samplers) == len(seqs) else hidden[samplers])
         else:
-            host = host_batch(seqs, out.num_scheduled_tokens, self.block_tokens)
-            hidden = None
-            if self.mixed is not None and self.mixed.accepts(host.num_tokens):
-                hidden = self.mixed.run(host, self.upload)  # None: this step runs eagerly
-            if hidden is not None:
-                logits = self.model.logits(hidden)
-            else:
-                logits = self.model.forward(upload(host, self.upload), self.pool, self.lora, self.block_tokens)
+            logits = self._forward(seqs, out.num_scheduled_tokens)
         if during is not None:
             during()
-        tokens = sample(logits, [seqs[i].sampling for i in samplers], [seqs[i].generator for i in samplers])
-        sampled: list[list[int]] = [[] for _ in seqs]
-        for i, token in zip(samplers, tokens):
-            seqs[i].token_ids.append(token)
-            sampled[i] = [token]
+        tokens = sample_tokens(logits, [seqs[i].sampling for i in samplers], [seqs[i].generator for i in samplers])
         for seq, n in zip(seqs, out.num_scheduled_tokens):
             seq.num_computed += n
+        if decode and self.run_ahead and len(samplers) == len(seqs):
+            self._ahead = self.graphs.run_ahead(seqs, tokens)
+        sampled: list[list[int]] = [[] for _ in seqs]
+        for i, token in zip(samplers, tokens.tolist()):
+            seqs[i].token_ids.append(token)
+            sampled[i] = [token]
         kept = {out.req_ids[i]: logits[row].cpu() for row, i in enumerate(samplers)} if self.keep_logits else {}
         return StepOutput(sampled, kept)
+
+    def _take_ahead(self, seqs: list[SeqState], ahead: RunAhead | None) -> torch.Tensor | None:
+        """The decode step's hidden states if the step run ahead ran it (None: not a decode step)."""
+        hidden = None if ahead is None else self.graphs.take_ahead(ahead, seqs)
+        if hidden is None:
+            self.ahead_dropped += 1
+        else:
+            self.ahead_taken += 1
+        return hidden
+
+    def _forward(self, seqs: list[SeqState], num_tokens: list[int]) -> torch.Tensor:
+        """Logits of the step's sampling rows, eagerly or through the mixed steps' graphs."""
+        host = host_batch(seqs, num_tokens, self.block_tokens)
+        hidden = None
+        if self.mixed is not None and self.mixed.accepts(host.num_tokens):
+            hidden = self.mixed.run(host, self.upload)  # None: this step runs eagerly
+        if hidden is not None:
+            return self.model.logits(hidden)
+        return self.model.forward(upload(host, self.upload), self.pool, self.lora, self.block_tokens)
 
     def _prepare_stack(self, seqs: list[SeqState], num_tokens: list[int]) -> None:
         """Bring the step's adapters into the shrink stack if the step may use it (the model decides by

@@ -1,0 +1,107 @@
+"""The decode run-ahead (`ModelRunner.execute`): each decode step launches the next before the host reads its
+tokens.  Runs with it give what runs without it give: bitwise while the batch stays the same, and as two
+bf16 runs agree while requests finish, stop, are aborted and join mid-decode (steps run ahead then go
+unused or thrown away)."""
+
+from __future__ import annotations
+
+import random
+
+import engine_support as es
+import pytest
+import torch
+from unipage.scheduler import Request, SamplingParams, SchedulerConfig
+
+from unipage import LLM
+from unipage.config import LoRAConfig, PoolConfig
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "qwen3_moe", "llama"])
+def family(request, tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def _llm(family, run_ahead: bool) -> LLM:
+    return LLM(family.model_dir, family.adapters, device="cuda", dtype="bfloat16", kernels="triton",
+               pool=PoolConfig(num_pages=2048), lora=LoRAConfig(max_rank=32, max_adapters_per_batch=4),
+               scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=32), run_ahead=run_ahead)
+
+
+def test_a_steady_batch_is_bitwise_the_same(family):
+    """Every request decodes as many tokens: each step run ahead is used, and tokens and logits match."""
+    rng = random.Random(0)
+    choices = [*family.adapters, None]
+    prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(3, 30))] for _ in range(12)]
+    names = [choices[i % len(choices)] for i in range(12)]
+    runs = []
+    for run_ahead in (True, False):
+        llm = _llm(family, run_ahead)
+        runs.append(llm.generate(prompts, GREEDY, adapters=names, max_tokens=24, return_logits=True))
+        runner = llm.engine.runner
+        assert runner.run_ahead == run_ahead and llm.engine.scheduler.config.decode_kv_ahead == int(run_ahead)
+        if run_ahead:
+            assert runner.ahead_taken >= 20 and runner.ahead_dropped <= 2, (runner.ahead_taken, runner.ahead_dropped)
+        llm.close()
+    for got, want in zip(*runs):
+        assert got.token_ids == want.token_ids
+        assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+
+
+def _drive(llm: LLM, seed: int) -> dict:
+    """Requests of many lengths, some on a stop set, one seeded, four joining at step 6 and one aborted at
+    step 12, stepped to the end; returns request id -> (tokens, finish reason)."""
+    rng, engine = random.Random(seed), llm.engine
+    choices = [*llm.engine.memory.adapters.names(), None]
+
+    def request(i: int) -> Request:
+        sampling = SamplingParams(temperature=0.9, seed=11) if i == 3 else GREEDY
+        stop = tuple(range(0, 128, 5)) if i % 4 == 1 else ()
+        return Request(f"r{i}", [rng.randrange(1, 128) for _ in range(rng.randrange(3, 30))],
+                       choices[i % len(choices)], sampling, max_tokens=60 if i == 0 else rng.randrange(4, 40),
+                       stop_token_ids=stop)
+
+    for i in range(10):
+        engine.add_request(request(i))
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, object] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        if step == 6:
+            for i in range(10, 14):
+                engine.add_request(request(i))
+        if step == 12:
+            assert engine.abort("r0")
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}
+
+
+def test_requests_coming_and_going_match_a_run_without_it(family):
+    results, counts = [], []
+    for run_ahead in (True, False):
+        llm = _llm(family, run_ahead)
+        results.append(_drive(llm, seed=1))
+        counts.append((llm.engine.runner.ahead_taken, llm.engine.runner.ahead_dropped))
+        llm.engine.memory.check()
+        llm.close()
+    got, want = results
+    assert set(got) == set(want) and counts[1] == (0, 0)
+    taken, dropped = counts[0]
+    assert taken > 10 and dropped > 0, counts[0]  # used, and thrown away when requests joined
+    agree = total = 0
+    for rid, (tokens, reason) in want.items():
+        other, other_reason = got[rid]
+        same = next((i for i, (a, b) in enumerate(zip(tokens, other)) if a != b), min(len(tokens), len(other)))
+        agree, total = agree + same, total + len(tokens)
+        if other == tokens:
+            assert other_reason == reason, rid
+    assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"
