@@ -81,6 +81,7 @@ class ModelRunner:
         self.keep_logits = keep_logits
         self.run_ahead = graphs is not None and graphs.run_ahead
         self._ahead: RunAhead | None = None  # the decode step launched ahead, if any
+        self._tokens_copied = torch.cuda.Event() if self.run_ahead else None  # a step's tokens reached the host
         self.ahead_taken = self.ahead_dropped = 0  # steps run ahead that were used / thrown away
 
     # -- adapter slots (the engine calls these while performing effects) --
@@ -150,14 +151,24 @@ class ModelRunner:
         tokens = sample_tokens(logits, [seqs[i].sampling for i in samplers], [seqs[i].generator for i in samplers])
         for seq, n in zip(seqs, out.num_scheduled_tokens):
             seq.num_computed += n
+        kept = ({out.req_ids[i]: logits[row].to("cpu", non_blocking=True) for row, i in enumerate(samplers)}
+                if self.keep_logits else {})  # (read once the tokens are: copied before them)
         if decode and self.run_ahead and len(samplers) == len(seqs):
+            host = self._to_host(tokens)  # queued before the step run ahead, so not read after it
             self._ahead = self.graphs.run_ahead(seqs, tokens)
+            self._tokens_copied.synchronize()
+            tokens = host
         sampled: list[list[int]] = [[] for _ in seqs]
         for i, token in zip(samplers, tokens.tolist()):
             seqs[i].token_ids.append(token)
             sampled[i] = [token]
-        kept = {out.req_ids[i]: logits[row].cpu() for row, i in enumerate(samplers)} if self.keep_logits else {}
         return StepOutput(sampled, kept)
+
+    def _to_host(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` copied into pinned host memory, the copy's end recorded in ``_tokens_copied``."""
+        host = tokens.to("cpu", non_blocking=True)
+        self._tokens_copied.record()
+        return host
 
     def _take_ahead(self, seqs: list[SeqState], ahead: RunAhead | None) -> torch.Tensor | None:
         """The decode step's hidden states if the step run ahead ran it (None: not a decode step)."""
