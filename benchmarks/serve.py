@@ -3,6 +3,7 @@
     python benchmarks/serve.py --setup a [--requests 48] [--layers N] [--out FILE] [--log-dir DIR]
                                          [--piece-layers 0 4 0 4]   # an A/B of the decode graphs' pieces
                                          [--linear-configs '{"max_tokens": 0}' '{"max_tokens": 16}']
+                                         [--run-ahead on off on]    # an A/B of the decode run-ahead
     python benchmarks/serve.py --setup b [--models llama3-8b qwen3-30b-a3b] [--requests 1024]
     python benchmarks/serve.py --setup c [--counts 5 50 500 5000] [--repeats 3] [--workdir DIR]
     python benchmarks/serve.py --setup d [--requests 128]

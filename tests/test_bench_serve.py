@@ -56,6 +56,7 @@ def test_setup_a_reports_throughput_ttft_and_the_decode_floor(runs):
     assert a["floor_bytes"] == a["floor_weights_bytes"] + a["floor_lora_bytes"] + a["floor_kv_bytes"]
     assert min(a["floor_lora_bytes"], a["floor_kv_bytes"]) > 0 and a["step_over_floor"] > 0
     assert a["floor_s"] == pytest.approx(a["floor_bytes"] / a["memory_bytes_per_s"], rel=1e-3, abs=1e-6)
+    assert a["run_ahead"] is False and a["ahead_taken"] == a["ahead_dropped"] == 0  # CPU: no decode graphs
 
 
 def test_setup_a_counts_the_experts_its_decode_steps_touch(runs):
@@ -417,6 +418,17 @@ def test_piece_variants_without_the_flag_and_without_graphs():
     asked = type("Ctx", (), {"args": serve.parse(["--setup", "a", "--piece-layers", "4"])})()
     with pytest.raises(SystemExit, match="needs the decode CUDA graphs"):
         list(serve.piece_variants(asked, _engine(None), work))
+
+
+def test_run_ahead_variants_switch_the_runner_before_each_run():
+    ctx = type("Ctx", (), {"args": serve.parse(["--setup", "a", "--run-ahead", "on", "off", "on"])})()
+    work = serve.drv.make_workload("a-x", 3, 5, 2, ["p", None, "q"], 2, 50, ctx.args.seed)
+    engine = _engine(_Graphs())
+    seen = [(v.name, engine.runner.run_ahead) for v in serve.variants(ctx, engine, work)]
+    assert seen == [("a-x-raon-0", True), ("a-x-raoff-1", False), ("a-x-raon-2", True)]
+    with pytest.raises(SystemExit, match="needs the decode CUDA graphs"):
+        list(serve.variants(ctx, _engine(None), work))
+    assert serve.parse(["--setup", "a"]).run_ahead == ["on"]
 
 
 def test_linear_variants_set_each_entry_over_the_run_settings(monkeypatch):

@@ -55,9 +55,11 @@ def test_a_steady_batch_is_bitwise_the_same(family):
 
 def _drive(llm: LLM, seed: int) -> dict:
     """Requests of many lengths, some on a stop set, one seeded, four joining at step 6 and one aborted at
-    step 12, stepped to the end; returns request id -> (tokens, finish reason)."""
+    step 12, stepped to the end, once every adapter is resident (a load in flight would shift the steps
+    that admit requests); returns request id -> (tokens, finish reason)."""
     rng, engine = random.Random(seed), llm.engine
     choices = [*llm.engine.memory.adapters.names(), None]
+    llm.generate([[1, 2, 3]] * len(choices), GREEDY, adapters=choices, max_tokens=2)
 
     def request(i: int) -> Request:
         sampling = SamplingParams(temperature=0.9, seed=11) if i == 3 else GREEDY
@@ -94,9 +96,7 @@ def test_requests_coming_and_going_match_a_run_without_it(family):
         llm.engine.memory.check()
         llm.close()
     got, want = results
-    assert set(got) == set(want) and counts[1] == (0, 0)
-    taken, dropped = counts[0]
-    assert taken > 10 and dropped > 0, counts[0]  # used, and thrown away when requests joined
+    assert set(got) == set(want)
     agree = total = 0
     for rid, (tokens, reason) in want.items():
         other, other_reason = got[rid]
@@ -105,3 +105,5 @@ def test_requests_coming_and_going_match_a_run_without_it(family):
         if other == tokens:
             assert other_reason == reason, rid
     assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"
+    taken, dropped = counts[0]
+    assert taken > 10 and dropped > 0 and counts[1] == (0, 0), counts  # thrown away when requests joined
