@@ -39,13 +39,14 @@ def test_bf16_triton_engine_matches_transformers_peft(family):
 
 
 def test_skinny_projections_match_transformers_peft(family, monkeypatch):
-    """Every projection and router of decode steps of at most 16 tokens through the skinny kernel (split K)."""
+    """Every projection and router that runs as a plain GEMM (not in `lora_linear`'s fused decode kernel) on
+    at most 16 tokens goes through the skinny kernel (split K)."""
     entry = skinny.SKINNY | {"max_tokens": 16, "block_n": 16, "block_k": 64, "split_k": 2}
     monkeypatch.setattr(skinny, "tuned_config", lambda *shape: entry)
     calls, kernel = [], skinny.skinny_linear
     monkeypatch.setattr(skinny, "skinny_linear", lambda x, *rest: calls.append(x.shape[0]) or kernel(x, *rest))
     check_against_transformers(family)
-    assert calls and max(calls) == 16  # the decode steps of all 16 sequences took it
+    assert calls and max(calls) <= 16  # it ran, within its entry's max_tokens
 
 
 def check_against_transformers(family):
