@@ -35,9 +35,10 @@ class SchedulerConfig:
     #   step, every running request only decodes and the batch has room: prompts whose adapters land a step or
     #   two apart then share one prefill step (0 = never wait; the slo policy's TTFT prediction does not count
     #   these waits; see Admission.waits), >= 0
-    decode_kv_ahead: int = 0  # a decode also takes KV room for this many tokens past its own where the pool has
-    #   them free or reclaimable (never preempting for them): the engine's decode run-ahead writes the next
-    #   step's KV before this scheduler has seen the step's tokens (`unipage.runner`), >= 0
+    decode_kv_ahead: int = 0  # in a step of decodes only, each request also gets KV room for this many tokens
+    #   past its own where a page is free or reclaimable, after every request's own room and the admission
+    #   (never preempting): the engine's decode run-ahead writes the next step's KV before this scheduler has
+    #   seen the step's tokens (`unipage.runner`); below the KV block size, >= 0
     affinity_max_wait_s: float = 1.0  # affinity: a request waiting this long goes first, in FCFS order, >= 0
     vtc_client: str = "adapter"  # vtc: whose virtual token counter a request charges: adapter or tenant
     vtc_input_weight: float = 1.0  # vtc: counter increment per prompt token computed, > 0

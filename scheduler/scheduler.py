@@ -97,9 +97,9 @@ class Scheduler:
         self._slides = bool(self.kv.window)  # sliding-window layers return pages that leave the window
         self._grouped = self.kv.num_groups > 1  # ... from a block table of their own
         self._chunk = config.long_prefill_token_threshold or config.max_num_batched_tokens
-        self._ahead = 0 if self._reserve else config.decode_kv_ahead  # (reserve mode: the reservation's room)
-        if self._ahead > self.block_tokens:
-            raise ValueError(f"decode_kv_ahead {self._ahead} exceeds a KV block ({self.block_tokens} tokens)")
+        self._ahead = config.decode_kv_ahead
+        if self._ahead >= self.block_tokens:
+            raise ValueError(f"decode_kv_ahead {self._ahead} must be below a KV block ({self.block_tokens} tokens)")
         self.running_adapters: dict[str, int] = {}  # adapter -> running requests using it (read-only)
         self._awaiting: dict[str, dict[str, Request]] = {}  # adapter -> its WAITING_FOR_ADAPTER requests
         self._in_flight: Step | None = None  # the step being run
@@ -188,6 +188,8 @@ class Scheduler:
             self._admission.waited = 0
         elif not self._admission.waits(step, ctx):
             self._admission.admit(step, ctx)
+        if self._ahead:
+            self._room_ahead(step)
         self._admission.prefetch(step, ctx)
         return self._seal(step)
 
@@ -245,21 +247,21 @@ class Scheduler:
         without a preemption, it goes one by one and stops at the first request that would need one, and
         returns how many requests it scheduled; `_schedule_from` takes over from there.
         """
-        running, full, ahead = self.running, [], self._ahead
+        running, full = self.running, []
         if self.kv.prefix_caching and not self._slides:  # (with slides, the slide loop committed)
             commit, block = self.kv.commit, self.block_tokens
             for req in running:  # the hottest loop of a step
                 done = req.num_computed_tokens
-                if done >= req.next_commit:  # a block filled: commit it (`_commit`, inlined)
+                if done >= req.next_commit:  # a block filled: commit it (`_commit`, inlined) ...
                     commit(req.request_id, req.all_token_ids, done)
                     req.next_commit = (done // block + 1) * block
-                if done + ahead >= req.capacity:  # its last block is full (or will be within `ahead`): one more
-                    full.append(req)
+                    if done >= req.capacity:  # ... and if it was the last, one more (next_commit <= capacity)
+                        full.append(req)
                 req.num_computed_tokens = done + 1
         else:
             for req in running:
                 done = req.num_computed_tokens
-                if done + ahead >= req.capacity:
+                if done >= req.capacity:
                     full.append(req)
                 req.num_computed_tokens = done + 1
         if full and not self._grow_each(full, step):
@@ -270,13 +272,11 @@ class Scheduler:
         return len(running)
 
     def _schedule_decodes_one_by_one(self, step: Step) -> int:
-        """`_schedule_decodes` when memory is short: growth one request at a time, up to a preemption (room
-        ahead, ``decode_kv_ahead``, is taken where it fits and never preempts)."""
-        running, scheduled, ahead = self.running, len(self.running), self._ahead
+        """`_schedule_decodes` when memory is short: growth one request at a time, up to a preemption."""
+        running, scheduled = self.running, len(self.running)
         for req in running:
             done = req.num_computed_tokens
-            if (done + ahead >= req.capacity and not (ahead and self._extend_kv(req, done + 1 + ahead, step))
-                    and done >= req.capacity and not self._extend_kv(req, done + 1, step)):
+            if done >= req.capacity and not self._extend_kv(req, done + 1, step):
                 scheduled = running.index(req)
                 break
             req.num_computed_tokens = done + 1
@@ -324,7 +324,7 @@ class Scheduler:
                 if done + n > req.capacity and not self._grow(req, done + n, step):
                     continue  # preempted itself
                 step.partial.append(len(reqs))
-            elif not self._room(req, done + n, step):
+            elif done + n > req.capacity and not self._grow(req, done + n, step):
                 continue
             reqs.append(req)
             counts.append(n)
@@ -338,15 +338,20 @@ class Scheduler:
                 break
         step.budget = budget
 
-    def _room(self, req: Request, tokens: int, step: Step) -> bool:
-        """Room for ``tokens`` tokens of KV as `_grow` makes it, and ``decode_kv_ahead`` more where they fit
-        without preempting (one growth a step: `_extend_kv` records the step's new pages)."""
-        ahead = tokens + self._ahead
-        if ahead <= req.capacity:
-            return True
-        if self._ahead and self._extend_kv(req, ahead, step):
-            return True
-        return tokens <= req.capacity or self._grow(req, tokens, step)
+    def _room_ahead(self, step: Step) -> None:
+        """``decode_kv_ahead``: in a step of decodes only (the kind the engine runs ahead of), each request that
+        goes on past it gets KV room for that many tokens past the step's, where `_extend_kv` finds a page
+        free or reclaimable.  It comes after every request's own room and the admission, so it never takes
+        a page they need, and never preempts; the first request it cannot serve ends it."""
+        out, reqs = step.out, step.reqs
+        if step.partial or out.new_requests or self.config.max_num_batched_tokens - step.budget != len(reqs):
+            return
+        ahead = self._ahead
+        for req in reqs:
+            done = req.num_computed_tokens  # (this step's token included)
+            if done + ahead > req.capacity and done + 1 < req.max_len and not self._extend_kv(req, done + ahead,
+                                                                                               step):
+                return
 
     def _grow(self, req: Request, tokens: int, step: Step) -> bool:
         """Room for ``tokens`` tokens of KV; preempt victims (not yet scheduled) until it fits. False: req was one."""
@@ -365,9 +370,9 @@ class Scheduler:
         have = len(req.block_table)
         if not self.kv.grow(req.request_id, tokens):
             return False
-        step.out.new_block_ids[req.request_id] = req.block_table[have:]
+        step.out.new_block_ids.setdefault(req.request_id, []).extend(req.block_table[have:])
         if self._grouped:
-            step.out.new_window_block_ids[req.request_id] = req.window_table[have:]
+            step.out.new_window_block_ids.setdefault(req.request_id, []).extend(req.window_table[have:])
         req.capacity = len(req.block_table) * self.block_tokens
         return True
 

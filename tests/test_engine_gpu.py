@@ -39,8 +39,9 @@ def test_bf16_triton_engine_matches_transformers_peft(family):
 
 
 def test_skinny_projections_match_transformers_peft(family, monkeypatch):
-    """Every projection and router that runs as a plain GEMM (not in `lora_linear`'s fused decode kernel) on
-    at most 16 tokens goes through the skinny kernel (split K)."""
+    """The skinny kernel (split K) given an entry for every projection and router shape up to 16 tokens: the
+    engine still matches transformers + PEFT, and the kernel ran (on the plain GEMMs: the dense models' LoRA
+    decode projections run `lora_linear`'s fused kernel instead)."""
     entry = skinny.SKINNY | {"max_tokens": 16, "block_n": 16, "block_k": 64, "split_k": 2}
     monkeypatch.setattr(skinny, "tuned_config", lambda *shape: entry)
     calls, kernel = [], skinny.skinny_linear

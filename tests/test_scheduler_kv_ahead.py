@@ -11,10 +11,13 @@ from unipage.scheduler import SchedulerConfig
 
 
 def _room_after_each_step(sched, steps: int) -> list[bool]:
-    """Per step and decode: whether the request's table holds the position one past the step's token."""
+    """Per step of decodes only and request going on: whether its table holds the position one past the
+    step's token."""
     seen = []
     for _ in range(steps):
         out, _ = step(sched)
+        if out.new_requests or set(out.num_scheduled_tokens) != {1}:
+            continue
         for rid, n in zip(out.req_ids, out.num_scheduled_tokens):
             r = sched.get(rid)
             if n == 1 and r is not None:  # (None: finished in this step's update)
@@ -35,17 +38,45 @@ def test_decodes_hold_the_next_position_when_the_pool_has_room(prefix_caching):
     assert not all(_room_after_each_step(plain, 30))  # without it, a block boundary leaves none
 
 
-def test_the_room_ahead_never_preempts():
-    """Two requests fill the pool exactly: with room ahead they run as without it, no preemption, the same
-    batches, and each decode gets its room ahead only while a page is free."""
-    runs = []
-    for ahead in (0, 1):
-        sched = make(num_pages=4, prefix_caching=False, decode_kv_ahead=ahead)
-        sched.add(req("r0", n=4, max_tokens=5))
-        sched.add(req("r1", n=4, max_tokens=5, start=20))
-        runs.append([batch(step(sched)[0]) for _ in range(6)])
-        assert sched.stats.preemptions == 0
-    assert runs[0] == runs[1]
+@pytest.mark.parametrize("seed", range(40))
+def test_the_room_ahead_comes_last_and_changes_nothing_but_pages(seed):
+    """Small pools, random arrivals: the room ahead is taken after the running phase and the admission, and
+    taking it leaves the step's batch, preemptions and admissions as they were, only adding pages to the
+    ends of its requests' new blocks (in steps of decodes only)."""
+    rng = random.Random(seed)
+    sched = make(num_pages=rng.randrange(6, 16), prefix_caching=bool(seed % 2), decode_kv_ahead=1,
+                 max_num_batched_tokens=32)
+    order, added, extra = [], 0, 0
+    real_ahead, real_admit = sched._room_ahead, sched._admission.admit
+
+    def state(step):
+        out = step.out
+        return [r.request_id for r in step.reqs], list(out.preempted_ids), len(out.new_requests)
+
+    def ahead(step):
+        nonlocal extra
+        before, pages = state(step), {rid: list(p) for rid, p in step.out.new_block_ids.items()}
+        real_ahead(step)
+        assert state(step) == before
+        for rid, new in step.out.new_block_ids.items():
+            assert new[:len(pages.get(rid, []))] == pages.get(rid, [])
+            extra += len(new) - len(pages.get(rid, []))
+            assert len(new) == len(pages.get(rid, [])) or not (step.partial or step.out.new_requests)
+        order.append("ahead")
+
+    sched._room_ahead = ahead
+    sched._admission.admit = lambda *a: order.append("admit") or real_admit(*a)
+    executor = Executor(sched, token=lambda rid: 3 + len(rid))
+    for _ in range(40):
+        if added < 8 and rng.random() < 0.4:
+            sched.add(req(f"q{added}", n=rng.randrange(1, 12), max_tokens=rng.randrange(1, 14),
+                          start=rng.randrange(100)))
+            added += 1
+        order.clear()
+        step(sched, executor)
+        assert order in (["admit", "ahead"], ["ahead"]), order
+    if seed < 4:
+        assert extra > 0  # (room ahead was taken)
 
 
 def test_random_runs_match_without_room_ahead_when_memory_is_ample():
@@ -67,12 +98,15 @@ def test_random_runs_match_without_room_ahead_when_memory_is_ample():
     assert run(0) == run(1)
 
 
-def test_reserve_mode_keeps_to_its_reservation():
-    sched = make(num_pages=64, admission="reserve", decode_kv_ahead=1)
-    sched.add(req("r0", n=3, max_tokens=6))
-    for _ in range(8):
-        step(sched)
-    assert sched.stats.steps == 8 and not sched.has_unfinished()
+def test_reserve_mode_needs_no_room_ahead():
+    """Its reservation already holds every position a request computes: the same batches and pages."""
+    runs = []
+    for ahead in (0, 1):
+        sched = make(num_pages=64, admission="reserve", decode_kv_ahead=ahead)
+        sched.add(req("r0", n=3, max_tokens=6))
+        sched.add(req("r1", n=6, max_tokens=11, start=30))
+        runs.append([(batch(out), out.new_block_ids) for out, _ in (step(sched) for _ in range(12))])
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("value, message", [(-1, "decode_kv_ahead must be an integer >= 0"),
@@ -82,6 +116,6 @@ def test_bad_values_are_refused(value, message):
         SchedulerConfig(decode_kv_ahead=value)
 
 
-def test_more_than_a_block_ahead_is_refused():
-    with pytest.raises(ValueError, match="decode_kv_ahead 5 exceeds a KV block"):
-        make(decode_kv_ahead=5)
+def test_a_block_ahead_or_more_is_refused():
+    with pytest.raises(ValueError, match=r"decode_kv_ahead 4 must be below a KV block \(4 tokens\)"):
+        make(decode_kv_ahead=4)

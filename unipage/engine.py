@@ -85,7 +85,8 @@ class Engine:
         steps only; False: none.  Default: both with the Triton kernels on CUDA.
         ``run_ahead``: each decode step launches the next one's graph before the host reads its tokens, so
         that the GPU does not wait for the host between decode steps (`ModelRunner.execute`; the scheduler
-        then keeps KV room a token ahead, ``decode_kv_ahead``).  Default: on with the decode graphs.  `close` (or a ``with``
+        then keeps KV room a token ahead, ``decode_kv_ahead``).  Default: on with the decode graphs, unless
+        KV blocks hold one token.  `close` (or a ``with``
         block) releases the pool storage's shared memory and reader processes."""
         self.closed = False
         model_dir = os.fspath(model_dir)
@@ -165,6 +166,10 @@ class Engine:
             if ahead:
                 raise ValueError("run_ahead needs the decode CUDA graphs (cuda_graphs)")
             return None
+        if self.config.pool.block_tokens == 1:  # (every decode would need the page it is run ahead into)
+            if ahead:
+                raise ValueError("run_ahead needs KV blocks of more than one token")
+            ahead = False
         mixed = 0 if wanted == "decode" else sched.max_num_batched_tokens
         return GraphLimits(sched.max_num_seqs, sched.max_model_len, self.config.lora.max_adapters_per_batch, mixed,
                            ahead is not False)
