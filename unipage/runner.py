@@ -81,7 +81,7 @@ class ModelRunner:
         self.keep_logits = keep_logits
         self.run_ahead = graphs is not None and graphs.run_ahead
         self._ahead: RunAhead | None = None  # the decode step launched ahead, if any
-        self._tokens_copied = torch.cuda.Event() if self.run_ahead else None  # a step's tokens reached the host
+        self._tokens_copied = torch.cuda.Event() if graphs is not None else None  # (run_ahead may be switched on)
         self.ahead_taken = self.ahead_dropped = 0  # steps run ahead that were used / thrown away
 
     # -- adapter slots (the engine calls these while performing effects) --
@@ -171,7 +171,8 @@ class ModelRunner:
         return host
 
     def _take_ahead(self, seqs: list[SeqState], ahead: RunAhead | None) -> torch.Tensor | None:
-        """The decode step's hidden states if the step run ahead ran it (None: not a decode step)."""
+        """The step's hidden states if ``ahead`` (None for a step that is not a decode) ran it, else None; counts
+        the step run ahead as taken or thrown away."""
         hidden = None if ahead is None else self.graphs.take_ahead(ahead, seqs)
         if hidden is None:
             self.ahead_dropped += 1
