@@ -80,6 +80,7 @@ import serve_calib
 import serve_driver as drv
 import serve_experts
 import serve_models as sm
+import serve_variants
 import torch
 from timing import emit
 from unipage.scheduler import SchedulerConfig
@@ -234,7 +235,7 @@ def adapters_for(ctx: Context, model, count: int, rank: int, targets: str, tag: 
 def setup_a(ctx: Context) -> None:
     a = ctx.args
     key, engine, _, names, work = round_robin_run(ctx, "gpt-oss-20b", "all", "a", "", a.concurrency)
-    for variant in variants(ctx, engine, work):
+    for variant in serve_variants.variants(ctx, engine, work):
         record = measure(ctx, engine, variant, setup="a", key=key, targets="all", rank=a.rank, names=names)
     if a.expert_probe_tokens and "decode_batch" in record:  # the experts decode steps really touch
         tokens = min(a.expert_probe_tokens, a.output)  # (the engine's max_model_len fits the workload's lengths)
@@ -243,75 +244,10 @@ def setup_a(ctx: Context) -> None:
         emit(serve_experts.row(record, counts, floor, ctx.bandwidth), ctx.out)
 
 
-def variants(ctx: Context, engine: Engine, work: drv.Workload):
-    """`piece_variants`, or with ``--linear-configs`` `linear_variants`, or with several ``--run-ahead``
-    values `run_ahead_variants` (they exclude each other)."""
-    if len(ctx.args.run_ahead) > 1:
-        return run_ahead_variants(ctx, engine, work)
-    return (linear_variants if ctx.args.linear_configs else piece_variants)(ctx, engine, work)
-
-
-def run_ahead_variants(ctx: Context, engine: Engine, work: drv.Workload):
-    """``work`` once per ``--run-ahead`` value, the engine's decode run-ahead (`ModelRunner.run_ahead`) set
-    to it before each run: an A/B in one process (the scheduler keeps its KV room ahead throughout).  Runs
-    get prompts as in `piece_variants`, names ``-ra<value>-<i>``."""
-    if engine.runner.graphs is None:
-        raise SystemExit("--run-ahead on needs the decode CUDA graphs (a CUDA device, --cuda-graphs all or decode)")
-    for i, value in enumerate(ctx.args.run_ahead):
-        engine.runner.run_ahead = value == "on"
-        yield _fresh_prompts(ctx, engine, work, f"{work.name}-ra{value}-{i}", i)
-
-
 def ahead_counts(engine: Engine, before: tuple[int, int]) -> dict:
     """Decode steps run ahead during a run: used, and thrown away (`ModelRunner.ahead_taken` / ``_dropped``)."""
     runner = engine.runner
     return {"ahead_taken": runner.ahead_taken - before[0], "ahead_dropped": runner.ahead_dropped - before[1]}
-
-
-def linear_variants(ctx: Context, engine: Engine, work: drv.Workload):
-    """``work`` once per ``--linear-configs`` entry, `lora_linear.LINEAR` set to the run's own settings
-    (``ctx.args.linear_base``: the defaults under ``--linear-config``) updated by that entry, and the CUDA
-    graphs dropped (they hold the launches of the settings they were captured with) before each run: an A/B
-    in one process.  Runs get prompts as in `piece_variants`, names ``-l<i>``.  After the last (or an
-    abandoned) run `lora_linear.LINEAR` is the run's own settings again, its graphs dropped."""
-    try:
-        for i, entry in enumerate(ctx.args.linear_configs):
-            _set_linear(engine, ctx.args.linear_base | entry)
-            yield _fresh_prompts(ctx, engine, work, f"{work.name}-l{i}", i)
-    finally:
-        _set_linear(engine, ctx.args.linear_base)
-
-
-def _set_linear(engine: Engine, settings: dict) -> None:
-    """`lora_linear.LINEAR` = ``settings``; the engine's CUDA graphs (decode and mixed, where it has them)
-    dropped, to be captured with them."""
-    lora_linear.LINEAR.clear()
-    lora_linear.LINEAR.update(settings)
-    for graphs in (engine.runner.graphs, engine.runner.mixed):
-        if graphs is not None:
-            graphs.drop()
-
-
-def _fresh_prompts(ctx: Context, engine: Engine, work: drv.Workload, name: str, i: int) -> drv.Workload:
-    """``work`` named ``name``; after the first run (``i`` > 0) on prompts of their own seed (no prefix hits)."""
-    prompts = drv.make_workload("", len(work.prompts), len(work.prompts[0]), 1, work.adapters, work.concurrency,
-                                engine.vocab_size, ctx.args.seed + i).prompts
-    return dataclasses.replace(work, name=name, prompts=prompts)
-
-
-def piece_variants(ctx: Context, engine: Engine, work: drv.Workload):
-    """``work`` once per ``--piece-layers`` value (once as it is without), the engine's decode graphs set to
-    pieces of that many layers before each run: an A/B in one process.  Runs after the first get prompts of
-    their own seed (no prefix-cache hits) and a name ending ``-p<layers>-<i>``."""
-    values = ctx.args.piece_layers
-    if not values:
-        yield work
-        return
-    if engine.runner.graphs is None:
-        raise SystemExit("--piece-layers needs the decode CUDA graphs (a CUDA device, --cuda-graphs all or decode)")
-    for i, layers in enumerate(values):
-        engine.runner.graphs.set_piece_layers(layers)
-        yield _fresh_prompts(ctx, engine, work, f"{work.name}-p{layers}-{i}", i)
 
 
 def round_robin_run(ctx: Context, shape: str, targets: str, setup: str, suffix: str, concurrency: int):
@@ -342,7 +278,7 @@ def setup_b(ctx: Context) -> None:
                 continue
             work = drv.make_workload(f"b-{key}-{label}", a.requests, a.prompt, a.output, per_request, a.requests,
                                      engine.vocab_size, a.seed)
-            for variant in variants(ctx, engine, work):
+            for variant in serve_variants.variants(ctx, engine, work):
                 results[label] = measure(ctx, engine, variant, setup="b", key=key, targets="all", rank=a.rank,
                                          names=names if label == "lora" else [])
         if len(results) == 2 and len(a.piece_layers or a.linear_configs or [0]) == 1:  # (--b-runs: one of them)

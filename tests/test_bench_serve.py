@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import serve
 import serve_calib
 import serve_models
+import serve_variants
 from unipage.sim import CostProfile
 
 from unipage.config import ModelConfig
@@ -400,7 +401,7 @@ def test_piece_variants_run_the_workload_once_per_value_on_fresh_prompts():
     work = serve.drv.make_workload("a-x", 5, 7, 3, ["p", None, "q", "p", None], 2, 50, ctx.args.seed)
     graphs = _Graphs()
     variants = []
-    for variant in serve.piece_variants(ctx, _engine(graphs), work):
+    for variant in serve_variants.piece_variants(ctx, _engine(graphs), work):
         variants.append(variant)
         assert graphs.calls[-1] == [0, 4, 0][len(variants) - 1]  # set before the run is handed out
     assert [v.name for v in variants] == ["a-x-p0-0", "a-x-p4-1", "a-x-p0-2"]
@@ -414,20 +415,20 @@ def test_piece_variants_run_the_workload_once_per_value_on_fresh_prompts():
 def test_piece_variants_without_the_flag_and_without_graphs():
     work = serve.drv.make_workload("a-x", 2, 3, 1, [None, None], 1, 50, 0)
     plain = type("Ctx", (), {"args": serve.parse(["--setup", "a"])})()
-    assert list(serve.piece_variants(plain, _engine(None), work)) == [work]
+    assert list(serve_variants.piece_variants(plain, _engine(None), work)) == [work]
     asked = type("Ctx", (), {"args": serve.parse(["--setup", "a", "--piece-layers", "4"])})()
     with pytest.raises(SystemExit, match="needs the decode CUDA graphs"):
-        list(serve.piece_variants(asked, _engine(None), work))
+        list(serve_variants.piece_variants(asked, _engine(None), work))
 
 
 def test_run_ahead_variants_switch_the_runner_before_each_run():
     ctx = type("Ctx", (), {"args": serve.parse(["--setup", "a", "--run-ahead", "on", "off", "on"])})()
     work = serve.drv.make_workload("a-x", 3, 5, 2, ["p", None, "q"], 2, 50, ctx.args.seed)
     engine = _engine(_Graphs())
-    seen = [(v.name, engine.runner.run_ahead) for v in serve.variants(ctx, engine, work)]
+    seen = [(v.name, engine.runner.run_ahead) for v in serve_variants.variants(ctx, engine, work)]
     assert seen == [("a-x-raon-0", True), ("a-x-raoff-1", False), ("a-x-raon-2", True)]
     with pytest.raises(SystemExit, match="needs the decode CUDA graphs"):
-        list(serve.variants(ctx, _engine(None), work))
+        list(serve_variants.variants(ctx, _engine(None), work))
     assert serve.parse(["--setup", "a"]).run_ahead == ["on"]
 
 
@@ -442,10 +443,10 @@ def test_linear_variants_set_each_entry_over_the_run_settings(monkeypatch):
     graphs, mixed = _Graphs(), _Graphs()
     for _ in range(2):  # setup b asks once per label: each pass starts from the run's own settings
         seen = []
-        for variant in serve.variants(ctx, _engine(graphs, mixed), work):
+        for variant in serve_variants.variants(ctx, _engine(graphs, mixed), work):
             seen.append((variant.name, dict(serve.lora_linear.LINEAR)))
         assert seen == [("b-x-l0", base | {"max_tokens": 16}), ("b-x-l1", base),
                         ("b-x-l2", base | {"max_tokens": 16, "block_n": 64})]
         assert serve.lora_linear.LINEAR == base  # the run's own settings again after the last
     assert graphs.drops == mixed.drops == 8  # before each run and after the last, both kinds
-    assert [v.name for v in serve.variants(ctx, _engine(None), work)] == ["b-x-l0", "b-x-l1", "b-x-l2"]  # eager
+    assert [v.name for v in serve_variants.variants(ctx, _engine(None), work)] == ["b-x-l0", "b-x-l1", "b-x-l2"]  # eager
