@@ -11,11 +11,13 @@ transformers with PEFT's own loader on each adapter alone.
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field
 
 import peft_factory as pf
 import torch
 from peft import PeftModel
+from unipage.scheduler import Request, SamplingParams
 from transformers import (
     AutoModelForCausalLM,
     MixtralConfig,
@@ -182,3 +184,48 @@ def common_prefix(got, want, tokens: int) -> int:
         scale = torch.stack(want.logits[:same]).abs().mean()
         assert diff.mean() <= 0.01 * scale, f"{got.adapter}: mean logit difference {diff.mean():.4g}"
     return same
+
+
+@dataclass(frozen=True)
+class Comings:
+    """A workload of requests coming and going (`drive_comings_and_goings`)."""
+
+    seed: int
+    first: int  # requests added before the first step
+    join_at: int  # step before which four more join
+    abort_at: int  # step before which r0 (60 tokens at most) is aborted
+    prompt: tuple[int, int]  # prompt lengths, a range
+    tokens: tuple[int, int]  # max_tokens of all but r0, a range
+    stop_every: int  # requests 1, 5, 9, ... stop on every token id in range(0, 128, stop_every)
+
+
+def drive_comings_and_goings(engine, names: list, w: Comings) -> tuple[dict, bool]:
+    """Step ``engine`` to the end over ``w``'s requests, round-robin over ``names`` and the base model, r3
+    seeded at temperature 0.9, the rest greedy; returns request id -> (tokens, finish reason) and whether
+    the abort found r0 live."""
+    rng, choices, greedy = random.Random(w.seed), [*names, None], SamplingParams(temperature=0)
+
+    def request(i: int) -> Request:
+        sampling = SamplingParams(temperature=0.9, seed=11) if i == 3 else greedy
+        stop = tuple(range(0, 128, w.stop_every)) if i % 4 == 1 else ()
+        return Request(f"r{i}", [rng.randrange(1, 128) for _ in range(rng.randrange(*w.prompt))],
+                       choices[i % len(choices)], sampling, max_tokens=60 if i == 0 else rng.randrange(*w.tokens),
+                       stop_token_ids=stop)
+
+    for i in range(w.first):
+        engine.add_request(request(i))
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, object] = {}
+    step, aborted = 0, False
+    while engine.has_unfinished():
+        step += 1
+        if step == w.join_at:
+            for i in range(w.first, w.first + 4):
+                engine.add_request(request(i))
+        if step == w.abort_at:
+            aborted = engine.abort("r0")
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}, aborted

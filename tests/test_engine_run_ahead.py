@@ -6,21 +6,17 @@ steps run ahead both taken and thrown away."""
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 import engine_support as es
 import pytest
 import torch
-from unipage.scheduler import Request, SamplingParams, SchedulerConfig
+from unipage.scheduler import SchedulerConfig
 
 from unipage.config import PoolConfig
 from unipage.engine import Engine
 from unipage.graphs import DecodeGraphs, RunAhead
 from unipage.step_inputs import host_batch, upload
-
-GREEDY = SamplingParams(temperature=0)
-
 
 class EagerGraphs:
     """`DecodeGraphs`' decode protocol, eagerly."""
@@ -72,29 +68,9 @@ def _engine(family, run_ahead: bool) -> Engine:
 
 
 def _drive(engine: Engine, names: list) -> dict:
-    rng, choices = random.Random(3), [*names, None]
-
-    def request(i: int) -> Request:
-        sampling = SamplingParams(temperature=0.9, seed=11) if i == 3 else GREEDY
-        stop = tuple(range(0, 128, 6)) if i % 4 == 1 else ()
-        return Request(f"r{i}", [rng.randrange(1, 128) for _ in range(rng.randrange(20, 80))],
-                       choices[i % len(choices)], sampling, max_tokens=60 if i == 0 else rng.randrange(8, 40),
-                       stop_token_ids=stop)
-
-    for i in range(12):
-        engine.add_request(request(i))
-    tokens: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished():
-        step += 1
-        if step == 8:
-            for i in range(12, 16):
-                engine.add_request(request(i))
-        if step == 14:
-            engine.abort("r0")
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
+    """`es.drive_comings_and_goings` (four joining at step 8, r0 aborted at step 14): request id -> tokens."""
+    outs, _ = es.drive_comings_and_goings(engine, names, es.Comings(3, 12, 8, 14, (20, 80), (8, 40), 6))
+    return {rid: tokens for rid, (tokens, _) in outs.items()}
 
 
 def test_run_ahead_gives_the_tokens_of_a_run_without_it(family):

@@ -10,7 +10,7 @@ import random
 import engine_support as es
 import pytest
 import torch
-from unipage.scheduler import Request, SamplingParams, SchedulerConfig
+from unipage.scheduler import SamplingParams, SchedulerConfig
 
 from unipage import LLM
 from unipage.config import LoRAConfig, PoolConfig
@@ -54,37 +54,13 @@ def test_a_steady_batch_is_bitwise_the_same(family):
 
 
 def _drive(llm: LLM, seed: int) -> dict:
-    """Requests of many lengths, some on a stop set, one seeded, four joining at step 6 and one aborted at
-    step 12, stepped to the end, once every adapter is resident (a load in flight would shift the steps
-    that admit requests); returns request id -> (tokens, finish reason)."""
-    rng, engine = random.Random(seed), llm.engine
-    choices = [*llm.engine.memory.adapters.names(), None]
-    llm.generate([[1, 2, 3]] * len(choices), GREEDY, adapters=choices, max_tokens=2)
-
-    def request(i: int) -> Request:
-        sampling = SamplingParams(temperature=0.9, seed=11) if i == 3 else GREEDY
-        stop = tuple(range(0, 128, 5)) if i % 4 == 1 else ()
-        return Request(f"r{i}", [rng.randrange(1, 128) for _ in range(rng.randrange(3, 30))],
-                       choices[i % len(choices)], sampling, max_tokens=60 if i == 0 else rng.randrange(4, 40),
-                       stop_token_ids=stop)
-
-    for i in range(10):
-        engine.add_request(request(i))
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, object] = {}
-    step = 0
-    while engine.has_unfinished():
-        step += 1
-        if step == 6:
-            for i in range(10, 14):
-                engine.add_request(request(i))
-        if step == 12:
-            assert engine.abort("r0")
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                reasons[out.request_id] = out.finish_reason
-    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}
+    """`es.drive_comings_and_goings` (four joining at step 6, r0 aborted at step 12) once every adapter is
+    resident (a load in flight would shift the steps that admit requests)."""
+    names = llm.engine.memory.adapters.names()
+    llm.generate([[1, 2, 3]] * (len(names) + 1), GREEDY, adapters=[*names, None], max_tokens=2)
+    outs, aborted = es.drive_comings_and_goings(llm.engine, names, es.Comings(seed, 10, 6, 12, (3, 30), (4, 40), 5))
+    assert aborted
+    return outs
 
 
 def test_requests_coming_and_going_match_a_run_without_it(family):
