@@ -140,7 +140,7 @@ class ModelRunner:
                     if seq.num_computed + n == len(seq.token_ids)]
         decode = self.graphs is not None and self.graphs.accepts(out.num_scheduled_tokens,
                                                                   [s.block_table for s in seqs])
-        hidden = self._take_ahead(seqs, ahead if decode else None) if ahead is not None else None
+        hidden = self._take_ahead(seqs, ahead, decode)
         if decode:
             hidden = self.graphs.run(seqs) if hidden is None else hidden
             logits = self.model.logits(hidden if len(samplers) == len(seqs) else hidden[samplers])
@@ -170,10 +170,12 @@ class ModelRunner:
         self._tokens_copied.record()
         return host
 
-    def _take_ahead(self, seqs: list[SeqState], ahead: RunAhead | None) -> torch.Tensor | None:
-        """The step's hidden states if ``ahead`` (None for a step that is not a decode) ran it, else None; counts
-        the step run ahead as taken or thrown away."""
-        hidden = None if ahead is None else self.graphs.take_ahead(ahead, seqs)
+    def _take_ahead(self, seqs: list[SeqState], ahead: RunAhead | None, decode: bool) -> torch.Tensor | None:
+        """The decode step's hidden states if the step run ahead (if any) ran it, else None; counts that step
+        as taken or thrown away."""
+        if ahead is None:
+            return None
+        hidden = self.graphs.take_ahead(ahead, seqs) if decode else None
         if hidden is None:
             self.ahead_dropped += 1
         else:
