@@ -84,6 +84,7 @@ import serve_variants
 import torch
 from timing import emit
 from unipage.scheduler import SchedulerConfig
+from unipage.scheduler.policies import POLICIES
 from unipage.sim import CostProfile
 
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig
@@ -120,7 +121,8 @@ class Context:
 def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None = None) -> Engine:
     a = ctx.args
     sched = SchedulerConfig(max_model_len=a.prompt + a.output + 1, max_num_batched_tokens=a.max_batched_tokens,
-                            max_num_seqs=a.max_running, prefill_coalesce_steps=a.prefill_coalesce_steps)
+                            max_num_seqs=a.max_running, prefill_coalesce_steps=a.prefill_coalesce_steps,
+                            **scheduler_settings(a))
     lora = LoRAConfig(max_rank=max(rank, 1), max_adapters_per_batch=a.max_adapters_per_batch,
                       host_cache_bytes=int(a.host_cache_gib * (1 << 30)))
     pool = PoolConfig(num_pages=pool_pages) if pool_pages else None
@@ -128,6 +130,12 @@ def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None 
     graphs = GRAPHS[a.cuda_graphs] if ctx.device.type == "cuda" else None
     return Engine(model_dir, device=ctx.device, dtype=a.dtype, pool=pool, lora=lora, scheduler=sched,
                   load_format="dummy", cuda_graphs=graphs, run_ahead=("on" in a.run_ahead) if graphs else None)
+
+
+def scheduler_settings(args: argparse.Namespace) -> dict:
+    """``--policy`` and ``--affinity-wait`` as `SchedulerConfig` fields (those given only)."""
+    settings = {"policy": args.policy, "affinity_max_wait_s": args.affinity_wait}
+    return {k: v for k, v in settings.items() if v is not None}
 
 
 def graphs_label(ctx: Context) -> str:
@@ -173,6 +181,8 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "bandwidth": drv.bandwidth_kind(ctx.device),
               "steps": len(rows), "prefill_steps": int((rows[:, drv.COLUMNS.index("prefill")] > 0).sum()),
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
+              "policy": engine.scheduler.config.policy,
+              "affinity_max_wait_s": engine.scheduler.config.affinity_max_wait_s,
               "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_graph_pieces(engine),
               "run_ahead": engine.runner.run_ahead, **ahead_counts(engine, ahead),
               "linear": dict(lora_linear.LINEAR),
@@ -290,7 +300,7 @@ def setup_b(ctx: Context) -> None:
 def emit_b_ratio(ctx: Context, key: str, results: dict) -> None:
     a, lora, base = ctx.args, results["lora"]["output_tokens_per_s"], results["base"]["output_tokens_per_s"]
     emit({"bench": "serve", "row": "b-ratio", "model": key, "adapters": a.adapters, "rank": a.rank,
-          "requests": a.requests, "lora_output_tokens_per_s": lora, "base_output_tokens_per_s": base,
+          "requests": a.requests, "policy": results["lora"]["policy"], "lora_output_tokens_per_s": lora, "base_output_tokens_per_s": base,
           "lora_over_base": round(lora / base, 4), "target": 0.90, "commit": ctx.commit}, ctx.out)
 
 
@@ -387,6 +397,10 @@ def calibrate(ctx: Context) -> None:
                 raise SystemExit(f"{path}: the run log does not say how many adapter reader processes the "
                                  f"engine had; pass --read-workers N (the engine's storage.READ_WORKERS there)")
             logs[-1]["read_workers"] = a.read_workers
+    what_if = scheduler_settings(a)  # replay under these scheduler settings instead of calibrating
+    if what_if and not a.profile:
+        raise SystemExit("--policy / --affinity-wait with --setup calibrate replay the logs under those settings: "
+                         "they need --profile (the profile to replay with)")
     groups: dict[tuple, list[dict]] = {}
     for lg in logs:
         groups.setdefault((lg["model_key"], lg["device"]), []).append(lg)
@@ -400,7 +414,10 @@ def calibrate(ctx: Context) -> None:
                   **profile.to_dict(), "commit": ctx.commit}, ctx.out)
         for lg in group:
             drv.log(f"replaying {lg['label']} in unipage-sim with {profile.name}")
-            emit({**serve_calib.compare(lg, profile, path, lg["label"] in fitted), "commit": ctx.commit}, ctx.out)
+            if what_if:
+                emit({**serve_calib.what_if(lg, profile, path, what_if), "commit": ctx.commit}, ctx.out)
+            else:
+                emit({**serve_calib.compare(lg, profile, path, lg["label"] in fitted), "commit": ctx.commit}, ctx.out)
 
 
 def commit() -> str:
@@ -435,6 +452,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-coalesce-steps", type=int,
                    help="SchedulerConfig.prefill_coalesce_steps: decode steps admission may wait for adapter loads "
                         "(default: c 3, others 0)")
+    p.add_argument("--policy", choices=sorted(POLICIES), default=None,
+                   help="SchedulerConfig.policy (default: fcfs); calibrate: replay each log under it instead")
+    p.add_argument("--affinity-wait", type=float, default=None, metavar="S",
+                   help="SchedulerConfig.affinity_max_wait_s (default 1.0): under the affinity policy, a request "
+                        "waiting this long goes first in FCFS order; calibrate: as --policy")
     p.add_argument("--cuda-graphs", choices=sorted(GRAPHS), default="all",
                    help="CUDA graphs of decode and mixed steps (all), of decode steps only, or none (CUDA only)")
     p.add_argument("--run-ahead", nargs="+", choices=["on", "off"], default=["on"],
@@ -483,6 +505,8 @@ def parse(argv=None) -> argparse.Namespace:
         args.prefill_coalesce_steps = 0
     if args.prefill_coalesce_steps < 0:
         p.error(f"--prefill-coalesce-steps must be >= 0, got {args.prefill_coalesce_steps}")
+    if args.affinity_wait is not None and args.affinity_wait < 0:
+        p.error(f"--affinity-wait must be >= 0, got {args.affinity_wait}")
     if args.expert_probe_tokens < 0:
         p.error(f"--expert-probe-tokens must be >= 0, got {args.expert_probe_tokens}")
     for name in ("requests", "concurrency", "prompt", "output", "adapters", "rank", "max_running", "repeats"):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from serve_driver import COLUMNS, TERMS, Timeline, serving_metrics
-from unipage.sim import ClosedLoop, CostProfile, Trace, build_config, simulate
+from unipage.sim import ClosedLoop, CostProfile, SimResult, Trace, build_config, simulate
 from unipage.sim.profile import _COEFFICIENTS as COEFFICIENTS
 from unipage.sim.profile import _LAUNCH_COEFFICIENTS as LAUNCH_COEFFICIENTS
 
@@ -226,8 +226,11 @@ def sim_trace(lg: dict) -> tuple[Trace, int]:
     return trace, w
 
 
-def replay(lg: dict, profile_path: Path) -> Timeline:
-    """The simulated timeline of a measured run (seconds from its first submission)."""
+def replay(lg: dict, profile_path: Path, scheduler: dict | None = None) -> tuple[Timeline, SimResult]:
+    """The simulated timeline of a measured run (seconds from its first submission) and the whole result;
+    ``scheduler``: `SchedulerConfig` fields set over the run's own."""
+    if scheduler:
+        lg = {**lg, "scheduler": {**lg["scheduler"], **scheduler}}
     config = sim_config(lg, profile_path)
     trace, w = sim_trace(lg)
     result = simulate(config, trace, ClosedLoop(first=w, concurrency=lg["concurrency"]))
@@ -235,13 +238,13 @@ def replay(lg: dict, profile_path: Path) -> Timeline:
     if np.isnan(finish).any() or np.isnan(first).any():
         raise RuntimeError(f"replay of {lg['label']}: {int(np.isnan(finish).sum())} requests never finished")
     off = WARM_OFFSET_S
-    return Timeline(result.trace.arrival[w:] - off, first - off, finish - off, result.num_output[w:])
+    return Timeline(result.trace.arrival[w:] - off, first - off, finish - off, result.num_output[w:]), result
 
 
 def compare(lg: dict, profile: CostProfile, profile_path: Path, in_sample: bool) -> dict:
     """Simulated against measured throughput and p50 TTFT of one run (``in_sample``: the profile was fit
     on it)."""
-    timeline = replay(lg, profile_path)
+    timeline, _ = replay(lg, profile_path)
     sim = serving_metrics(timeline, np.asarray(lg["requests"]["input"]))
     meas = lg["measured"]
     tput = sim["output_tokens_per_s"] / meas["output_tokens_per_s"]
@@ -255,3 +258,20 @@ def compare(lg: dict, profile: CostProfile, profile_path: Path, in_sample: bool)
             "throughput_within_target": abs(tput - 1) <= THROUGHPUT_TOLERANCE,
             "ttft_p50_within_target": abs(ttft - 1) <= TTFT_TOLERANCE,
             "measured_ttft_p99_s": meas["ttft_p99_s"], "sim_ttft_p99_s": sim["ttft_p99_s"]}
+
+
+def what_if(lg: dict, profile: CostProfile, profile_path: Path, scheduler: dict) -> dict:
+    """A measured run replayed twice with ``profile``: under its own scheduler settings and with ``scheduler``
+    (`SchedulerConfig` fields) over them — the simulator's prediction of what those settings change, on the real
+    scheduler.  ``mean_batch_adapters``: distinct adapters a step, over the steps that ran a batch."""
+    row = {"bench": "serve", "row": "what-if", "setup": lg["setup"], "label": lg["label"], "model": lg["model_key"],
+           "profile": profile.name, "scheduler": scheduler,
+           "measured_output_tokens_per_s": lg["measured"]["output_tokens_per_s"]}
+    for tag, settings in (("own", None), ("new", scheduler)):
+        timeline, result = replay(lg, profile_path, settings)
+        sim = serving_metrics(timeline, np.asarray(lg["requests"]["input"]))
+        row |= {f"{tag}_output_tokens_per_s": sim["output_tokens_per_s"], f"{tag}_ttft_p50_s": sim["ttft_p50_s"],
+                f"{tag}_ttft_p99_s": sim["ttft_p99_s"],
+                f"{tag}_mean_batch_adapters": round(result.scheduled_adapters / max(result.steps, 1), 3)}
+    row["throughput_change"] = round(row["new_output_tokens_per_s"] / row["own_output_tokens_per_s"], 4)
+    return row

@@ -233,6 +233,7 @@ class SimResult:
     busy_s: float  # simulated seconds spent computing steps
     scheduled_requests: int  # sum over steps of requests in the batch
     scheduled_tokens: int
+    scheduled_adapters: int  # sum over steps of the distinct adapters in the batch
     loads: LoadQueue
     adapter_stats: dict  # AdapterManager.stats
     scheduler_stats: dict  # Scheduler.stats
@@ -342,7 +343,7 @@ class Simulation:
         area = 0.0
         now = arrival[0] if n else 0.0
         next_sample, nxt, stalls = now, 0, 0
-        steps = busy = batch_reqs = batch_tokens = 0
+        steps = busy = batch_reqs = batch_tokens = batch_adapters = 0
         check_every = self.config.check_every
         while nxt < n or sched.has_unfinished() or loads.in_flight:
             clock.now = now
@@ -372,6 +373,7 @@ class Simulation:
                 busy += dt
                 batch_reqs += len(sampled)
                 batch_tokens += out.total_num_scheduled_tokens
+                batch_adapters += len(out.adapters)
                 stalls = 0
             else:
                 sampled = _NONE
@@ -400,7 +402,7 @@ class Simulation:
         end = float(np.nanmax(self.finish)) if n else 0.0
         trace = self.trace if loop is None else dataclasses.replace(self.trace, arrival=np.asarray(arrival))
         return SimResult(self.config, trace, self.first_token, self.finish, self.num_output, self.status,
-                         self.hit, self.preempted, end, steps, busy, batch_reqs, batch_tokens, loads,
+                         self.hit, self.preempted, end, steps, busy, batch_reqs, batch_tokens, batch_adapters, loads,
                          dataclasses.asdict(self.memory.adapters.stats), dataclasses.asdict(sched.stats),
                          dict(self.memory.reclaimer.evictions), samples,
                          {"window": (w0, w1), "area": area}, time.perf_counter() - wall)

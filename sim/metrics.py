@@ -121,7 +121,8 @@ def _engine_metrics(result: SimResult) -> dict:
     record = {"preemptions": s["preemptions"], "prefix_hit_tokens": s["prefix_hit_tokens"],
               "steps": result.steps, "busy_fraction": _r(result.busy_s / max(result.end_time, 1e-12)),
               "mean_batch_requests": _r(result.scheduled_requests / max(result.steps, 1)),
-              "mean_batch_tokens": _r(result.scheduled_tokens / max(result.steps, 1))}
+              "mean_batch_tokens": _r(result.scheduled_tokens / max(result.steps, 1)),
+              "mean_batch_adapters": _r(result.scheduled_adapters / max(result.steps, 1))}
     total = result.config.unipage_config.num_pages
     for kind in ("free", "kv", "cached_kv", "adapter"):
         values = np.asarray(samples[kind], dtype=np.float64)

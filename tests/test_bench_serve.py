@@ -125,12 +125,16 @@ def test_setup_b_compares_lora_with_the_base_model(runs):
                                                     rel=1e-3)
 
 
-def test_setup_b_runs_one_of_the_pair_when_asked(tmp_path):
-    out = tmp_path / "out.jsonl"
+def test_setup_b_runs_one_of_the_pair_under_the_policy_asked(tmp_path):
+    out, logs = tmp_path / "out.jsonl", tmp_path / "logs"
     serve.main(["--setup", "b", "--models", "llama3-8b", "--requests", "2", "--adapters", "2", "--rank", "2",
-                "--max-running", "2", "--b-runs", "lora", *SMALL, "--out", str(out), "--workdir", str(tmp_path)])
+                "--max-running", "2", "--b-runs", "lora", "--policy", "affinity", "--affinity-wait", "600", *SMALL,
+                "--out", str(out), "--workdir", str(tmp_path), "--log-dir", str(logs)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["row"], r["label"]) for r in records] == [("b", "b-llama3-8b-tiny-lora")]  # no ratio row
+    assert (records[0]["policy"], records[0]["affinity_max_wait_s"]) == ("affinity", 600.0)
+    log = json.loads((logs / "b-llama3-8b-tiny-lora.json").read_text())
+    assert (log["scheduler"]["policy"], log["scheduler"]["affinity_max_wait_s"]) == ("affinity", 600.0)
 
 
 def test_setup_c_scales_the_adapter_count_past_the_pool(runs):
@@ -182,11 +186,39 @@ def test_calibration_writes_profiles_and_replays_every_run(runs):
             row["throughput_ratio"] * row["measured_output_tokens_per_s"], rel=1e-3)
 
 
+def test_what_if_replays_a_run_under_other_scheduler_settings(runs, tmp_path):
+    """``--policy`` with ``--setup calibrate --profile``: each log replayed under its own settings (as the
+    calibration replays it) and under the new ones; one running request at a time runs one adapter a step."""
+    records, log_files, profiles = runs
+    (log_file,) = [f for f in log_files if "b-llama3-8b-tiny-lora" in f]
+    profile = profiles / "llama3-8b-tiny-cpu.json"
+    out = tmp_path / "out.jsonl"
+    serve.main(["--setup", "calibrate", "--logs", log_file, "--profile", str(profile), "--policy", "affinity",
+                "--affinity-wait", "600", "--out", str(out)])
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (calibration,) = [r for r in records["calibration"] if r["label"] == "b-llama3-8b-tiny-lora"]
+    assert row["row"] == "what-if" and row["scheduler"] == {"policy": "affinity", "affinity_max_wait_s": 600.0}
+    assert row["own_output_tokens_per_s"] == calibration["sim_output_tokens_per_s"]
+    assert row["throughput_change"] == pytest.approx(
+        row["new_output_tokens_per_s"] / row["own_output_tokens_per_s"], rel=1e-3)
+    with open(log_file) as f:
+        log = json.load(f)
+    one = serve_calib.what_if(log, CostProfile.from_json(profile), profile, {"max_num_seqs": 1})
+    assert 0 < one["new_mean_batch_adapters"] <= 1 < one["own_mean_batch_adapters"] <= 2
+    assert one["new_output_tokens_per_s"] < one["own_output_tokens_per_s"]
+
+
+def test_what_if_needs_a_profile(runs, tmp_path):
+    with pytest.raises(SystemExit, match="need --profile"):
+        serve.main(["--setup", "calibrate", "--logs", runs[1][0], "--policy", "affinity",
+                    "--out", str(tmp_path / "out.jsonl")])
+
+
 def test_closed_loop_replay_releases_a_request_at_each_finish(runs):
     _, log_files, profiles = runs
     with open(next(f for f in log_files if "c-llama-1b-tiny-6" in f)) as f:
         log = json.load(f)
-    timeline = serve_calib.replay(log, profiles / "llama-1b-tiny-cpu.json")
+    timeline, _ = serve_calib.replay(log, profiles / "llama-1b-tiny-cpu.json")
     c = log["concurrency"]
     assert np.array_equal(timeline.submit[c:], np.sort(timeline.finish)[:-c])  # each finish releases one
     assert (timeline.first > timeline.submit).all() and (timeline.tokens == 4).all()
@@ -334,6 +366,8 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
     (["--setup", "a", "--linear-configs", '{"max_token": 16}'], "unknown settings ['max_token']"),
     (["--setup", "a", "--linear-configs", '{"max_tokens": 99}'], "max_tokens must be in"),
     (["--setup", "a", "--linear-config", "[2]"], "--linear-config: not a JSON object"),
+    (["--setup", "b", "--affinity-wait", "-1"], "--affinity-wait must be >= 0"),
+    (["--setup", "b", "--policy", "lifo"], "invalid choice: 'lifo'"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):

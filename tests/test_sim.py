@@ -144,7 +144,9 @@ def test_exact_event_times_of_a_hand_checked_scenario(tmp_path):
     assert result.finish.tolist() == pytest.approx([0.112, 0.064, 0.230], abs=1e-12)
     assert result.hit.tolist() == [False, False, True]
     assert result.steps == 6 and result.busy_s == pytest.approx(0.014 + 0.018 + 0.024 + 0.018 + 0.012)
+    assert result.scheduled_adapters == 5  # every step but r1's (the base model) runs a0
     record = make_record(result)
+    assert record["mean_batch_adapters"] == pytest.approx(5 / 6, abs=1e-6)
     assert (record["adapter_loads"], record["bytes_h2d"], record["bytes_disk"]) == (1, 65536, 57344)
     assert record["ttft_p50_s"] == pytest.approx(0.018)  # TTFTs 0.088, 0.014, 0.018
     assert record["duration_s"] == pytest.approx(0.23)
