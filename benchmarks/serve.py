@@ -8,6 +8,7 @@
     python benchmarks/serve.py --setup c [--counts 5 50 500 5000] [--repeats 3] [--workdir DIR]
     python benchmarks/serve.py --setup d [--requests 128]
     python benchmarks/serve.py --setup calibrate --logs DIR/*.json [--profile-dir sim/profiles]
+    python benchmarks/serve.py --setup calibrate --logs DIR/*.json --profile P --policy affinity  # a what-if
 
 Setups (models are ``config.json`` + ``load_format="dummy"``: no downloads;
 every request is greedy with an exact output length, no stop tokens):
@@ -47,7 +48,16 @@ every request is greedy with an exact output length, no stop tokens):
   fits one cost profile per model (`serve_calib`), writes it as
   ``<profile-dir>/<model>-<gpu>.json`` and replays every run in unipage-sim:
   simulated against measured throughput and p50 TTFT.  ``--profile FILE``
-  replays with a given profile instead (an out-of-sample check).
+  replays with a given profile instead (an out-of-sample check); with
+  ``--policy`` / ``--affinity-wait`` too, a what-if: each run replayed under its
+  own scheduler settings and under those (rows ``what-if``: throughput, TTFT and
+  distinct adapters a step, both ways).
+
+``--policy`` / ``--affinity-wait`` (a-d) set the scheduler's queue order
+(`SchedulerConfig.policy`, ``affinity_max_wait_s``) for every run; rows and run
+logs say which.  Setup b submits every request at once, so the affinity
+policy groups requests by adapter only with a wait longer than the run (the
+default 1 s makes it FCFS after the first second).
 
 ``--piece-layers N [N ...]`` (a, b): the workload runs once per value in the
 same engine, its decode CUDA graphs cut into pieces of N layers before each
