@@ -54,8 +54,8 @@ every request is greedy with an exact output length, no stop tokens):
   distinct adapters a step, both ways).
 
 ``--policy`` / ``--affinity-wait`` (a-d) set the scheduler's queue order
-(`SchedulerConfig.policy`, ``affinity_max_wait_s``) for every run; rows and run
-logs say which.  Setup b submits every request at once, so the affinity
+(`SchedulerConfig.policy`, ``affinity_max_wait_s``) for every run; each run's row
+(and b's ratio row) and run log say which.  Setup b submits every request at once, so the affinity
 policy groups requests by adapter only with a wait longer than the run (the
 default 1 s makes it FCFS after the first second).
 
@@ -103,6 +103,7 @@ from unipage.kernels import lora_linear
 from unipage.models.weights import read_config
 
 GRAPHS = {"all": True, "decode": "decode", "off": False}  # --cuda-graphs -> Engine(cuda_graphs=...)
+SERVE_POLICIES = sorted(set(POLICIES) - {"slo"})  # --policy: the queue orders that serve every request
 DEFAULTS = {  # per setup: flags left unset take these
     "a": {"requests": 48, "concurrency": 16, "prompt": 1600, "output": 600, "adapters": 8, "rank": 32, "max_running": 16,
               "max_adapters_per_batch": 8},
@@ -310,8 +311,10 @@ def setup_b(ctx: Context) -> None:
 def emit_b_ratio(ctx: Context, key: str, results: dict) -> None:
     a, lora, base = ctx.args, results["lora"]["output_tokens_per_s"], results["base"]["output_tokens_per_s"]
     emit({"bench": "serve", "row": "b-ratio", "model": key, "adapters": a.adapters, "rank": a.rank,
-          "requests": a.requests, "policy": results["lora"]["policy"], "lora_output_tokens_per_s": lora, "base_output_tokens_per_s": base,
-          "lora_over_base": round(lora / base, 4), "target": 0.90, "commit": ctx.commit}, ctx.out)
+          "requests": a.requests, "policy": results["lora"]["policy"],
+          "affinity_max_wait_s": results["lora"]["affinity_max_wait_s"], "lora_output_tokens_per_s": lora,
+          "base_output_tokens_per_s": base, "lora_over_base": round(lora / base, 4), "target": 0.90,
+          "commit": ctx.commit}, ctx.out)
 
 
 def zipf_choice(count: int, n: int, s: float, seed: int) -> list[int]:
@@ -407,10 +410,7 @@ def calibrate(ctx: Context) -> None:
                 raise SystemExit(f"{path}: the run log does not say how many adapter reader processes the "
                                  f"engine had; pass --read-workers N (the engine's storage.READ_WORKERS there)")
             logs[-1]["read_workers"] = a.read_workers
-    what_if = scheduler_settings(a)  # replay under these scheduler settings instead of calibrating
-    if what_if and not a.profile:
-        raise SystemExit("--policy / --affinity-wait with --setup calibrate replay the logs under those settings: "
-                         "they need --profile (the profile to replay with)")
+    overrides = scheduler_settings(a)  # replay under these scheduler settings instead of calibrating
     groups: dict[tuple, list[dict]] = {}
     for lg in logs:
         groups.setdefault((lg["model_key"], lg["device"]), []).append(lg)
@@ -424,8 +424,8 @@ def calibrate(ctx: Context) -> None:
                   **profile.to_dict(), "commit": ctx.commit}, ctx.out)
         for lg in group:
             drv.log(f"replaying {lg['label']} in unipage-sim with {profile.name}")
-            if what_if:
-                emit({**serve_calib.what_if(lg, profile, path, what_if), "commit": ctx.commit}, ctx.out)
+            if overrides:
+                emit({**serve_calib.what_if(lg, profile, path, overrides), "commit": ctx.commit}, ctx.out)
             else:
                 emit({**serve_calib.compare(lg, profile, path, lg["label"] in fitted), "commit": ctx.commit}, ctx.out)
 
@@ -462,11 +462,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-coalesce-steps", type=int,
                    help="SchedulerConfig.prefill_coalesce_steps: decode steps admission may wait for adapter loads "
                         "(default: c 3, others 0)")
-    p.add_argument("--policy", choices=sorted(POLICIES), default=None,
-                   help="SchedulerConfig.policy (default: fcfs); calibrate: replay each log under it instead")
+    p.add_argument("--policy", choices=SERVE_POLICIES, default=None,
+                   help="SchedulerConfig.policy (default: fcfs; not slo, which drops requests the runs must serve); "
+                        "calibrate: replay each log under it instead (with --profile)")
     p.add_argument("--affinity-wait", type=float, default=None, metavar="S",
-                   help="SchedulerConfig.affinity_max_wait_s (default 1.0): under the affinity policy, a request "
-                        "waiting this long goes first in FCFS order; calibrate: as --policy")
+                   help="SchedulerConfig.affinity_max_wait_s (default 1.0), with --policy affinity: a request "
+                        "waiting this long goes first in FCFS order")
     p.add_argument("--cuda-graphs", choices=sorted(GRAPHS), default="all",
                    help="CUDA graphs of decode and mixed steps (all), of decode steps only, or none (CUDA only)")
     p.add_argument("--run-ahead", nargs="+", choices=["on", "off"], default=["on"],
@@ -515,8 +516,12 @@ def parse(argv=None) -> argparse.Namespace:
         args.prefill_coalesce_steps = 0
     if args.prefill_coalesce_steps < 0:
         p.error(f"--prefill-coalesce-steps must be >= 0, got {args.prefill_coalesce_steps}")
-    if args.affinity_wait is not None and args.affinity_wait < 0:
-        p.error(f"--affinity-wait must be >= 0, got {args.affinity_wait}")
+    if args.affinity_wait is not None and (args.affinity_wait < 0 or args.policy != "affinity"):
+        p.error(f"--affinity-wait needs --policy affinity and a value >= 0, got {args.affinity_wait} "
+                f"with --policy {args.policy}")
+    if args.setup == "calibrate" and args.policy and not args.profile:
+        p.error("--policy with --setup calibrate replays the logs under it: it needs --profile (the profile to "
+                "replay with)")
     if args.expert_probe_tokens < 0:
         p.error(f"--expert-probe-tokens must be >= 0, got {args.expert_probe_tokens}")
     for name in ("requests", "concurrency", "prompt", "output", "adapters", "rank", "max_running", "repeats"):

@@ -235,8 +235,9 @@ def replay(lg: dict, profile_path: Path, scheduler: dict | None = None) -> tuple
     trace, w = sim_trace(lg)
     result = simulate(config, trace, ClosedLoop(first=w, concurrency=lg["concurrency"]))
     finish, first = result.finish[w:], result.first_token[w:]
-    if np.isnan(finish).any() or np.isnan(first).any():
-        raise RuntimeError(f"replay of {lg['label']}: {int(np.isnan(finish).sum())} requests never finished")
+    unserved = np.isnan(finish) | np.isnan(first)
+    if unserved.any():
+        raise RuntimeError(f"replay of {lg['label']}: {int(unserved.sum())} requests were not served to the end")
     off = WARM_OFFSET_S
     return Timeline(result.trace.arrival[w:] - off, first - off, finish - off, result.num_output[w:]), result
 
@@ -263,15 +264,18 @@ def compare(lg: dict, profile: CostProfile, profile_path: Path, in_sample: bool)
 def what_if(lg: dict, profile: CostProfile, profile_path: Path, scheduler: dict) -> dict:
     """A measured run replayed twice with ``profile``: under its own scheduler settings and with ``scheduler``
     (`SchedulerConfig` fields) over them — the simulator's prediction of what those settings change, on the real
-    scheduler.  ``mean_batch_adapters``: distinct adapters a step, over the steps that ran a batch."""
+    scheduler.  ``mean_batch_adapters``: distinct adapters a step, over the steps that ran a batch;
+    ``policy`` / ``affinity_max_wait_s``: as the replay's scheduler had them."""
     row = {"bench": "serve", "row": "what-if", "setup": lg["setup"], "label": lg["label"], "model": lg["model_key"],
            "profile": profile.name, "scheduler": scheduler,
            "measured_output_tokens_per_s": lg["measured"]["output_tokens_per_s"]}
     for tag, settings in (("own", None), ("new", scheduler)):
         timeline, result = replay(lg, profile_path, settings)
         sim = serving_metrics(timeline, np.asarray(lg["requests"]["input"]))
+        config = result.config.scheduler
         row |= {f"{tag}_output_tokens_per_s": sim["output_tokens_per_s"], f"{tag}_ttft_p50_s": sim["ttft_p50_s"],
                 f"{tag}_ttft_p99_s": sim["ttft_p99_s"],
-                f"{tag}_mean_batch_adapters": round(result.scheduled_adapters / max(result.steps, 1), 3)}
+                f"{tag}_mean_batch_adapters": round(result.scheduled_adapters / max(result.steps, 1), 3),
+                f"{tag}_policy": config.policy, f"{tag}_affinity_max_wait_s": config.affinity_max_wait_s}
     row["throughput_change"] = round(row["new_output_tokens_per_s"] / row["own_output_tokens_per_s"], 4)
     return row

@@ -198,6 +198,7 @@ def test_what_if_replays_a_run_under_other_scheduler_settings(runs, tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     (calibration,) = [r for r in records["calibration"] if r["label"] == "b-llama3-8b-tiny-lora"]
     assert row["row"] == "what-if" and row["scheduler"] == {"policy": "affinity", "affinity_max_wait_s": 600.0}
+    assert (row["own_policy"], row["new_policy"], row["new_affinity_max_wait_s"]) == ("fcfs", "affinity", 600.0)
     assert row["own_output_tokens_per_s"] == calibration["sim_output_tokens_per_s"]
     assert row["throughput_change"] == pytest.approx(
         row["new_output_tokens_per_s"] / row["own_output_tokens_per_s"], rel=1e-3)
@@ -206,12 +207,6 @@ def test_what_if_replays_a_run_under_other_scheduler_settings(runs, tmp_path):
     one = serve_calib.what_if(log, CostProfile.from_json(profile), profile, {"max_num_seqs": 1})
     assert 0 < one["new_mean_batch_adapters"] <= 1 < one["own_mean_batch_adapters"] <= 2
     assert one["new_output_tokens_per_s"] < one["own_output_tokens_per_s"]
-
-
-def test_what_if_needs_a_profile(runs, tmp_path):
-    with pytest.raises(SystemExit, match="need --profile"):
-        serve.main(["--setup", "calibrate", "--logs", runs[1][0], "--policy", "affinity",
-                    "--out", str(tmp_path / "out.jsonl")])
 
 
 def test_closed_loop_replay_releases_a_request_at_each_finish(runs):
@@ -366,8 +361,10 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
     (["--setup", "a", "--linear-configs", '{"max_token": 16}'], "unknown settings ['max_token']"),
     (["--setup", "a", "--linear-configs", '{"max_tokens": 99}'], "max_tokens must be in"),
     (["--setup", "a", "--linear-config", "[2]"], "--linear-config: not a JSON object"),
-    (["--setup", "b", "--affinity-wait", "-1"], "--affinity-wait must be >= 0"),
-    (["--setup", "b", "--policy", "lifo"], "invalid choice: 'lifo'"),
+    (["--setup", "b", "--policy", "affinity", "--affinity-wait", "-1"], "--affinity-wait needs --policy affinity"),
+    (["--setup", "b", "--affinity-wait", "60"], "with --policy None"),
+    (["--setup", "b", "--policy", "slo"], "invalid choice: 'slo'"),
+    (["--setup", "calibrate", "--logs", "x.json", "--policy", "vtc"], "it needs --profile"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):

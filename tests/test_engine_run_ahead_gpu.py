@@ -56,11 +56,18 @@ def test_a_steady_batch_is_bitwise_the_same(family):
 def _drive(llm: LLM, seed: int) -> dict:
     """`es.drive_comings_and_goings` (four joining at step 6, r0 aborted at step 12) once every adapter is
     resident (a load in flight would shift the steps that admit requests)."""
-    names = llm.engine.memory.adapters.names()
-    llm.generate([[1, 2, 3]] * (len(names) + 1), GREEDY, adapters=[*names, None], max_tokens=2)
+    names = _make_resident(llm)
     outs, aborted = es.drive_comings_and_goings(llm.engine, names, es.Comings(seed, 10, 6, 12, (3, 30), (4, 40), 5))
     assert aborted
     return outs
+
+
+def _make_resident(llm: LLM) -> list[str]:
+    """Every registered adapter loaded (one tiny request each), so no load is in flight when a workload
+    starts; returns their names."""
+    names = llm.engine.memory.adapters.names()
+    llm.generate([[1, 2, 3]] * (len(names) + 1), GREEDY, adapters=[*names, None], max_tokens=2)
+    return names
 
 
 def test_requests_coming_and_going_match_a_run_without_it(family):
@@ -110,16 +117,15 @@ def test_every_step_taken_matches_a_fresh_replay_under_a_small_pool(family):
 
     # every adapter resident first: while a load is in flight the other requests run alone, and on a GPU
     # (fast steps, many of them per load) that left the pool roomy enough never to preempt
-    names = list(family.adapters)
-    llm.generate([[1, 2, 3]] * (len(names) + 1), GREEDY, adapters=[*names, None], max_tokens=2)
-    loads, preempted = llm.engine.memory.adapters.stats.loads, llm.engine.scheduler.stats.preemptions
+    _make_resident(llm)
+    loads0, preempted0 = llm.engine.memory.adapters.stats.loads, llm.engine.scheduler.stats.preemptions
     graphs.take_ahead = take_and_check
-    rng, choices = random.Random(2), [*names, None]
+    rng, choices = random.Random(2), [*family.adapters, None]
     prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(20, 90))] for _ in range(16)]
     outs = llm.generate(prompts, GREEDY, adapters=[choices[i % len(choices)] for i in range(16)], max_tokens=48)
     assert all(len(out.token_ids) == 48 for out in outs)
-    preempted = llm.engine.scheduler.stats.preemptions - preempted  # 4-9 a family on the CPU, with no load
+    preempted = llm.engine.scheduler.stats.preemptions - preempted0  # (the same workload on the CPU: 4-9)
     assert preempted > 0 and len(checked) > 20 and any(checked), \
-        (preempted, len(checked), llm.engine.memory.adapters.stats.loads - loads)
+        (preempted, len(checked), llm.engine.memory.adapters.stats.loads - loads0)
     llm.engine.memory.check()
     llm.close()
