@@ -54,10 +54,10 @@ every request is greedy with an exact output length, no stop tokens):
   distinct adapters a step, both ways).
 
 ``--policy`` / ``--affinity-wait`` (a-d) set the scheduler's queue order
-(`SchedulerConfig.policy`, ``affinity_max_wait_s``) for every run; each run's row
-(and b's ratio row) and run log say which.  Setup b submits every request at once, so the affinity
-policy groups requests by adapter only with a wait longer than the run (the
-default 1 s makes it FCFS after the first second).
+(`SchedulerConfig.policy`, ``affinity_max_wait_s``) for every run; each run's
+row (and b's ratio row) and run log say which.  Setup b submits every request
+at once, so the affinity policy groups requests by adapter only with a wait
+longer than the run (the default 1 s makes it FCFS after the first second).
 
 ``--piece-layers N [N ...]`` (a, b): the workload runs once per value in the
 same engine, its decode CUDA graphs cut into pieces of N layers before each
