@@ -514,6 +514,13 @@ def parse(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.prefill_coalesce_steps is None:
         args.prefill_coalesce_steps = 0
+    _check_values(p, args)
+    _linear_settings(p, args)
+    return args
+
+
+def _check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A parser error for a flag's value out of range or a flag given where it does not apply."""
     if args.prefill_coalesce_steps < 0:
         p.error(f"--prefill-coalesce-steps must be >= 0, got {args.prefill_coalesce_steps}")
     if args.affinity_wait is not None and (args.affinity_wait < 0 or args.policy != "affinity"):
@@ -534,8 +541,6 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--piece-layers is for setups a and b, not {args.setup}")
     if args.setup == "c" and min(args.counts) < 1:
         p.error(f"--counts must be >= 1, got {args.counts}")
-    _linear_settings(p, args)
-    return args
 
 
 def _linear_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
