@@ -168,7 +168,7 @@ def fit_profile(logs: list[dict], commit: str) -> tuple[CostProfile, dict]:
     disk_bytes, disk_s = sum(lg["disk_bytes"] for lg in logs), sum(lg["disk_seconds"] for lg in logs)
     disk = disk_bytes / disk_s if disk_s > 0 else CostProfile.__dataclass_fields__["disk_bytes_per_s"].default
     tag = "cpu" if device_type == "cpu" else gpu_tag(device)
-    runs = ", ".join(lg["label"] for lg in logs)
+    runs = ", ".join(map(run_name, logs))
     run_commits = ", ".join(sorted({str(lg.get("commit", "?")) for lg in logs}))
     source = (f"measured by benchmarks/serve.py on {device} (runs at {run_commits}; fitted at {commit}): "
               f"non-negative least-squares fit "
@@ -242,6 +242,17 @@ def replay(lg: dict, profile_path: Path, scheduler: dict | None = None) -> tuple
     return Timeline(result.trace.arrival[w:] - off, first - off, finish - off, result.num_output[w:]), result
 
 
+def run_policy(lg: dict) -> str:
+    """The queue order a run was served under (logs from before the policy was recorded: "fcfs")."""
+    return lg.get("scheduler", {}).get("policy", "fcfs")
+
+
+def run_name(lg: dict) -> str:
+    """A run's label, with its policy when that is not FCFS (two runs of one label may differ in it)."""
+    policy = run_policy(lg)
+    return lg["label"] if policy == "fcfs" else f"{lg['label']} ({policy})"
+
+
 def compare(lg: dict, profile: CostProfile, profile_path: Path, in_sample: bool) -> dict:
     """Simulated against measured throughput and p50 TTFT of one run (``in_sample``: the profile was fit
     on it)."""
@@ -251,7 +262,8 @@ def compare(lg: dict, profile: CostProfile, profile_path: Path, in_sample: bool)
     tput = sim["output_tokens_per_s"] / meas["output_tokens_per_s"]
     ttft = sim["ttft_p50_s"] / meas["ttft_p50_s"] if meas["ttft_p50_s"] else float("nan")
     return {"bench": "serve", "row": "calibration", "setup": lg["setup"], "label": lg["label"],
-            "model": lg["model_key"], "profile": profile.name, "fit_on_this_run": in_sample,
+            "model": lg["model_key"], "policy": run_policy(lg), "profile": profile.name,
+            "fit_on_this_run": in_sample,
             "measured_output_tokens_per_s": meas["output_tokens_per_s"],
             "sim_output_tokens_per_s": sim["output_tokens_per_s"], "throughput_ratio": round(tput, 4),
             "measured_ttft_p50_s": meas["ttft_p50_s"], "sim_ttft_p50_s": sim["ttft_p50_s"],

@@ -209,6 +209,22 @@ def test_what_if_replays_a_run_under_other_scheduler_settings(runs, tmp_path):
     assert one["new_output_tokens_per_s"] < one["own_output_tokens_per_s"]
 
 
+def test_profile_source_names_a_runs_policy_when_not_fcfs(runs):
+    """Two logs of one label, one served under affinity: the fit's source tells them apart, and each
+    calibration row says which queue order its run had (logs without the field count as FCFS)."""
+    _, log_files, profiles = runs
+    with open(next(f for f in log_files if "b-llama3-8b-tiny-lora" in f)) as f:
+        fcfs = json.load(f)
+    affinity = {**fcfs, "scheduler": {**fcfs["scheduler"], "policy": "affinity"}}
+    old = {key: value for key, value in fcfs.items() if key != "scheduler"}
+    assert [serve_calib.run_policy(lg) for lg in (fcfs, affinity, old)] == ["fcfs", "affinity", "fcfs"]
+    profile, _ = serve_calib.fit_profile([fcfs, affinity], "abc1234")
+    assert "(runs: b-llama3-8b-tiny-lora, b-llama3-8b-tiny-lora (affinity));" in profile.source
+    path = profiles / "llama3-8b-tiny-cpu.json"
+    row = serve_calib.compare(affinity, CostProfile.from_json(path), path, in_sample=False)
+    assert row["policy"] == "affinity" and row["label"] == "b-llama3-8b-tiny-lora"
+
+
 def test_closed_loop_replay_releases_a_request_at_each_finish(runs):
     _, log_files, profiles = runs
     with open(next(f for f in log_files if "c-llama-1b-tiny-6" in f)) as f:
