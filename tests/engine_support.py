@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass, field
 
 import peft_factory as pf
+import pytest
 import torch
 from peft import PeftModel
 from unipage.scheduler import Request, SamplingParams
@@ -134,6 +135,17 @@ def gptoss(root) -> Family:
 
 
 FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "llama": llama, "qwen3": qwen3_dense, "gpt_oss": gptoss}
+
+
+def family_fixture(names, cuda: bool = False):
+    """A module-scoped ``family`` fixture over ``names`` (keys of `FAMILIES`): each family's checkpoint and
+    adapters, made once per module; ``cuda``: skipped without a GPU."""
+    @pytest.fixture(scope="module", params=list(names))
+    def family(request, tmp_path_factory):
+        if cuda and not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        return FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+    return family
 
 
 class Oracle:

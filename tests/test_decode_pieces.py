@@ -18,9 +18,7 @@ from unipage.graphs import PIECE_LAYERS, decode_pieces, piece_bounds
 from unipage.scheduler import SchedulerConfig
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
-def family(request, tmp_path_factory):
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(["qwen3_moe", "gpt_oss"])
 
 
 def test_piece_bounds():

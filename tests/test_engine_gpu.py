@@ -27,11 +27,7 @@ pytestmark = pytest.mark.gpu
 SEQS, TOKENS = 16, 64
 
 
-@pytest.fixture(scope="module", params=sorted(es.FAMILIES))
-def family(request, tmp_path_factory):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(sorted(es.FAMILIES), cuda=True)
 
 
 def test_bf16_triton_engine_matches_transformers_peft(family):

@@ -6,7 +6,6 @@ import random
 
 import engine_support as es
 import pytest
-import torch
 from unipage.scheduler import SchedulerConfig
 
 from unipage import LLM, SamplingParams
@@ -17,11 +16,7 @@ pytestmark = pytest.mark.gpu
 SEQS, TOKENS = 24, 40
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "llama"])
-def family(request, tmp_path_factory):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(["qwen3_moe", "gpt_oss", "llama"], cuda=True)
 
 
 def _llm(family, graphs: bool) -> LLM:

@@ -23,9 +23,7 @@ GREEDY = SamplingParams(temperature=0)
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=sorted(es.FAMILIES))
-def family(request, tmp_path_factory):
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(sorted(es.FAMILIES))
 
 
 @pytest.fixture(scope="module")

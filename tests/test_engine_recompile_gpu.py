@@ -24,11 +24,7 @@ from unipage.config import LoRAConfig, PoolConfig
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "llama"])
-def family(request, tmp_path_factory):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(["qwen3_moe", "gpt_oss", "llama"], cuda=True)
 
 
 def _round(llm: LLM, family, seed: int) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import engine_support as es
-import pytest
 import torch
 from unipage.scheduler import SchedulerConfig
 
@@ -50,9 +49,7 @@ class EagerGraphs:
         return RunAhead(seqs, {id(seqs[i]): i for i in rows}, [s.num_computed for s in seqs], hidden, self.epoch)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
-def family(request, tmp_path_factory):
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(["qwen3_moe", "gpt_oss"])
 
 
 def _engine(family, run_ahead: bool) -> Engine:

@@ -20,11 +20,7 @@ pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0)
 
 
-@pytest.fixture(scope="module", params=["gpt_oss", "qwen3_moe", "llama"])
-def family(request, tmp_path_factory):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(["gpt_oss", "qwen3_moe", "llama"], cuda=True)
 
 
 def _llm(family, run_ahead: bool) -> LLM:

@@ -19,9 +19,7 @@ from unipage.models import shrink_stack
 from unipage.scheduler import SchedulerConfig
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt_oss", "qwen3_moe"])
-def family(request, tmp_path_factory):
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(["llama", "gpt_oss", "qwen3_moe"])
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,7 @@ from unipage.config import LoRAConfig, PoolConfig
 from unipage.mixed_graphs import MixedGraphs, token_buckets
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "gpt_oss"])
-def family(request, tmp_path_factory):
-    return es.FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+family = es.family_fixture(["llama", "qwen3_moe", "gpt_oss"])
 
 
 def test_token_buckets():
