@@ -13,8 +13,10 @@ Registry by name (``SchedulerConfig.policy``):
 ============  ===============================================================
 ``fcfs``      first come, first served within a priority level (lower first)
 ``affinity``  requests whose adapter is already in the batch first (no new
-              adapter slot, no load); a request waiting longer than
-              ``affinity_max_wait_s`` goes before them, in FCFS order
+              adapter slot, no load), then the rest FCFS, each admitted
+              one's adapter's other requests right after it; a request
+              waiting longer than ``affinity_max_wait_s`` goes before them,
+              in FCFS order
 ``vtc``       Virtual Token Counter fairness ("Fairness in Serving Large
               Language Models", OSDI'24): the client (adapter or tenant) with
               the smallest counter goes next; admitting charges
@@ -163,7 +165,10 @@ class AdapterAffinity(SchedulingPolicy):
                 del self._by_adapter[req.adapter]
 
     def candidates(self, ctx: StepContext) -> Iterator[Request]:
-        """Aged requests (FCFS), then those of adapters in the batch (FCFS per adapter), then the rest."""
+        """Aged requests (FCFS), then those of adapters in the batch (FCFS per adapter), then the rest in FCFS
+        order, except that once one of them is admitted in this walk its adapter's other requests come next:
+        the walk does not start a new adapter for every slot that opens (the batch's adapters are those of
+        the step's start)."""
         seen: set[int] = set()
         aged = ctx.now - self.config.affinity_max_wait_s
         for req in self._queue:
@@ -172,12 +177,20 @@ class AdapterAffinity(SchedulingPolicy):
             seen.add(req.seq)
             yield req
         for adapter in list(ctx.batch_adapters):
-            for req in self._by_adapter.get(adapter, ()):
-                if req.seq not in seen and req.status.is_waiting:
-                    seen.add(req.seq)
-                    yield req
+            yield from self._of_adapter(adapter, seen)
         for req in self._queue:
+            if req.seq in seen or not req.status.is_waiting:
+                continue
+            seen.add(req.seq)
+            yield req
+            if req.adapter is not None and not req.status.is_waiting:  # admitted: its adapter joined the batch
+                yield from self._of_adapter(req.adapter, seen)
+
+    def _of_adapter(self, adapter: str, seen: set[int]) -> Iterator[Request]:
+        """``adapter``'s waiting requests not yet offered, FCFS."""
+        for req in self._by_adapter.get(adapter, ()):
             if req.seq not in seen and req.status.is_waiting:
+                seen.add(req.seq)
                 yield req
 
 

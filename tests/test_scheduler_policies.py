@@ -35,6 +35,20 @@ def test_affinity_prefers_adapters_already_in_the_batch_until_the_age_bound():
         assert admitted(step(sched)[0]) == expect, wait
 
 
+def test_affinity_fills_the_slots_of_one_step_from_the_adapter_it_admitted_first():
+    """No request of the batch's adapters waits and two slots are open: the first admitted (FCFS: b1) brings
+    its adapter's next request (b2) before the older request of a third adapter (c1); FCFS takes c1."""
+    for policy, expect in (("affinity", ["b1", "b2"]), ("fcfs", ["b1", "c1"])):
+        sched = make(adapters={"a": 1, "b": 1, "c": 1}, loaded=("a", "b", "c"), max_num_seqs=3, policy=policy,
+                     affinity_max_wait_s=10.0)
+        sched.add(req("r0", adapter="a", max_tokens=8, arrival_time=0.0))
+        step(sched)
+        for name, t in (("b1", 0.1), ("c1", 0.2), ("b2", 0.3)):
+            sched.add(req(name, adapter=name[0], arrival_time=t))
+        sched.clock.now = 1.0
+        assert admitted(step(sched)[0]) == expect, policy
+
+
 def test_fcfs_would_take_the_oldest_instead():
     sched = make(adapters={"a": 1, "b": 1}, loaded=("a", "b"), max_num_seqs=2)
     sched.add(req("r0", adapter="a", max_tokens=8, arrival_time=0.0))
