@@ -59,6 +59,10 @@ row (and b's ratio row) and run log say which.  Setup b submits every request
 at once, so the affinity policy groups requests by adapter only with a wait
 longer than the run (the default 1 s makes it FCFS after the first second).
 
+``--staging-ring-mib N`` sets `LoRAConfig.staging_ring_bytes`, the pinned ring adapter loads pass through
+(default 256 MiB); a Qwen3-30B-A3B adapter of rank 8 on every linear layer packs to about 640 MiB, so its
+loads from the host tier are staged on the step loop's thread unless the ring holds it.
+
 ``--piece-layers N [N ...]`` (a, b): the workload runs once per value in the
 same engine, its decode CUDA graphs cut into pieces of N layers before each
 run (0: one graph a step), later runs on prompts of their own seed: an A/B
@@ -134,8 +138,9 @@ def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None 
     sched = SchedulerConfig(max_model_len=a.prompt + a.output + 1, max_num_batched_tokens=a.max_batched_tokens,
                             max_num_seqs=a.max_running, prefill_coalesce_steps=a.prefill_coalesce_steps,
                             **scheduler_settings(a))
+    ring = {} if a.staging_ring_mib is None else {"staging_ring_bytes": a.staging_ring_mib << 20}
     lora = LoRAConfig(max_rank=max(rank, 1), max_adapters_per_batch=a.max_adapters_per_batch,
-                      host_cache_bytes=int(a.host_cache_gib * (1 << 30)))
+                      host_cache_bytes=int(a.host_cache_gib * (1 << 30)), **ring)
     pool = PoolConfig(num_pages=pool_pages) if pool_pages else None
     drv.log(f"loading {os.path.basename(model_dir)} (dummy weights) on {ctx.device}")
     graphs = GRAPHS[a.cuda_graphs] if ctx.device.type == "cuda" else None
@@ -194,6 +199,7 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
               "policy": engine.scheduler.config.policy,
               "affinity_max_wait_s": engine.scheduler.config.affinity_max_wait_s,
+              "staging_ring_bytes": engine.config.lora.staging_ring_bytes,
               "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_graph_pieces(engine),
               "run_ahead": engine.runner.run_ahead, **ahead_counts(engine, ahead),
               "linear": dict(lora_linear.LINEAR),
@@ -474,6 +480,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="decode steps launch the next one before the host reads their tokens (Engine(run_ahead=...), "
                         "CUDA graphs only); several values: a, b run each workload once per value, in one process")
     p.add_argument("--host-cache-gib", type=float, default=8.0, help="host tier (CPU memory) for adapters")
+    p.add_argument("--staging-ring-mib", type=int, default=None,
+                   help="LoRAConfig.staging_ring_bytes in MiB: the pinned ring adapter loads pass through (default 256; "
+                        "an adapter larger than it is staged on the step loop's thread)")
     p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
                    help="b: model shapes")
     p.add_argument("--b-runs", nargs="+", default=["base", "lora"], choices=["base", "lora"],
@@ -531,7 +540,8 @@ def _check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "replay with)")
     if args.expert_probe_tokens < 0:
         p.error(f"--expert-probe-tokens must be >= 0, got {args.expert_probe_tokens}")
-    for name in ("requests", "concurrency", "prompt", "output", "adapters", "rank", "max_running", "repeats"):
+    for name in ("requests", "concurrency", "prompt", "output", "adapters", "rank", "max_running", "repeats",
+                 "staging_ring_mib"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")

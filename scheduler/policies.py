@@ -167,8 +167,8 @@ class AdapterAffinity(SchedulingPolicy):
     def candidates(self, ctx: StepContext) -> Iterator[Request]:
         """Aged requests (FCFS), then those of adapters in the batch (FCFS per adapter), then the rest in FCFS
         order, except that once one of them is admitted in this walk its adapter's other requests come next:
-        the walk does not start a new adapter for every slot that opens (the batch's adapters are those of
-        the step's start)."""
+        the walk does not start a new adapter for every slot that opens (the batch's adapters are read once,
+        when the walk reaches them)."""
         seen: set[int] = set()
         aged = ctx.now - self.config.affinity_max_wait_s
         for req in self._queue:

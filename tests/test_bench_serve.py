@@ -125,14 +125,15 @@ def test_setup_b_compares_lora_with_the_base_model(runs):
                                                     rel=1e-3)
 
 
-def test_setup_b_runs_one_of_the_pair_under_the_policy_asked(tmp_path):
+def test_setup_b_runs_one_of_the_pair_under_the_policy_and_ring_asked(tmp_path):
     out, logs = tmp_path / "out.jsonl", tmp_path / "logs"
     serve.main(["--setup", "b", "--models", "llama3-8b", "--requests", "2", "--adapters", "2", "--rank", "2",
                 "--max-running", "2", "--b-runs", "lora", "--policy", "affinity", "--affinity-wait", "600", *SMALL,
-                "--out", str(out), "--workdir", str(tmp_path), "--log-dir", str(logs)])
+                "--staging-ring-mib", "3", "--out", str(out), "--workdir", str(tmp_path), "--log-dir", str(logs)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["row"], r["label"]) for r in records] == [("b", "b-llama3-8b-tiny-lora")]  # no ratio row
     assert (records[0]["policy"], records[0]["affinity_max_wait_s"]) == ("affinity", 600.0)
+    assert records[0]["staging_ring_bytes"] == 3 << 20
     log = json.loads((logs / "b-llama3-8b-tiny-lora.json").read_text())
     assert (log["scheduler"]["policy"], log["scheduler"]["affinity_max_wait_s"]) == ("affinity", 600.0)
 
@@ -368,6 +369,7 @@ def test_calibrate_needs_the_reader_count_of_old_logs(tmp_path):
     (["--setup", "a", "--requests", "0"], "--requests must be >= 1"),
     (["--setup", "c", "--counts", "0", "5"], "--counts must be >= 1"),
     (["--setup", "c", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--setup", "b", "--staging-ring-mib", "0"], "--staging-ring-mib must be >= 1"),
     (["--setup", "a", "--piece-layers", "4", "-1"], "--piece-layers must be >= 0"),
     (["--setup", "a", "--expert-probe-tokens", "-1"], "--expert-probe-tokens must be >= 0"),
     (["--setup", "c", "--piece-layers", "4"], "--piece-layers is for setups a and b"),

@@ -49,6 +49,19 @@ def test_affinity_fills_the_slots_of_one_step_from_the_adapter_it_admitted_first
         assert admitted(step(sched)[0]) == expect, policy
 
 
+def test_affinity_groups_only_behind_an_admitted_request():
+    """b1 cannot run yet (its adapter is not resident): the walk goes on in FCFS order to c1, not to b2 —
+    with a lookahead of two, grouping behind the skipped b1 would have examined b2 and admitted nothing."""
+    sched = make(adapters={"a": 1, "b": 1, "c": 1}, loaded=("a", "c"), max_num_seqs=3, policy="affinity",
+                 affinity_max_wait_s=10.0, lookahead=2)
+    sched.add(req("r0", adapter="a", max_tokens=8, arrival_time=0.0))
+    step(sched)
+    for name, t in (("b1", 0.1), ("c1", 0.2), ("b2", 0.3), ("c2", 0.4)):
+        sched.add(req(name, adapter=name[0], arrival_time=t))
+    sched.clock.now = 1.0
+    assert admitted(step(sched)[0]) == ["c1"]
+
+
 def test_fcfs_would_take_the_oldest_instead():
     sched = make(adapters={"a": 1, "b": 1}, loaded=("a", "b"), max_num_seqs=2)
     sched.add(req("r0", adapter="a", max_tokens=8, arrival_time=0.0))

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from unipage.adapter_reader import read_and_pack
-from unipage.adapters import DropHostCopy
+from unipage.adapters import DropHostCopy, EvictAdapter
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
 from unipage.memory import UnifiedMemory
 from unipage.peft_io import load_adapter_weights
 from unipage.peft_write import write_random_adapter
 from unipage.pinned import ALIGN, PinnedRing
-from unipage.storage import RING_BYTES, PoolStorage
+from unipage.storage import HostRead, PoolStorage
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4,
                     top_k=2, expert_intermediate_size=32, dtype="float32")  # page_elems = 4*2*32 = 256
@@ -139,7 +139,7 @@ def _wait_loads(storage, names, seconds=60):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ring_bytes", [RING_BYTES, ALIGN])
+@pytest.mark.parametrize("ring_bytes", [LoRAConfig().staging_ring_bytes, ALIGN])
 def test_cuda_loads_pass_through_the_pinned_ring(tmp_path, ring_bytes):
     """Both adapters staged in one ring (or, in a ring too small for them, pinned on their own)."""
     memory, storage = setup(tmp_path, "bfloat16", device="cuda")
@@ -246,29 +246,127 @@ def test_reads_pack_into_the_shared_ring_and_host_copies_are_their_own(tmp_path)
     assert not os.path.exists(storage._host_dir)
 
 
+def _kept_then_evicted(memory, storage, name):
+    """``name`` loaded through the readers (its host copy kept in a file), then evicted; its host file."""
+    memory.adapters.request(name)
+    storage.apply(memory.adapters.take_effects())
+    assert _poll_reads(storage) == []
+    memory.adapters.load_done(name)
+    memory.adapters.evict(name)
+    storage.apply(memory.adapters.take_effects())
+    return storage._host[name]
+
+
 @pytest.mark.parametrize("ring_bytes", [1 << 20, ALIGN])
 def test_a_reload_reads_the_kept_host_file_and_a_drop_removes_it(tmp_path, ring_bytes):
-    """From the file into a ring slice (or a buffer of its own when the ring has no room), the disk copy gone."""
+    """From the file into a ring slice on a thread, copied in by a poll (or, when the ring has no room, into a
+    buffer of its own within the load), the disk copy gone."""
     with shared_reads(tmp_path) as (memory, storage):
-        memory.adapters.request("a1")
-        storage.apply(memory.adapters.take_effects())
-        assert _poll_reads(storage) == []
-        memory.adapters.load_done("a1")
-        host = storage._host["a1"]
-        before = storage.gather(memory.adapters.get("a1"))
-        memory.adapters.evict("a1")
-        storage.apply(memory.adapters.take_effects())
+        host = _kept_then_evicted(memory, storage, "a1")
         storage.pool.normal_()
         os.remove(tmp_path / "a1" / "adapter_model.safetensors")
         storage._ring = PinnedRing(ring_bytes, pin=False, shared=True)
-        assert sync_load(memory, storage, "a1").done == ["a1"] and storage._reads == {}  # nothing read
-        assert storage._host["a1"] == host
+        done = sync_load(memory, storage, "a1").done
+        if ring_bytes == ALIGN:
+            assert done == ["a1"] and storage._reads == {}  # read within the load
+        else:
+            assert done == [] and isinstance(storage._reads["a1"][0], HostRead)
+            assert _poll_reads(storage) == []
+            memory.adapters.load_done("a1")
+        assert storage._host["a1"] == host and storage.reads.count == 1  # nothing read from the files
         assert storage._ring.reserve(storage._ring.capacity) is not None  # its slice came back
         assert memory.adapters.stats.loads_from_host == 1
-        after = storage.gather(memory.adapters.get("a1"))
-        assert all(torch.equal(after[k].a, before[k].a) for k in before)
+        assert_resident_equals_packed(memory, storage, "a1", host)
         storage.apply([DropHostCopy("a1")])
         assert not storage.has_host_copy("a1") and not os.path.exists(host)
+
+
+def assert_resident_equals_packed(memory, storage, name, path):
+    """The adapter's pages in the pool hold the packed bytes of ``path``."""
+    record = memory.adapters.get(name)
+    with open(path, "rb") as f:
+        packed = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).view(storage.dtype)
+    got = storage.pool[:, torch.tensor(record.pages)].contiguous().view(-1)
+    assert torch.equal(got, packed)
+
+
+def test_a_host_read_in_flight_survives_its_eviction_and_a_drop_of_its_copy(tmp_path):
+    """Evicted while its file is read: the slice comes back once the read is over and the host copy stays;
+    host copy dropped while it is read: the load completes and keeps no copy."""
+    with shared_reads(tmp_path) as (memory, storage):
+        host = _kept_then_evicted(memory, storage, "a0")
+        memory.adapters.request("a0")
+        (load,) = memory.adapters.take_effects()
+        storage.apply([load])
+        read, _, piece = storage._reads["a0"]
+        assert isinstance(read, HostRead)
+        storage.apply([EvictAdapter("a0", load.slot, load.pages)])
+        deadline = time.monotonic() + 60
+        while not piece.released and time.monotonic() < deadline:
+            storage.poll()
+            time.sleep(0.01)
+        assert piece.released
+        assert storage._host["a0"] == host and os.path.exists(host) and "a0" not in storage._reads
+        memory.adapters.load_done("a0")  # (the manager did not see that eviction: let it evict too)
+        memory.adapters.evict("a0")
+        storage.apply(memory.adapters.take_effects())
+        memory.adapters.request("a0")
+        storage.apply(memory.adapters.take_effects())
+        storage.apply([DropHostCopy("a0")])
+        assert not storage.has_host_copy("a0")
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+        assert storage.reads.count == 1  # read from the host file still (its files were not read again)
+        assert not storage.has_host_copy("a0") and not os.path.exists(host)  # and the file went after
+
+
+def test_close_waits_for_host_reads_before_the_ring_goes(tmp_path, monkeypatch):
+    import threading
+
+    started, go = threading.Event(), threading.Event()
+    real = HostRead.run
+
+    def slow(self, *args):  # a read still going when close() is called
+        started.set()
+        go.wait(60)
+        real(self, *args)
+
+    monkeypatch.setattr(HostRead, "run", slow)
+    with shared_reads(tmp_path) as (memory, storage):
+        _kept_then_evicted(memory, storage, "a0")
+        memory.adapters.request("a0")
+        storage.apply(memory.adapters.take_effects())
+        read = storage._reads["a0"][0]
+        assert started.wait(60) and not read.done()
+        threading.Timer(0.2, go.set).start()
+        storage.close()
+        assert read.done() and read.error is None and storage._ring is None
+
+
+def test_an_unreadable_host_file_drops_the_copy_and_reads_the_files(tmp_path):
+    with shared_reads(tmp_path) as (memory, storage):
+        host = _kept_then_evicted(memory, storage, "a0")
+        with open(host, "r+b") as f:
+            f.truncate(100)  # short: the thread's read fails
+        storage.pool.normal_()
+        sync_load(memory, storage, "a0")
+        assert isinstance(storage._reads["a0"][0], HostRead)
+        assert _poll_reads(storage) == []  # no load failed: the files were read instead
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+        assert storage.reads.count == 2 and storage._host["a0"] != host and not os.path.exists(host)
+        assert storage._ring.reserve(storage._ring.capacity) is not None  # the failed read's slice came back
+
+
+def test_an_adapter_larger_than_the_ring_is_warned_of_once(tmp_path, caplog):
+    with shared_reads(tmp_path, ring_bytes=ALIGN) as (memory, storage):
+        with caplog.at_level("WARNING", logger="unipage.storage"):
+            host = _kept_then_evicted(memory, storage, "a0")
+            sync_load(memory, storage, "a0")
+        warned = [r.getMessage() for r in caplog.records if "staging ring" in r.getMessage()]
+        assert len(warned) == 1 and "adapter 'a0'" in warned[0] and "staging_ring_bytes" in warned[0]
+        assert storage.has_host_copy("a0") and host is not None
 
 
 def test_a_lost_host_file_falls_back_to_reading_the_files(tmp_path):

@@ -33,6 +33,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +56,7 @@ from unipage.pinned import (
 log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
 READ_WORKERS = min(8, max(2, CPUS // 2))  # processes that read and pack adapter files (CUDA)
-RING_BYTES = 256 << 20  # the pinned ring that page copies pass through (CUDA)
+HOST_READ_THREADS = 2  # threads that read host copies kept in files into the ring (CUDA)
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
 
@@ -94,7 +95,9 @@ class PoolStorage:
         self._orphans: list[tuple[Read, RingSlice | None]] = []  # reads of evicted adapters, still in flight
         self._unkept: set[Read] = set()  # reads in flight whose host copy was dropped meanwhile: not kept
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
-        self._ring = _pinned_ring(RING_BYTES) if self._cuda else None
+        self._ring = _pinned_ring(config.lora.staging_ring_bytes) if self._cuda else None
+        self._host_reads: ThreadPoolExecutor | None = None  # `_start_host_read`'s threads, made on first use
+        self._oversized: set[str] = set()  # adapters warned of as larger than the ring
         self._host_dir: str | None = None  # the readers' host copies (`_keep_path`)
         self._host_end: weakref.finalize | None = None  # removes that directory
         self._host_names = itertools.count()
@@ -115,10 +118,14 @@ class PoolStorage:
                 if dropped is not None:  # its ring slice comes back once the worker is done with it
                     self._orphans.append((dropped[0], dropped[2]))
             elif isinstance(effect, DropHostCopy):
-                remove_file(self._host.pop(effect.name, None))
-                in_flight = self._reads.get(effect.name)
-                if in_flight is not None:  # the copy it would keep is dropped too
-                    self._unkept.add(in_flight[0])
+                copy = self._host.pop(effect.name, None)
+                read = self._reads.get(effect.name, (None,))[0]
+                if read is not None:  # the copy it would keep is dropped too
+                    self._unkept.add(read)
+                if isinstance(read, HostRead) and read.host_file == copy:
+                    read.kept = copy  # the file it reads goes once the read is over
+                else:
+                    remove_file(copy)
             else:
                 raise TypeError(f"unknown effect {effect!r}")
         return result
@@ -137,10 +144,17 @@ class PoolStorage:
             self._unkept.discard(read)
             if not cache:
                 remove_file(read.kept)
+            keep = read.kept
+            if isinstance(read, HostRead):
+                if read.error is not None:  # the host copy is lost: read the adapter's files instead
+                    self._host_copy_lost(effect, read, piece, cache)
+                    continue
+                keep = read.host_file if cache else None
             try:
                 buf, seconds = read.result()
                 buf = self._check_pages(effect, buf)
-                self.reads.add(effect, seconds)
+                if not isinstance(read, HostRead):
+                    self.reads.add(effect, seconds)
             except (AdapterError, OSError) as err:
                 remove_file(read.kept)
                 if piece is not None:
@@ -149,7 +163,7 @@ class PoolStorage:
                 result.failed.append((name, str(err)))
                 continue
             try:
-                self._finish_read(effect, buf, piece, read.kept, cache)
+                self._finish_read(effect, buf, piece, keep, cache)
             except (AdapterError, OSError) as err:
                 if piece is not None and piece.event is None:  # no copy reads it
                     self._ring.release(piece)
@@ -176,12 +190,15 @@ class PoolStorage:
             self._fence.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        """Stop the background readers (reads in flight are abandoned); the host copies kept in files and
+        """Stop the background readers (reads in flight are abandoned; host copies being read into the ring
+        are read to the end first, those queued are not); the host copies kept in files and
         the shared ring's file go.  Safe to call again; `apply`, `start_reads` and `poll` then raise
         `ClosedError`."""
         self.closed = True
         if self._reader is not None:
             self._reader.shutdown()
+        if self._host_reads is not None:  # they write into the ring: over before it goes (queued ones dropped)
+            self._host_reads.shutdown(wait=True, cancel_futures=True)
         if self._host_dir is not None:
             self._host = {name: buf for name, buf in self._host.items() if not isinstance(buf, str)}
             if self._host_end is not None:
@@ -271,8 +288,11 @@ class PoolStorage:
         return os.path.join(self._host_dir, f"{next(self._host_names)}.bin")
 
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
+        self._warn_oversized(effect)
         buf = self._host.get(effect.name) if effect.from_host else None
         piece = keep = None
+        if isinstance(buf, str) and self._start_host_read(effect, buf):
+            return
         if isinstance(buf, str):  # a file a reader kept: it stays the host copy
             keep = buf
             buf, piece = self._read_host_file(effect, keep)
@@ -290,6 +310,49 @@ class PoolStorage:
             return
         if not self._cuda:
             result.done.append(effect.name)
+
+    def _start_host_read(self, effect: LoadAdapter, path: str) -> bool:
+        """With reader processes (CUDA): read the host copy's file into a ring slice on a thread of this
+        process (`HostRead`; `poll` copies the pages in once it is read), so the step loop does not wait for
+        it.  False where the ring has no room for it: then it is read on this thread (`_read_host_file`)."""
+        if self._reader is None or self._ring is None:
+            return False
+        piece = self._ring.reserve(self._packed_bytes(effect))
+        if piece is None:
+            return False
+        if self._host_reads is None:
+            self._host_reads = ThreadPoolExecutor(HOST_READ_THREADS, thread_name_prefix="unipage-host-read")
+        read = HostRead(path)
+        try:
+            self._host_reads.submit(read.run, self._ring.view(piece), self.dtype, self._packed_shape(effect))
+        except RuntimeError:  # no thread can be started (e.g. at interpreter shutdown): read it here
+            self._ring.release(piece)
+            return False
+        self._reads[effect.name] = (read, effect, piece)
+        return True
+
+    def _host_copy_lost(self, effect: LoadAdapter, read: HostRead, piece: RingSlice, cache: bool) -> None:
+        """A host copy's file could not be read (`HostRead`): the copy goes and the adapter's files are read
+        instead (a read whose host copy was dropped meanwhile keeps none this time either)."""
+        log.warning("the host copy of adapter %r is lost (%s): reading its files", effect.name, read.error)
+        self._ring.release(piece)
+        if self._host.get(effect.name) == read.host_file:
+            remove_file(self._host.pop(effect.name))
+        self._submit(effect)
+        if not cache:
+            self._unkept.add(self._reads[effect.name][0])
+
+    def _warn_oversized(self, effect: LoadAdapter) -> None:
+        """Once per adapter: one larger than the ring cannot pass through it (CUDA), so its loads are
+        staged and pinned on the step loop's thread."""
+        if self._ring is None or effect.name in self._oversized:
+            return
+        nbytes = self._packed_bytes(effect)
+        if nbytes > self._ring.capacity:
+            self._oversized.add(effect.name)
+            log.warning("adapter %r packs to %.1f MiB, more than the %.1f MiB staging ring "
+                        "(LoRAConfig.staging_ring_bytes): its loads are staged on the step loop's thread",
+                        effect.name, nbytes / (1 << 20), self._ring.capacity / (1 << 20))
 
     def _read_host_file(self, effect: LoadAdapter, path: str) -> tuple[torch.Tensor | None, RingSlice | None]:
         """A host copy kept in a file, read into a slice of the ring (or, with no room there, into a new
@@ -394,6 +457,31 @@ class PoolStorage:
         if record.pages is None:
             raise AdapterError(f"adapter {record.name!r} is not resident")
         return gather_adapter(self.pool, record.pages, record.layout)
+
+
+class HostRead(Read):
+    """A host copy's file read into a ring slice on a thread (`PoolStorage._start_host_read`): done once
+    ``run`` has filled the slice (``buf``) or failed (``error``).  The file is the adapter's host copy, not a
+    new one: ``kept`` is None unless the host tier drops that copy while it is read, when it names the file
+    to remove once the read is over."""
+
+    __slots__ = ("host_file",)
+
+    def __init__(self, host_file: str) -> None:
+        super().__init__(None, None)
+        self.host_file = host_file
+
+    def run(self, dst: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+        start = time.perf_counter()
+        try:
+            with open(self.host_file, "rb") as f:
+                if f.readinto(dst.numpy()) != dst.numel():
+                    raise OSError(f"{self.host_file} is short of {dst.numel()} bytes")
+        except Exception as err:  # (on a thread: whatever went wrong must reach `poll`, or the slice is lost)
+            self.error = AdapterError(f"{type(err).__name__}: {err}")
+            return
+        self.seconds = time.perf_counter() - start
+        self.buf = dst.view(dtype).view(shape)  # last: `done` from here on
 
 
 def _pinned_ring(nbytes: int) -> PinnedRing:
