@@ -446,6 +446,29 @@ def test_cuda_reads_pack_into_the_shared_pinned_ring(tmp_path):
     storage.close()
 
 
+@pytest.mark.gpu
+def test_cuda_reload_from_a_host_file_reads_it_on_a_thread(tmp_path):
+    """The kept host file of an evicted adapter read into the pinned ring on a thread, then copied to the
+    device by a poll: the pages hold the adapter again and its files were not read again."""
+    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
+    sync_load(memory, storage, "a0")
+    assert _wait_loads(storage, ["a0"]) == {"a0"}
+    memory.adapters.load_done("a0")
+    host = storage._host["a0"]
+    memory.adapters.evict("a0")
+    storage.apply(memory.adapters.take_effects())
+    storage.pool.normal_()
+    sync_load(memory, storage, "a0")
+    assert isinstance(storage._reads["a0"][0], HostRead)
+    assert _wait_loads(storage, ["a0"]) == {"a0"}
+    memory.adapters.load_done("a0")
+    assert_resident_equals_files(memory, storage, "a0")
+    assert storage._host["a0"] == host and storage.reads.count == 1
+    torch.cuda.synchronize()
+    assert storage._ring.reserve(storage._ring.capacity) is not None  # every slice came back
+    storage.close()
+
+
 def test_a_read_no_reader_can_take_fails_its_load_and_gives_its_slice_back(tmp_path, monkeypatch):
     with shared_reads(tmp_path) as (memory, storage):
         def no_process(*args, **kwargs):
