@@ -236,7 +236,7 @@ class LoRAConfig:
         require(isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 0,
                  "host_cache_bytes", "an integer >= 0", self.host_cache_bytes)
         require(isinstance(self.staging_ring_bytes, int) and self.staging_ring_bytes >= 1 << 20,
-                "staging_ring_bytes", "an integer >= 1 MiB (1048576)", self.staging_ring_bytes)
+                 "staging_ring_bytes", "an integer >= 1 MiB (1048576)", self.staging_ring_bytes)
         for name in ("h2d_bytes_per_s", "disk_bytes_per_s", "recompute_s_per_token"):
             require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
         roots = tuple(os.path.realpath(os.fspath(r)) for r in self.adapter_roots)
