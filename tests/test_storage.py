@@ -319,6 +319,24 @@ def test_a_host_read_in_flight_survives_its_eviction_and_a_drop_of_its_copy(tmp_
         assert_resident_equals_files(memory, storage, "a0")
         assert storage.reads.count == 1  # read from the host file still (its files were not read again)
         assert not storage.has_host_copy("a0") and not os.path.exists(host)  # and the file went after
+        assert storage._unkept == set()
+
+
+def test_a_read_dropped_then_evicted_in_flight_is_forgotten_once_over(tmp_path):
+    """Its host copy dropped, then the adapter evicted, while its read is in flight: once the read is over its
+    slice comes back, the file it would have kept goes, and nothing of it is left in the storage."""
+    with shared_reads(tmp_path) as (memory, storage):
+        memory.adapters.request("a0")
+        (load,) = memory.adapters.take_effects()
+        storage.apply([load])
+        read, _, piece = storage._reads["a0"]
+        storage.apply([DropHostCopy("a0"), EvictAdapter("a0", load.slot, load.pages)])
+        deadline = time.monotonic() + 60
+        while storage._orphans and time.monotonic() < deadline:
+            storage.poll()
+            time.sleep(0.01)
+        assert piece.released and storage._unkept == set() and storage._orphans == []
+        assert not storage.has_host_copy("a0") and (read.kept is None or not os.path.exists(read.kept))
 
 
 def test_close_waits_for_host_reads_before_the_ring_goes(tmp_path, monkeypatch):

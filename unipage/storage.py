@@ -265,6 +265,7 @@ class PoolStorage:
                 keep.append((read, piece))
                 continue
             remove_file(read.kept)
+            self._unkept.discard(read)
             if piece is not None:
                 self._ring.release(piece)
         self._orphans = keep
