@@ -59,10 +59,6 @@ row (and b's ratio row) and run log say which.  Setup b submits every request
 at once, so the affinity policy groups requests by adapter only with a wait
 longer than the run (the default 1 s makes it FCFS after the first second).
 
-``--staging-ring-mib N`` sets `LoRAConfig.staging_ring_bytes`, the pinned ring adapter loads pass through
-(default 256 MiB); a Qwen3-30B-A3B adapter of rank 8 on every linear layer packs to about 640 MiB, so its
-loads from the host tier are staged on the step loop's thread unless the ring holds it.
-
 ``--piece-layers N [N ...]`` (a, b): the workload runs once per value in the
 same engine, its decode CUDA graphs cut into pieces of N layers before each
 run (0: one graph a step), later runs on prompts of their own seed: an A/B

@@ -292,9 +292,9 @@ class PoolStorage:
         self._warn_oversized(effect)
         buf = self._host.get(effect.name) if effect.from_host else None
         piece = keep = None
-        if isinstance(buf, str) and self._start_host_read(effect, buf):
-            return
         if isinstance(buf, str):  # a file a reader kept: it stays the host copy
+            if self._start_host_read(effect, buf):
+                return
             keep = buf
             buf, piece = self._read_host_file(effect, keep)
             keep = keep if buf is not None else None
@@ -363,9 +363,7 @@ class PoolStorage:
         piece = self._ring.reserve(nbytes) if self._ring is not None else None
         dst = self._ring.view(piece) if piece is not None else torch.empty(nbytes, dtype=torch.uint8)
         try:
-            with open(path, "rb") as f:
-                if f.readinto(dst.numpy()) != nbytes:
-                    raise OSError(f"{path} is short of {nbytes} bytes")
+            read_into(path, dst)
         except OSError as err:
             log.warning("the host copy of adapter %r is lost (%s): reading its files", effect.name, err)
             if piece is not None:
@@ -475,14 +473,19 @@ class HostRead(Read):
     def run(self, dst: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
         start = time.perf_counter()
         try:
-            with open(self.host_file, "rb") as f:
-                if f.readinto(dst.numpy()) != dst.numel():
-                    raise OSError(f"{self.host_file} is short of {dst.numel()} bytes")
+            read_into(self.host_file, dst)
         except Exception as err:  # (on a thread: whatever went wrong must reach `poll`, or the slice is lost)
             self.error = AdapterError(f"{type(err).__name__}: {err}")
             return
         self.seconds = time.perf_counter() - start
         self.buf = dst.view(dtype).view(shape)  # last: `done` from here on
+
+
+def read_into(path: str, dst: torch.Tensor) -> None:
+    """Fill ``dst`` (uint8) with the bytes of the file ``path``; `OSError` if it holds fewer."""
+    with open(path, "rb") as f:
+        if f.readinto(dst.numpy()) != dst.numel():
+            raise OSError(f"{path} is short of {dst.numel()} bytes")
 
 
 def _pinned_ring(nbytes: int) -> PinnedRing:
