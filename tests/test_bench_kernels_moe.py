@@ -1,5 +1,5 @@
 """benchmarks/kernels_moe.py's tuner bookkeeping (CPU): how tuned "lora" entries go into a config table,
-and joint candidates of the coordinate descent."""
+and joint candidates of the coordinate descent; and `ncu_moe_lora`'s rows from an ncu CSV."""
 
 from __future__ import annotations
 
@@ -112,3 +112,22 @@ def test_split_times_each_pass_with_the_overrides(monkeypatch):
     assert row["overrides"] == {"gate_up.num_warps": 1, "split_k": 2}
     assert [row[f"{k}_us"] for k in ("shrink", "gate_up_pass", "down_pass", "all")] == [2.0] * 4
     assert len(ran) == 4
+
+
+def test_ncu_csv_rows(tmp_path):
+    """`ncu_moe_lora.parse`: ncu's ``--csv --page details`` lines (after its own log lines) -> one row per
+    launch, units converted (ns -> us), thousands separators dropped, unknown metrics and rule lines ignored."""
+    import ncu_moe_lora
+
+    head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+    lines = ['"0","_moe_shrink_kernel","GPU Speed Of Light Throughput","Duration","ns","17,472"',
+             '"0","_moe_shrink_kernel","Launch Statistics","Grid Size","","1,216"',
+             '"0","_moe_shrink_kernel","Occupancy","Achieved Occupancy","%","16.96"',
+             '"0","_moe_shrink_kernel","WarpStateStats","","",""',
+             '"1","_expand_down_kernel","Launch Statistics","Registers Per Thread","register/thread","64"',
+             '"1","_expand_down_kernel","Memory Workload Analysis","Mem Busy","%","51.06"']
+    path = tmp_path / "ncu.csv"
+    path.write_text("==PROF== Connected to process 582\nconfig {'block_m': 16}\n" + head + "\n".join(lines) + "\n")
+    assert ncu_moe_lora.parse(str(path)) == [
+        {"kernel": "_moe_shrink_kernel", "us": 17.472, "grid": 1216, "achieved_occupancy_pct": 16.96},
+        {"kernel": "_expand_down_kernel", "registers": 64}]
