@@ -36,7 +36,7 @@ from unipage.sim import ClosedLoop, CostProfile, SimResult, Trace, build_config,
 from unipage.sim.profile import _COEFFICIENTS as COEFFICIENTS
 from unipage.sim.profile import _LAUNCH_COEFFICIENTS as LAUNCH_COEFFICIENTS
 
-assert len(TERMS) + 2 == len(COEFFICIENTS) and set(TERMS) <= set(COLUMNS), "fitted terms vs profile fields"
+assert len(TERMS) + 3 == len(COEFFICIENTS) and set(TERMS) <= set(COLUMNS), "fitted terms vs profile fields"
 WARM_OFFSET_S = 1000.0  # simulated seconds between the warm-up requests and the workload
 THROUGHPUT_TOLERANCE, TTFT_TOLERANCE = 0.05, 0.10  # the issue's targets
 
@@ -66,11 +66,13 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def design_matrix(rows: np.ndarray) -> np.ndarray:
-    """The fitted terms of step rows (`COLUMNS`), in `COEFFICIENTS` order: 1, the logged `TERMS`, and 1 for a
-    step with a prefill (the engine runs it eagerly; decode-only steps replay CUDA graphs)."""
+    """The fitted terms of step rows (`COLUMNS`), in `COEFFICIENTS` order: 1, the logged `TERMS`, 1 for a
+    step with a prefill (the engine runs it eagerly; decode-only steps replay CUDA graphs) and 1 for a step
+    with LoRA tokens (the LoRA kernels' fixed time)."""
     col = {name: i for i, name in enumerate(COLUMNS)}
     eager = (rows[:, col["prefill"]] > 0).astype(np.float64)
-    return np.column_stack([np.ones(len(rows))] + [rows[:, col[t]] for t in TERMS] + [eager])
+    lora = (rows[:, col["adapters"]] > 0).astype(np.float64)
+    return np.column_stack([np.ones(len(rows))] + [rows[:, col[t]] for t in TERMS] + [eager, lora])
 
 
 def fit_coefficients(runs: list[np.ndarray]) -> tuple[dict, dict]:
@@ -88,13 +90,22 @@ def fit_coefficients(runs: list[np.ndarray]) -> tuple[dict, dict]:
     seconds = rows[:, col["seconds"]]
     weighted = design * weight[:, None]
     scale = np.linalg.norm(weighted, axis=0)
-    used = scale > 0
+    used = _distinct(design) & (scale > 0)
     coef = np.zeros(design.shape[1])
     coef[used] = nnls(weighted[:, used] / scale[used], seconds * weight) / scale[used]
     predicted = design @ coef
     quality = {"steps": len(rows), "total_ratio": round(float(predicted.sum() / seconds.sum()), 4),
                "rms_rel_error": round(float(np.sqrt(np.mean(((predicted - seconds) / seconds) ** 2))), 4)}
     return dict(zip(COEFFICIENTS, (float(c) for c in coef))), quality
+
+
+def _distinct(design: np.ndarray) -> np.ndarray:
+    """Which columns to fit: not one equal to an earlier column (the fit cannot tell the two terms apart, so
+    the earlier takes it; e.g. every step with LoRA tokens: `lora_step_s` is `step_base_s`)."""
+    keep = np.ones(design.shape[1], dtype=bool)
+    for j in range(design.shape[1]):
+        keep[j] = not any(keep[i] and np.array_equal(design[:, i], design[:, j]) for i in range(j))
+    return keep
 
 
 def fit_launch(runs: list[np.ndarray]) -> tuple[dict, dict]:

@@ -125,7 +125,8 @@ class StepCost:
             adapter_tokens.pop(-1, None)
         ranks = list(map(rank_of.__getitem__, adapter_tokens))
         tokens_x_rank = sum(map(mul, ranks, adapter_tokens.values()))
-        t = p.adapter_s * len(ranks) + p.adapter_rank_s * sum(ranks) + p.lora_token_rank_s * tokens_x_rank
+        t = (p.lora_step_s + p.adapter_s * len(ranks) + p.adapter_rank_s * sum(ranks)
+             + p.lora_token_rank_s * tokens_x_rank)
         if self.moe_layers and p.lora_expert_rank_s:
             touched = self.touched
             t += p.lora_expert_rank_s * self.moe_layers * sum(rank_of[k] * touched(n) for k, n in adapter_tokens.items())

@@ -15,6 +15,9 @@ Shape of one step's time (every coefficient in seconds, from a `CostProfile`)::
            + load_s            * adapter loads started    the step loop's host work for each
            + eager_step_s      if a request is given > 1 token  the step runs eagerly: its launches' host
                                                               time (decode-only steps replay CUDA graphs)
+           + lora_step_s       if a token has an adapter    the LoRA kernels' fixed time: at decode they
+                                                              are latency-bound, their time set by launches
+                                                              and waves more than by tokens or weights
 
 Between two steps that ran a batch, the serving loop's own host time (handing out outputs,
 submitting the requests that arrive)::
@@ -59,7 +62,8 @@ from pathlib import Path
 from unipage.sim.errors import SimInputError
 
 _COEFFICIENTS = ("step_base_s", "prefill_token_s", "decode_token_s", "kv_token_read_s", "adapter_s",
-                 "adapter_rank_s", "lora_token_rank_s", "expert_s", "lora_expert_rank_s", "load_s", "eager_step_s")
+                 "adapter_rank_s", "lora_token_rank_s", "expert_s", "lora_expert_rank_s", "load_s", "eager_step_s",
+                 "lora_step_s")
 _LAUNCH_COEFFICIENTS = ("launch_base_s", "launch_token_s")  # when in a step the engine submits and polls its reads
 _GAP_COEFFICIENTS = ("step_gap_s",)  # the serving loop's host time between steps
 
@@ -80,6 +84,7 @@ class CostProfile:
     lora_expert_rank_s: float = 0.0  # MoE: per (adapter, expert touched, MoE layer) per unit of rank, >= 0
     load_s: float = 0.0  # per adapter load the step starts: the step loop's host work for it, >= 0
     eager_step_s: float = 0.0  # per step with a prefill (run eagerly, not a graph replay): host launch time, >= 0
+    lora_step_s: float = 0.0  # per step with a token that has an adapter: the LoRA kernels' fixed time, >= 0
     launch_base_s: float = 0.0  # host seconds from a step's start until its forward pass is launched, >= 0
     launch_token_s: float = 0.0  # ... plus this per scheduled token (building the batch's inputs), >= 0
     step_gap_s: float = 0.0  # host seconds of the serving loop after each step that ran a batch, >= 0

@@ -290,6 +290,22 @@ def test_fit_recovers_planted_coefficients_by_name():
     assert quality["total_ratio"] == pytest.approx(1.0)
 
 
+def test_a_term_the_fit_cannot_tell_from_an_earlier_one_is_left_at_zero():
+    """Every step has LoRA tokens: the LoRA step term is the constant, so ``step_base_s`` takes it all (not
+    an arbitrary split); with base steps among them the two come apart."""
+    col = {name: i for i, name in enumerate(serve.drv.COLUMNS)}
+    rows = np.zeros((100, len(serve.drv.COLUMNS)))
+    rows[:, col["decode"]] = np.arange(100) % 7 + 1
+    rows[:, col["adapters"]] = np.arange(100) % 3 + 1
+    rows[:, col["seconds"]] = 0.003 + 0.001 + 1e-4 * rows[:, col["decode"]]
+    got, _ = serve_calib.fit_coefficients([rows])
+    assert got["lora_step_s"] == 0 and got["step_base_s"] == pytest.approx(0.004, rel=1e-9)
+    rows[::2, col["adapters"]] = 0
+    rows[::2, col["seconds"]] -= 0.001
+    got, _ = serve_calib.fit_coefficients([rows])
+    assert got["lora_step_s"] == pytest.approx(0.001, rel=1e-9) and got["step_base_s"] == pytest.approx(0.003)
+
+
 def test_run_logs_record_each_steps_launch_time_and_the_fit_uses_them(runs):
     _, log_files, profiles = runs
     col = serve.drv.COLUMNS.index("launch")

@@ -265,6 +265,16 @@ def test_an_eager_step_costs_its_launches_and_a_decode_step_does_not(tmp_path):
     assert result.finish.tolist() == pytest.approx([0.031], abs=1e-12)
 
 
+def test_a_step_with_lora_tokens_costs_lora_step_s(tmp_path):
+    """``lora_step_s`` 4 ms: r0 (base model, 4 prompt, 2 out) is not charged it: 0.014, then 0.012; r1 (a0, 8
+    prompt, 2 out, at t=1: its load 1.0-1.07) is: prefill 0.018 + 0.004 -> 1.092, decode 0.012 + 0.004."""
+    trace = Trace(np.array([0.0, 1.0]), np.array([-1, 0], dtype=np.int32), np.array([4, 8], dtype=np.int32),
+                  np.array([2, 2], dtype=np.int32), np.zeros(2, dtype=np.int32), ["a0", "a1"], [8, 8], ["t0"])
+    result = _hand_run(tmp_path, {"lora_step_s": 0.004}, trace)
+    assert result.first_token.tolist() == pytest.approx([0.014, 1.092], abs=1e-12)
+    assert result.finish.tolist() == pytest.approx([0.026, 1.108], abs=1e-12)
+
+
 def test_bad_read_workers(tmp_path):
     with pytest.raises(SimInputError, match="read_workers"):
         CostProfile.from_dict({**HAND_PROFILE, "read_workers": 0})
