@@ -345,9 +345,11 @@ BASE_SPACE = [("block_m", [16, 32, 64, 128])] + [
     (f"{stage}.{field}", values) for stage in ("gate_up", "down") for field, values in (
         ("block_n", [32, 64, 128, 256]), ("block_k", [64, 128]), ("num_warps", [4, 8]),
         ("num_stages", [2, 3, 4, 5]), ("group_m", [1, 8, 16]), ("tma", [False, True]))]
-LORA_SPACE = [("block_m", [1, 16, 32, 64]),
+LORA_SPACE = [("block_m", [1, 4, 8, 16, 32, 64]),
               # group mode with its shrink loading whole splits (pair mode's loads, one read of A per group)
               ("", [{"block_m": m, "shrink": {"whole_k": True}} for m in (16, 32)]), ("shrink.whole_k", [False, True]),
+              # small tiles (pair mode's math over a few pairs of one group) with pair mode's one-warp gate/up
+              ("", [{"block_m": m, "gate_up": {"block_n": 128, "num_warps": 1}} for m in (4, 8)]),
               ("split_k", [1, 2, 4, 8, 16, 32]), ("shrink.num_warps", [1, 2, 4, 8]),
               ("shrink.num_stages", [2, 3, 4, 6]), ("gate_up.block_n", [64, 128, 256, 512]),
               ("gate_up.num_warps", [1, 2, 4, 8]), ("gate_up.num_stages", [1, 2, 3]), ("gate_up.maxnreg", [0, 128]),

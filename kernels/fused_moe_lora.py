@@ -59,7 +59,11 @@ alignment pass (decode: groups hold about one pair) and weight tiles as tall as
 the ranks' power of two (`tile_ranks`: broadcast-reduce math, no tensor-core
 minimum; registers bound how many of these latency-bound programs run at once);
 *group mode* (``block_m`` >= 16) aligns pairs by group ``slot·E + expert``
-(`moe_align`) and runs tensor-core tiles that share the group's A/B.  The mode and
+(`moe_align`) and runs tensor-core tiles that share the group's A/B; *small tiles*
+(``block_m`` 2-8) align the same way but do pair mode's broadcast-reduce math on
+weight tiles as tall as the ranks' power of two, for loads of a few pairs a group
+(setup (b)'s decode under the affinity policy: about 4), where a 16-row dot's tile is
+mostly padding (not in the tuned configs yet: unmeasured).  The mode and
 the tile height come from the expected pairs per (adapter, expert) group, not from
 the token count.
 Per-step sizes are ``do_not_specialize``: one compile serves every batch.
@@ -163,7 +167,8 @@ def _load_paged(pool_ptr, pt_ptr, row_virt, row_ok, col0, col_ok, PAGE_SHIFT: tl
 
 @triton.jit
 def _mm(a, b, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``a [M, R] @ b [R, C]`` in float32: a broadcast-reduce for one pair, a tensor-core dot for tiles."""
+    """``a [M, R] @ b [R, C]`` in float32: a broadcast-reduce for tiles under 16 pairs (pair mode, small
+    tiles), a tensor-core dot for larger ones."""
     if PAIR:
         out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     else:
@@ -227,7 +232,7 @@ def _moe_shrink_kernel(
     pt = pt_ptr + slot * stride_pt
     if BLOCK_M == 1 or WHOLE_K:  # the whole split at once: one page lookup per 64-run, then one load
         a = load_runs(pool_ptr, pt, a_virt + split * K_PER_SPLIT, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
-        acc = _mm(x_run, tl.trans(a), BLOCK_M == 1, DOT_PRECISION)
+        acc = _mm(x_run, tl.trans(a), BLOCK_M < 16, DOT_PRECISION)
     else:  # group mode: K one 64-run at a time
         acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
         k_lo = split * K_PER_SPLIT
@@ -237,7 +242,7 @@ def _moe_shrink_kernel(
             x = tl.load(x_ptr + x_rows[:, None] * stride_x + offs_k[None, :],
                         mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
             a = _load_paged(pool_ptr, pt, a_virt, r_ok, k0, k_ok, PAGE_SHIFT, 64)
-            acc += _mm(x, tl.trans(a), False, DOT_PRECISION)
+            acc += _mm(x, tl.trans(a), BLOCK_M < 16, DOT_PRECISION)
     z = z_ptr + (split * num_pairs + pairs[:, None]).to(tl.int64) * R_PAD + offs_r[None, :]
     tl.store(z, acc, mask=pair_ok[:, None])
 
@@ -322,12 +327,12 @@ def _expand_gate_up_kernel(
     dtype = pool_ptr.dtype.element_ty
     z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
     z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
-    g += _mm(z_gate, b_gate, BLOCK_M == 1, DOT_PRECISION)
-    u += _mm(z_up, b_up, BLOCK_M == 1, DOT_PRECISION)
+    g += _mm(z_gate, b_gate, BLOCK_M < 16, DOT_PRECISION)
+    u += _mm(z_up, b_up, BLOCK_M < 16, DOT_PRECISION)
     act = gated_act(g, u, ACT, alpha, limit).to(act_ptr.dtype.element_ty)
     tl.store(act_ptr + rows * stride_act + cols[None, :], act, mask=mask)
     if down_rank > 0:
-        acc_down = _mm(act, tl.trans(a_down), BLOCK_M == 1, DOT_PRECISION)
+        acc_down = _mm(act, tl.trans(a_down), BLOCK_M < 16, DOT_PRECISION)
         tl.atomic_add(down_z_ptr + rows * RD_PAD + offs_d[None, :], acc_down,
                       mask=pair_ok[:, None] & down_ok[None, :], sem="relaxed")
 
@@ -372,7 +377,7 @@ def _expand_down_kernel(
     if USE_PDL:
         gdc_wait()  # down_z and y are complete and visible from here on
     z = tl.load(down_z_ptr + rows * RD_PAD + offs_r[None, :], mask=pair_ok[:, None] & r_ok[None, :], other=0.0)
-    delta = _mm(z.to(pool_ptr.dtype.element_ty), b, BLOCK_M == 1, DOT_PRECISION)
+    delta = _mm(z.to(pool_ptr.dtype.element_ty), b, BLOCK_M < 16, DOT_PRECISION)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & _col_mask(cols, hidden, EVEN_N)[None, :]
     ptrs = y_ptr + rows * stride_y + cols[None, :]

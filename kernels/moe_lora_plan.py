@@ -89,10 +89,10 @@ def lora_pads(meta: MoeLoraMeta) -> tuple[int, int, int]:
 
 
 def tile_ranks(meta: MoeLoraMeta, block_m: int) -> tuple[int, int]:
-    """Register-tile heights of a gate/up slice's B and of the down A / B: the `lora_pads` widths in group
-    mode (tensor-core dots need >= 16 rows); in pair mode (broadcast-reduce, no dot) the ranks' own
-    powers of two, so a rank-8 tile holds no masked rows."""
-    if block_m > 1:
+    """Register-tile heights of a gate/up slice's B and of the down A / B: the `lora_pads` widths for tiles
+    of >= 16 pairs (tensor-core dots need >= 16 rows); in pair mode and small tiles (broadcast-reduce, no
+    dot) the ranks' own powers of two, so a rank-8 tile holds no masked rows."""
+    if block_m >= 16:
         return lora_pads(meta)[1:]
     return tuple(max(2, next_pow2(max(n, 1))) for n in (meta.max_gate_up_rank, meta.max_down_rank))
 
@@ -107,6 +107,9 @@ def _split_k(hidden: int, split_k: int) -> tuple[int, int]:
 def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) -> MoeLoraPlan:
     _check_lora(lora, topk_ids)
     cfg, meta = lora_config(lora, topk_ids, config), lora.meta
+    block_m = cfg["block_m"]
+    if type(block_m) is not int or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f'lora config "block_m" must be a power of two >= 1, got {block_m!r}')
     align = None
     if cfg["block_m"] > 1:
         align = align_fn(topk_ids, meta.num_experts, cfg["block_m"], lora.token_slots, meta.slot_flags)

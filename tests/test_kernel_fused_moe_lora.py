@@ -32,7 +32,8 @@ def _lora_config(block_m, split_k=1, block_n=64):
             "gate_up": {"block_n": block_n, **launch}, "down": {"block_n": block_n, **launch}}
 
 
-PAIR, GROUP = _lora_config(1, split_k=2), _lora_config(16)
+PAIR, GROUP, SMALL = _lora_config(1, split_k=2), _lora_config(16), _lora_config(4, split_k=2)
+MODES = {"pair": PAIR, "group": GROUP, "small": SMALL}
 
 
 def _model(hidden=H, inter=I, experts=E, top_k=K, layers=2):
@@ -207,10 +208,11 @@ def test_reference_lora_changes_the_output():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("mode, num_tokens", [("pair", 1), ("pair", 7), ("group", 7), ("group", 40)])
+@pytest.mark.parametrize("mode, num_tokens", [("pair", 1), ("pair", 7), ("group", 7), ("group", 40), ("small", 1),
+                                              ("small", 40)])
 def test_fused_experts_with_lora_matches_reference(mode, num_tokens, dtype):
     c = _case(num_tokens, dtype, "uniform", seed=num_tokens)
-    config = PAIR if mode == "pair" else GROUP
+    config = MODES[mode]
     _close(_run(fused_experts, c, config), _run(fused_experts_ref, c, config), dtype)
 
 
@@ -245,7 +247,8 @@ def test_gate_up_tiles_of_several_runs(inter, block_n):
     end; I = 96: runs of 32, two or four to a tile that ends past the end (EVEN_N off).  Fused,
     split, gate-only and up-only gate/up slots."""
     c = _case(23, torch.float32, "uniform", seed=6, inter=inter)
-    for config in (_lora_config(1, split_k=2, block_n=block_n), _lora_config(16, block_n=block_n)):
+    for config in (_lora_config(1, split_k=2, block_n=block_n), _lora_config(16, block_n=block_n),
+                   _lora_config(4, block_n=block_n)):
         _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
 
 
@@ -318,10 +321,10 @@ def test_without_lora_tokens_or_layers_equals_base():
     assert torch.equal(_run(fused_experts, c, GROUP), base)
 
 
-@pytest.mark.parametrize("mode", ["pair", "group"])
+@pytest.mark.parametrize("mode", sorted(MODES))
 def test_phases_write_only_lora_pairs(mode):
     """``act`` starts as NaN: LoRA pairs must be written, others left alone; ``y`` likewise."""
-    dtype, config = torch.float32, (PAIR if mode == "pair" else GROUP)
+    dtype, config = torch.float32, MODES[mode]
     c = _case(40, dtype, "zipf", seed=2)
     lora, ids, num_pairs = c["lora"], c["topk_ids"], c["topk_ids"].numel()
     has = lora_pairs(lora.token_slots, lora.meta.slot_flags, K)
@@ -351,7 +354,25 @@ def test_ranks_above_sixteen_and_up_only():
     slots = [("split", 24), ("fused", 16), ("up_only", 8)]
     c = _case(7, torch.float32, "uniform", seed=9, slots=slots)
     assert c["lora"].meta.max_gate_up_rows == 36
-    _close(_run(fused_experts, c, GROUP), _loop_moe(c, torch.float32), torch.float32)
+    for config in (GROUP, SMALL):
+        _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
+
+
+def test_small_tiles_in_every_mix():
+    """Tiles of 2 and 8 pairs (broadcast-reduce math, aligned by group), whole-K shrink loads too, against
+    the per-token loop: groups of one pair and of many, tokens without adapter."""
+    for mix in ("identical", "distinct", "skewed"):
+        c = _case(40, torch.float32, mix, seed=12)
+        for config in (_lora_config(2), _lora_config(8, split_k=2), {**SMALL, "shrink": {**SMALL["shrink"],
+                                                                                         "whole_k": True}}):
+            _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
+
+
+def test_block_m_must_be_a_power_of_two():
+    c = _case(7, torch.float32, "uniform")
+    for block_m in (0, 3, 12, 2.0):
+        with pytest.raises(ValueError, match="power of two"):
+            _run(fused_experts, c, {**GROUP, "block_m": block_m})
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -431,8 +452,11 @@ def _gpu_case(shape, num_tokens, adapters=8):
 @pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
 def test_gpu_fused_moe_lora_bf16(shape, num_tokens):
-    x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case(shape, num_tokens)
-    got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora)
+    _check_gpu(*_gpu_case(shape, num_tokens))
+
+
+def _check_gpu(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=None):
+    got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=lora_config)
     lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
     want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
     base = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids)
@@ -460,3 +484,17 @@ def test_gpu_lora_compiles_once_across_token_counts(load):
                       topk_ids[:num_tokens].contiguous(), part, lora_config=config)
         counts.append([_compiled(k) for k in kernels])
     assert counts[-1] == counts[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [4, 8])
+def test_gpu_small_tiles_bf16(block_m):
+    """Small tiles (broadcast-reduce math over a few pairs of one group) at Qwen3-30B-A3B's shape, 4 adapters:
+    the compiled kernels, not only the interpreter (which takes a dot of any height)."""
+    from unipage.kernels.fused_moe_lora import lora_config
+
+    case = _gpu_case("qwen3-30b-a3b", 256, adapters=4)
+    tuned = lora_config(case[-1], case[4])
+    _check_gpu(*case, {**tuned, "block_m": block_m, "shrink": {**tuned["shrink"], "whole_k": False},
+                       "gate_up": {**tuned["gate_up"], "block_n": 128, "num_warps": 1, "maxnreg": 0},
+                       "down": {**tuned["down"], "block_n": 256, "num_warps": 4}})
