@@ -1,6 +1,7 @@
 """Eager launches of the paged MoE LoRA kernels for Nsight Compute: one Qwen3-30B-A3B layer's LoRA pass.
 
-    ncu --clock-control none --cache-control all -k regex:"_moe_shrink_kernel|_expand_gate_up_kernel|_expand_down_kernel" \\
+    ncu --clock-control none --cache-control all \\
+        -k regex:"_moe_shrink_kernel|_expand_gate_up_kernel|_expand_down_kernel|_down_sum_kernel" \\
         --launch-skip 3 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --csv --page details python benchmarks/ncu_moe_lora.py --adapters 4 --rank 8 --tokens 256 > ncu.csv
 
@@ -28,13 +29,14 @@ import torch  # noqa: E402
 from unipage.kernels.fused_moe_lora import lora_config  # noqa: E402
 
 
-METRICS = {  # ncu's metric name -> the row's field, and a factor from the CSV's unit
-    "Duration": ("us", 1e-3), "Grid Size": ("grid", 1), "Block Size": ("threads", 1),
+METRICS = {  # ncu's metric name -> the row's field (Duration: in `TIME_UNITS`)
+    "Duration": ("us", None), "Grid Size": ("grid", 1), "Block Size": ("threads", 1),
     "Registers Per Thread": ("registers", 1), "Theoretical Occupancy": ("occupancy_pct", 1),
     "Achieved Occupancy": ("achieved_occupancy_pct", 1), "DRAM Throughput": ("dram_pct", 1),
     "Waves Per SM": ("waves", 1), "L2 Hit Rate": ("l2_hit_pct", 1),
     "Warp Cycles Per Issued Instruction": ("cycles_per_issue", 1),
 }
+TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}  # -> us
 
 
 def parse(path: str) -> list[dict]:
@@ -45,6 +47,11 @@ def parse(path: str) -> list[dict]:
             name, value = record.get("Metric Name"), record.get("Metric Value")
             if name in METRICS and value:
                 field, factor = METRICS[name]
+                if factor is None:  # ncu picks the unit by the value unless --print-units base
+                    unit = record.get("Metric Unit", "")
+                    if unit not in TIME_UNITS:
+                        raise ValueError(f"{path}: {name} in unknown unit {unit!r}")
+                    factor = TIME_UNITS[unit]
                 row = rows.setdefault(record["ID"], {"kernel": record["Kernel Name"]})
                 number = float(value.replace(",", "")) * factor
                 row[field] = int(number) if number.is_integer() else round(number, 3)

@@ -27,7 +27,7 @@ costs one page-table lookup — contiguous, vectorised loads.  A pair-mode shrin
 program and every expand program load their whole weight tile at once
 (`common.load_runs`: every (row, run) looked up, then one load), so those loads are in
 flight together; a group-mode shrink walks K one 64-run at a time (`_load_paged`), or with
-config ``shrink.whole_k`` loads its split whole too (the tile's x rows and the group's A), for
+config ``shrink.whole_k`` loads its split whole too (the tile's x rows and the group's A; not small tiles), for
 decode loads where group mode's one read of A per group could beat pair mode's one per pair
 (the gate/up shrink only: the fused path's down shrink, `moe_lora_down_shrink`, always walks).
 In pair mode a program picks its slot's metadata row out of the whole table loaded at
@@ -212,7 +212,8 @@ def _moe_shrink_kernel(
     offs_kt = tl.arange(0, K_TILE)
     k_left = tl.minimum(K_PER_SPLIT, hidden - split * K_PER_SPLIT)
     x_rows = tl.where(pair_ok, pairs if DOWN else pairs // top_k, 0).to(tl.int64)
-    if BLOCK_M == 1 or WHOLE_K:  # the tile's x rows over the whole split, loaded with the metadata
+    # whole splits: pair mode, and group mode with WHOLE_K (small tiles walk: a [BM, K, R] product spills)
+    if BLOCK_M == 1 or (WHOLE_K and BLOCK_M >= 16):  # the tile's x rows over the whole split, with the metadata
         x_run = tl.load(x_ptr + x_rows[:, None] * stride_x + split * K_PER_SPLIT + offs_kt[None, :],
                         mask=pair_ok[:, None] & (offs_kt[None, :] < k_left), other=0.0)
     rows_a = _field(row, meta + (F_DOWN_RANK if DOWN else F_GU_ROWS), S_PAD)
@@ -230,10 +231,10 @@ def _moe_shrink_kernel(
     a_virt = group_off + gu_a + offs_r * ((hidden + 63) // 64 * 64)
     r_ok = offs_r < rows_a
     pt = pt_ptr + slot * stride_pt
-    if BLOCK_M == 1 or WHOLE_K:  # the whole split at once: one page lookup per 64-run, then one load
+    if BLOCK_M == 1 or (WHOLE_K and BLOCK_M >= 16):  # the whole split at once: a page lookup per 64-run, one load
         a = load_runs(pool_ptr, pt, a_virt + split * K_PER_SPLIT, r_ok, k_left, K_TILE, 64, PAGE_SHIFT, True)
         acc = _mm(x_run, tl.trans(a), BLOCK_M < 16, DOT_PRECISION)
-    else:  # group mode: K one 64-run at a time
+    else:  # group mode and small tiles: K one 64-run at a time
         acc = tl.zeros((BLOCK_M, R_PAD), tl.float32)
         k_lo = split * K_PER_SPLIT
         for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, hidden), 64):

@@ -116,7 +116,8 @@ def test_split_times_each_pass_with_the_overrides(monkeypatch):
 
 def test_ncu_csv_rows(tmp_path):
     """`ncu_moe_lora.parse`: ncu's ``--csv --page details`` lines (after its own log lines) -> one row per
-    launch, units converted (ns -> us), thousands separators dropped, unknown metrics and rule lines ignored."""
+    launch, times in us whatever unit ncu chose, thousands separators dropped, unknown metrics and rule lines
+    ignored."""
     import ncu_moe_lora
 
     head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
@@ -125,9 +126,13 @@ def test_ncu_csv_rows(tmp_path):
              '"0","_moe_shrink_kernel","Occupancy","Achieved Occupancy","%","16.96"',
              '"0","_moe_shrink_kernel","WarpStateStats","","",""',
              '"1","_expand_down_kernel","Launch Statistics","Registers Per Thread","register/thread","64"',
+             '"1","_expand_down_kernel","GPU Speed Of Light Throughput","Duration","us","20.74"',
              '"1","_expand_down_kernel","Memory Workload Analysis","Mem Busy","%","51.06"']
     path = tmp_path / "ncu.csv"
     path.write_text("==PROF== Connected to process 582\nconfig {'block_m': 16}\n" + head + "\n".join(lines) + "\n")
     assert ncu_moe_lora.parse(str(path)) == [
         {"kernel": "_moe_shrink_kernel", "us": 17.472, "grid": 1216, "achieved_occupancy_pct": 16.96},
-        {"kernel": "_expand_down_kernel", "registers": 64}]
+        {"kernel": "_expand_down_kernel", "registers": 64, "us": 20.74}]
+    path.write_text(head + '"0","k","GPU Speed Of Light Throughput","Duration","s","1"\n')
+    with pytest.raises(ValueError, match="unknown unit"):
+        ncu_moe_lora.parse(str(path))

@@ -292,7 +292,10 @@ def test_fit_recovers_planted_coefficients_by_name():
 
 def test_a_term_the_fit_cannot_tell_from_an_earlier_one_is_left_at_zero():
     """Every step has LoRA tokens: the LoRA step term is the constant, so ``step_base_s`` takes it all (not
-    an arbitrary split); with base steps among them the two come apart."""
+    an arbitrary split: on the committed setup-(c) logs the solver gave it all to ``lora_step_s``, which
+    `test_calibration_logs` catches); with base steps among them the two come apart."""
+    design = np.array([[1.0, 2.0, 1.0, 2.0, 3.0], [1.0, 5.0, 1.0, 5.0, 3.0]])
+    assert serve_calib._distinct(design).tolist() == [True, True, False, False, True]
     col = {name: i for i, name in enumerate(serve.drv.COLUMNS)}
     rows = np.zeros((100, len(serve.drv.COLUMNS)))
     rows[:, col["decode"]] = np.arange(100) % 7 + 1

@@ -1,5 +1,6 @@
 """`benchmarks/compile_check.py` compiles the MoE kernels with the H100's tuned configs on the CPU:
-its patch must reach the lookups the launchers make."""
+its patch must reach the lookups the launchers make; and the MoE LoRA kernels' small tiles compile for
+sm_90 (the Triton the venv has)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,26 @@ def test_patch_selects_the_tuned_configs(monkeypatch):
     compile_check.patch([])
     assert base_config(128, 2048, 768, ids, None) == tuned
     assert lora_config(lora, ids) == tuned_lora  # the LoRA plan's lookup (moe_lora_plan) is patched too
+
+
+def test_small_tiles_compile_for_hopper():
+    """Small tiles (LoRA ``block_m`` 4) at setup (b)'s decode mix under the affinity policy compile for sm_90
+    with no spills: their products are broadcast-reduces (a ``tl.dot`` under 16 rows would not compile, and
+    the interpreter the CPU tests run takes any)."""
+    import json
+    import subprocess
+
+    lora = {"block_m": 4, "split_k": 2, "shrink": {"group_m": 8, "num_warps": 2, "num_stages": 2},
+            "gate_up": {"block_n": 128, "num_warps": 1, "num_stages": 1, "group_m": 8},
+            "down": {"block_n": 256, "num_warps": 4, "num_stages": 2, "group_m": 8}}
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "compile_check.py")
+    out = subprocess.run([sys.executable, script, "--shapes", "qwen3-30b-a3b", "--tokens", "256", "--device-key",
+                          "nvidia_h200", "--adapters", "4", "--rank", "8", "--lora", json.dumps(lora)],
+                         capture_output=True, text=True, timeout=900,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})  # compile, not interpret
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    lora_kernels = [c for c in row["compiled"]
+                    if c["kernel"] in ("_moe_shrink_kernel", "_expand_gate_up_kernel", "_expand_down_kernel")]
+    assert len(lora_kernels) == 3 and all(c["ok"] and c["local_bytes"] <= 0 for c in lora_kernels), lora_kernels

@@ -359,8 +359,9 @@ def test_ranks_above_sixteen_and_up_only():
 
 
 def test_small_tiles_in_every_mix():
-    """Tiles of 2 and 8 pairs (broadcast-reduce math, aligned by group), whole-K shrink loads too, against
-    the per-token loop: groups of one pair and of many, tokens without adapter."""
+    """Tiles of 2 and 8 pairs (broadcast-reduce math, aligned by group), and of 4 with ``whole_k`` set (which
+    small tiles ignore: they walk K), against the per-token loop: groups of one pair and of many, tokens
+    without adapter."""
     for mix in ("identical", "distinct", "skewed"):
         c = _case(40, torch.float32, mix, seed=12)
         for config in (_lora_config(2), _lora_config(8, split_k=2), {**SMALL, "shrink": {**SMALL["shrink"],
