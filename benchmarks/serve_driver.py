@@ -15,7 +15,9 @@ the step's launch time too: seconds from the step's start until the engine
 submits its file reads (then performs its adapter effects and polls its
 reads), once the forward pass is launched (the storage's ``start_reads`` is
 wrapped for the run); a fit of those gives the profile's ``launch_*`` terms
-(when in a step its reads start, and a finished read's copy).
+(when in a step its reads start, and a finished read's copy).  And the seconds the
+step spent in the storage's ``start_reads``, ``apply`` and ``poll`` (the step loop's
+share of adapter loading: reads it performs, copies it starts), a diagnostic no fit uses.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from unipage.scheduler import Request, SamplingParams
 GREEDY = SamplingParams(temperature=0)
 # One row per step: the cost model's terms (without its constant), loads, wall seconds, the floor's bytes.
 COLUMNS = ("prefill", "decode", "kv_read", "adapters", "adapter_ranks", "token_ranks", "experts", "lora_experts",
-           "loads", "loads_disk", "seconds", "floor_weights", "floor_lora", "floor_kv", "launch")
+           "loads", "loads_disk", "seconds", "floor_weights", "floor_lora", "floor_kv", "launch", "storage")
 TERMS = ("prefill", "decode", "kv_read", "adapters", "adapter_ranks", "token_ranks", "experts", "lora_experts",
          "loads")  # the fitted terms, in `CostProfile` coefficient order after step_base_s
 
@@ -84,6 +86,7 @@ class StepLog:
         self.start = time.perf_counter()  # `drive` sets it to its first submission: the times' origin
         self._seen = None  # (counts, total, loads, contexts, adapters) of the step in flight
         self._launched: float | None = None  # when the step in flight submitted its file reads
+        self._storage_s = 0.0  # seconds the step in flight spent in the storage's start_reads / apply / poll
 
     def __enter__(self) -> Self:
         sched, engine = self.engine.scheduler, self.engine
@@ -101,7 +104,7 @@ class StepLog:
         def start_reads_and_note(effects):  # once the forward pass is launched, first of the step's effects
             if self._launched is None:
                 self._launched = time.perf_counter()
-            return start_reads(effects)
+            return self._timed(start_reads, effects)
 
         def update_and_note(result):
             now = time.perf_counter() - self.start
@@ -114,12 +117,23 @@ class StepLog:
             return update(result)
 
         sched.schedule, sched.update = schedule_and_note, update_and_note
-        engine.storage.start_reads = start_reads_and_note
+        storage = engine.storage
+        apply, poll = storage.apply, storage.poll
+        storage.start_reads = start_reads_and_note
+        storage.apply = lambda effects: self._timed(apply, effects)
+        storage.poll = lambda: self._timed(poll)
         return self
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._storage_s += time.perf_counter() - start
 
     def __exit__(self, exc_type, *exc) -> None:
         del self.engine.scheduler.schedule, self.engine.scheduler.update  # back to the classes' methods
-        del self.engine.storage.start_reads
+        del self.engine.storage.start_reads, self.engine.storage.apply, self.engine.storage.poll
         if exc_type is None:  # (a run that raised keeps no rows: its error is what matters)
             self.rows += [self._row(*taken) for taken in self._taken]
         self._taken.clear()
@@ -138,18 +152,18 @@ class StepLog:
     def step(self) -> list:
         """``engine.step()``, timed; a row is kept when the step ran a batch (made when the block ends, so
         that making it adds nothing to the serving loop's time between steps)."""
-        self._launched = None
+        self._launched, self._storage_s = None, 0.0
         start = time.perf_counter()
         outputs = self.engine.step()
         seconds = time.perf_counter() - start
         counts, total, loads, contexts, adapters = self._seen
         if counts:
             launch = self._launched - start if self._launched is not None else float("nan")
-            self._taken.append((counts, total, loads, contexts, adapters, seconds, launch))
+            self._taken.append((counts, total, loads, contexts, adapters, seconds, launch, self._storage_s))
         return outputs
 
     def _row(self, counts: list[int], total: int, loads: list, contexts: list[int], adapters: list,
-             seconds: float, launch: float) -> list[float]:
+             seconds: float, launch: float, storage: float) -> list[float]:
         """The step's row of `COLUMNS`."""
         decode = counts.count(1)
         per_adapter: dict[str, int] = {}
@@ -164,8 +178,8 @@ class StepLog:
                len(loads), sum(1 for e in loads if not e.from_host), seconds]
         if decode == len(counts):
             floor = self.floor.bytes(contexts, list(per_adapter.values()))
-            return row + [floor["weights"], floor["lora"], floor["kv"], launch]
-        return row + [0.0, 0.0, 0.0, launch]
+            return row + [floor["weights"], floor["lora"], floor["kv"], launch, storage]
+        return row + [0.0, 0.0, 0.0, launch, storage]
 
 
 class DiskLog:

@@ -338,6 +338,10 @@ def test_run_logs_record_each_adapter_load_from_start_to_ready(runs):
     assert not any(loads["failed"])  # (a failed load keeps a NaN ready time)
     assert np.isfinite(ready).all() and (ready >= issued).all() and (issued >= 0).all()
     assert set(loads["adapter"]) <= set(range(len(log["adapter_names"])))
+    storage, seconds = (rows[:, serve.drv.COLUMNS.index(c)] for c in ("storage", "seconds"))
+    with_loads = rows[:, serve.drv.COLUMNS.index("loads")] > 0
+    assert (storage >= 0).all() and (storage <= seconds).all()  # the step's share in the storage's calls
+    assert storage[with_loads].min() > 0  # (on the CPU the storage reads and packs the files in apply)
 
 
 def test_fit_launch_recovers_planted_terms_and_skips_rows_without_one():
