@@ -17,7 +17,9 @@ reads), once the forward pass is launched (the storage's ``start_reads`` is
 wrapped for the run); a fit of those gives the profile's ``launch_*`` terms
 (when in a step its reads start, and a finished read's copy).  And the seconds the
 step spent in the storage's ``start_reads``, ``apply`` and ``poll`` (the step loop's
-share of adapter loading: reads it performs, copies it starts), a diagnostic no fit uses.
+share of adapter loading), of which reading files on the step loop's thread and
+finishing reads (copies launched, host copies kept; `storage.LoopTimes`): diagnostics
+no fit uses.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from unipage.scheduler import Request, SamplingParams
 GREEDY = SamplingParams(temperature=0)
 # One row per step: the cost model's terms (without its constant), loads, wall seconds, the floor's bytes.
 COLUMNS = ("prefill", "decode", "kv_read", "adapters", "adapter_ranks", "token_ranks", "experts", "lora_experts",
-           "loads", "loads_disk", "seconds", "floor_weights", "floor_lora", "floor_kv", "launch", "storage")
+           "loads", "loads_disk", "seconds", "floor_weights", "floor_lora", "floor_kv", "launch", "storage",
+           "storage_read", "storage_finish")
 TERMS = ("prefill", "decode", "kv_read", "adapters", "adapter_ranks", "token_ranks", "experts", "lora_experts",
          "loads")  # the fitted terms, in `CostProfile` coefficient order after step_base_s
 
@@ -153,17 +156,20 @@ class StepLog:
         """``engine.step()``, timed; a row is kept when the step ran a batch (made when the block ends, so
         that making it adds nothing to the serving loop's time between steps)."""
         self._launched, self._storage_s = None, 0.0
+        loop = self.engine.storage.loop
+        read, finish = loop.read, loop.finish
         start = time.perf_counter()
         outputs = self.engine.step()
         seconds = time.perf_counter() - start
         counts, total, loads, contexts, adapters = self._seen
         if counts:
             launch = self._launched - start if self._launched is not None else float("nan")
-            self._taken.append((counts, total, loads, contexts, adapters, seconds, launch, self._storage_s))
+            storage = (self._storage_s, loop.read - read, loop.finish - finish)
+            self._taken.append((counts, total, loads, contexts, adapters, seconds, launch, storage))
         return outputs
 
     def _row(self, counts: list[int], total: int, loads: list, contexts: list[int], adapters: list,
-             seconds: float, launch: float, storage: float) -> list[float]:
+             seconds: float, launch: float, storage: tuple[float, float, float]) -> list[float]:
         """The step's row of `COLUMNS`."""
         decode = counts.count(1)
         per_adapter: dict[str, int] = {}
@@ -178,8 +184,8 @@ class StepLog:
                len(loads), sum(1 for e in loads if not e.from_host), seconds]
         if decode == len(counts):
             floor = self.floor.bytes(contexts, list(per_adapter.values()))
-            return row + [floor["weights"], floor["lora"], floor["kv"], launch, storage]
-        return row + [0.0, 0.0, 0.0, launch, storage]
+            return row + [floor["weights"], floor["lora"], floor["kv"], launch, *storage]
+        return row + [0.0, 0.0, 0.0, launch, *storage]
 
 
 class DiskLog:

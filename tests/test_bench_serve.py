@@ -338,10 +338,15 @@ def test_run_logs_record_each_adapter_load_from_start_to_ready(runs):
     assert not any(loads["failed"])  # (a failed load keeps a NaN ready time)
     assert np.isfinite(ready).all() and (ready >= issued).all() and (issued >= 0).all()
     assert set(loads["adapter"]) <= set(range(len(log["adapter_names"])))
-    storage, seconds = (rows[:, serve.drv.COLUMNS.index(c)] for c in ("storage", "seconds"))
+    storage, read, finish, seconds = (rows[:, serve.drv.COLUMNS.index(c)]
+                                      for c in ("storage", "storage_read", "storage_finish", "seconds"))
     with_loads = rows[:, serve.drv.COLUMNS.index("loads")] > 0
+    from_disk = rows[:, serve.drv.COLUMNS.index("loads_disk")] > 0
     assert (storage >= 0).all() and (storage <= seconds).all()  # the step's share in the storage's calls
-    assert storage[with_loads].min() > 0  # (on the CPU the storage reads and packs the files in apply)
+    assert (read >= 0).all() and (finish >= 0).all() and (read + finish <= storage + 1e-9).all()
+    # on the CPU the storage reads and packs the files in apply (a host-tier load reads none), then copies
+    assert from_disk.any() and storage[with_loads].min() > 0 and finish[with_loads].min() > 0
+    assert read[from_disk].min() > 0
 
 
 def test_fit_launch_recovers_planted_terms_and_skips_rows_without_one():

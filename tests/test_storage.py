@@ -75,6 +75,8 @@ def test_load_into_scattered_pages_and_gather_back(tmp_path, dtype):
 def test_reload_comes_from_the_host_copy(tmp_path):
     memory, storage = setup(tmp_path)
     sync_load(memory, storage, "a1")
+    read, finish = storage.loop.read, storage.loop.finish
+    assert read > 0 and finish > 0  # the files read and the pages copied on this thread (`LoopTimes`)
     before = storage.gather(memory.adapters.get("a1"))
     memory.adapters.evict("a1")
     storage.apply(memory.adapters.take_effects())
@@ -83,6 +85,7 @@ def test_reload_comes_from_the_host_copy(tmp_path):
     assert storage.has_host_copy("a1")
     assert sync_load(memory, storage, "a1").done == ["a1"]
     assert memory.adapters.stats.loads_from_host == 1
+    assert storage.loop.read == read and storage.loop.finish > finish  # no file read this time
     after = storage.gather(memory.adapters.get("a1"))
     assert all(torch.equal(after[k].a, before[k].a) and all(map(torch.equal, after[k].b, before[k].b))
                for k in before)

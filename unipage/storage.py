@@ -75,6 +75,16 @@ class ReadStats:
 
 
 @dataclass
+class LoopTimes:
+    """Host seconds the caller's thread (the engine's step loop) spent on loads: reading files (a host copy
+    the ring had no room for; every read without reader processes) and finishing reads (the page copy
+    launched, the host copy kept)."""
+
+    read: float = 0.0
+    finish: float = 0.0
+
+
+@dataclass
 class ApplyResult:
     done: list[str] = field(default_factory=list)  # loads complete: call load_done
     failed: list[tuple[str, str]] = field(default_factory=list)  # (name, reason): call load_failed
@@ -103,6 +113,7 @@ class PoolStorage:
         self._host_names = itertools.count()
         self._fence: torch.cuda.Event | None = None  # `mark_step`: what a page copy waits for (CUDA)
         self.reads = ReadStats()
+        self.loop = LoopTimes()
         self.closed = False  # `close`: loads and reads are refused from then on
 
     def apply(self, effects) -> ApplyResult:
@@ -362,6 +373,7 @@ class PoolStorage:
         nbytes = self._packed_bytes(effect)
         piece = self._ring.reserve(nbytes) if self._ring is not None else None
         dst = self._ring.view(piece) if piece is not None else torch.empty(nbytes, dtype=torch.uint8)
+        start = time.perf_counter()
         try:
             read_into(path, dst)
         except OSError as err:
@@ -370,6 +382,8 @@ class PoolStorage:
                 self._ring.release(piece)
             remove_file(self._host.pop(effect.name, None))
             return None, None
+        finally:
+            self.loop.read += time.perf_counter() - start
         return dst.view(self.dtype).view(self._packed_shape(effect)), piece
 
     def _packed_shape(self, effect: LoadAdapter) -> tuple[int, int, int]:
@@ -388,6 +402,7 @@ class PoolStorage:
         A copy that cannot be started (e.g. no device memory for it) is an `AdapterError`.  ``cache``: keep
         the host copy (default: as the load asks)."""
         cache = effect.cache_on_host if cache is None else cache
+        start = time.perf_counter()
         try:
             if self._cuda:
                 self._copy_pages(effect, buf, piece)
@@ -398,6 +413,7 @@ class PoolStorage:
                 self._keep_host_copy(effect.name, keep or (_host_copy(buf) if piece is not None else buf))
             if piece is not None and not self._cuda:  # copied already
                 self._ring.release(piece)
+            self.loop.finish += time.perf_counter() - start
 
     def _keep_host_copy(self, name: str, copy: torch.Tensor | str) -> None:
         old = self._host.get(name)
@@ -439,9 +455,13 @@ class PoolStorage:
         """Read the adapter's files and pack them into a host page buffer ``[L, n, P]``, in this process
         (without CUDA; on CUDA the reader processes do it)."""
         start = time.perf_counter()
-        buf = self._check_pages(effect, read_and_pack(effect.info, effect.layout, self.config.model,
-                                                      self.config.page_elems, self.dtype))
-        self.reads.add(effect, time.perf_counter() - start)
+        try:
+            buf = self._check_pages(effect, read_and_pack(effect.info, effect.layout, self.config.model,
+                                                          self.config.page_elems, self.dtype))
+        finally:
+            seconds = time.perf_counter() - start
+            self.loop.read += seconds
+        self.reads.add(effect, seconds)
         return buf
 
     @staticmethod
