@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
 from unipage.kernels import moe_lora_fused as lora_fused
+from unipage.kernels import moe_lora_side as side
 from unipage.kernels import moe_lora_sum as lora_sum
 from unipage.kernels.common import cdiv, config_devices, hopper_or_later, next_pow2
 from unipage.kernels.launch import launch
@@ -494,11 +495,11 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
             != (hidden, inter, num_experts):
         raise ValueError(f"LoRA metadata is for H={lora.meta.hidden}, I={lora.meta.inter}, "
                          f"{lora.meta.num_experts} experts; the MoE has H={hidden}, I={inter}, {num_experts} experts")
-    align = ops.align(topk_ids, num_experts, cfg["block_m"])
-    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     if lora is not None and lora.activation != activation:
         lora = dataclasses.replace(lora, activation=activation)
-    plan = ops.plan(lora, topk_ids, lora_config) if lora is not None and lora.meta.any_lora else None
+    plan, shrunk = side.lora_plan(ops, lora, topk_ids, x, lora_config)
+    align = ops.align(topk_ids, num_experts, cfg["block_m"])
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     mode = lora_fused.fused_mode(plan) if ops.fused else ""
     if plan is None or mode == "all":
         if mode:
@@ -511,7 +512,9 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
         raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
         ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
                     bias=gate_up_bias, activation=activation)
-        ops.lora_gate_up(plan, x, raw, act)
+        if shrunk:  # the shrink ran beside the base GEMM
+            side.join(x.device)
+        ops.lora_gate_up(plan, x, raw, act, shrunk=shrunk)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias, lora_plan=plan if mode else None)
     if plan is not None and not mode:

@@ -472,18 +472,22 @@ def moe_lora_down_shrink(plan: MoeLoraPlan, act: torch.Tensor) -> None:
         **_launch_opts(cfg["shrink"]))
 
 
-def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
+def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor, *,
+                     shrunk: bool = False) -> None:
     """For every LoRA pair ``p = (t, e)``: ``act[p] = act_fn(h[:I], h[I:])``, ``h = raw[p] + delta_gu``
     (``act_fn``: ``plan.lora.activation``, silu-gated by default).
 
     ``x`` [T, H] and ``raw`` [TK, 2I] (from `fused_moe.moe_gate_up`) and ``act`` [TK, I]
     (written for LoRA pairs only), all the model dtype.  Also leaves ``act[p] @ A_d.T``
     in ``plan.down_z`` for `moe_lora_down` (or the fused down GEMM, config ``"fused": "down"``).
+    ``shrunk``: `moe_lora_shrink` already ran on this plan (on a side stream, beside the base GEMM), so
+    only the expand is launched.
     """
     meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
     _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden), raw=(raw, num_pairs, 2 * meta.inter),
                  act=(act, num_pairs, meta.inter))
-    moe_lora_shrink(plan, x)
+    if not shrunk:
+        moe_lora_shrink(plan, x)
     cfg, tiles, page_shift = plan.config, _num_tile_bound(plan), plan.lora.pool.shape[1].bit_length() - 1
     r_pad, _, rd_pad = lora_pads(meta)
     rk_tile, rd_tile = tile_ranks(meta, cfg["block_m"])
@@ -548,8 +552,10 @@ def _read(plan: MoeLoraPlan, slot: int, offset: int, rows: int, cols: int) -> to
     return gather_block(plan.lora.pool, table, Block(offset, rows, cols)).float()
 
 
-def moe_lora_gate_up_ref(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor) -> None:
-    """Torch version of `moe_lora_gate_up` (float32 math; does not fill ``plan.down_z``)."""
+def moe_lora_gate_up_ref(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act: torch.Tensor, *,
+                         shrunk: bool = False) -> None:
+    """Torch version of `moe_lora_gate_up` (float32 math from ``x``, so ``shrunk`` changes nothing; does not
+    fill ``plan.down_z``)."""
     meta, top_k = plan.lora.meta, plan.topk_ids.shape[1]
     inter = meta.inter
     for pairs, slot, f, start in _groups(plan):

@@ -5,6 +5,7 @@ pool whose other pages hold noise.  CPU runs the Triton kernels under the
 interpreter at tiny shapes; `-m gpu` runs GPT-OSS-20B and Qwen3-30B-A3B layers.
 """
 
+import functools
 import math
 
 import pytest
@@ -369,6 +370,16 @@ def test_small_tiles_in_every_mix():
             _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
 
 
+def test_overlap_is_ignored_off_cuda():
+    """Config "overlap" is CUDA-only: on CPU tensors the single-stream path runs and no stream is made
+    (this machine may have no CUDA at all)."""
+    from unipage.kernels import moe_lora_side
+
+    c = _case(9, torch.float32, "zipf", seed=27)
+    _close(_run(fused_experts, c, {**GROUP, "overlap": True}), _loop_moe(c, torch.float32), torch.float32)
+    assert not moe_lora_side.SIDE_STREAMS
+
+
 def test_block_m_must_be_a_power_of_two():
     c = _case(7, torch.float32, "uniform")
     for block_m in (0, 3, 12, 2.0):
@@ -499,3 +510,28 @@ def test_gpu_small_tiles_bf16(block_m):
     _check_gpu(*case, {**tuned, "block_m": block_m, "shrink": {**tuned["shrink"], "whole_k": False},
                        "gate_up": {**tuned["gate_up"], "block_n": 128, "num_warps": 1, "maxnreg": 0},
                        "down": {**tuned["down"], "block_n": 256, "num_warps": 4}})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [16, 256, 2048])  # pair mode, group mode at 4 and 8 adapters' loads
+def test_gpu_overlap_on_a_side_stream(num_tokens):
+    """Config "overlap": the plan and the gate/up shrink on a side stream beside the base GEMM give the
+    same output as on one stream, eagerly and replayed in a CUDA graph (the fork and join captured)."""
+    from unipage.kernels.fused_moe_lora import lora_config
+
+    case = _gpu_case("qwen3-30b-a3b", num_tokens)
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = case
+    tuned = {**lora_config(lora, topk_ids), "overlap": False}
+    _check_gpu(*case, {**tuned, "overlap": True})
+    one = fused_experts(*case, lora_config=tuned)
+    run = functools.partial(fused_experts, *case, lora_config={**tuned, "overlap": True})
+    run()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x.copy_(torch.randn_like(x))  # new inputs in place: the replay must read them, not the captured values
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fused_experts(*case, lora_config=tuned)
+    assert not torch.equal(want, one)
+    assert ((out.float() - want.float()).norm() / want.float().norm()).item() <= 1e-3
