@@ -451,6 +451,68 @@ def test_reads_go_through_files_when_the_ring_has_no_room(tmp_path):
         assert_resident_equals_files(memory, storage, "a0")
 
 
+def _loaded_through_a_file_then_evicted(memory, storage, name):
+    """``name`` read with no ring room (back through a file: its host copy a buffer of this process), then
+    evicted, and the ring given room; that buffer."""
+    ring = storage._ring
+    storage._ring = PinnedRing(ALIGN, pin=False, shared=True)
+    memory.adapters.request(name)
+    storage.apply(memory.adapters.take_effects())
+    assert storage._reads[name][2] is None and _poll_reads(storage) == []
+    memory.adapters.load_done(name)
+    memory.adapters.evict(name)
+    storage.apply(memory.adapters.take_effects())
+    storage._ring.close()
+    storage._ring = ring
+    host = storage._host[name]
+    assert isinstance(host, torch.Tensor)
+    return host
+
+
+def test_a_reload_from_a_host_buffer_is_copied_into_the_ring_on_a_thread(tmp_path):
+    """A host copy held in this process (its read came back through a file) is reloaded like a kept file: copied
+    into a ring slice on a thread and finished by a poll, not staged on the step loop's thread; it stays the
+    host copy, and the adapter's files are not read again."""
+    with shared_reads(tmp_path) as (memory, storage):
+        host = _loaded_through_a_file_then_evicted(memory, storage, "a1")
+        storage.pool.normal_()
+        finish = storage.loop.finish
+        assert sync_load(memory, storage, "a1").done == []
+        read = storage._reads["a1"][0]
+        assert isinstance(read, HostRead) and read.host_copy is host and read.host_file is None
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a1")
+        assert_resident_equals_files(memory, storage, "a1")
+        assert storage._host["a1"] is host and storage.reads.count == 1 and storage.loop.finish > finish
+        assert memory.adapters.stats.loads_from_host == 1
+        assert storage._ring.reserve(storage._ring.capacity) is not None  # its slice came back
+
+
+def test_a_host_buffer_of_the_wrong_size_is_dropped_and_the_files_read(tmp_path):
+    with shared_reads(tmp_path) as (memory, storage):
+        _loaded_through_a_file_then_evicted(memory, storage, "a0")
+        storage._host["a0"] = storage._host["a0"].view(-1)[:-1].clone()  # a short buffer
+        sync_load(memory, storage, "a0")
+        assert isinstance(storage._reads["a0"][0], HostRead)
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+        assert storage.reads.count == 2  # read from the files again
+        assert isinstance(storage._host["a0"], str)  # the new read's kept file
+
+
+def test_a_host_buffer_dropped_while_it_is_copied_is_not_kept(tmp_path):
+    with shared_reads(tmp_path) as (memory, storage):
+        _loaded_through_a_file_then_evicted(memory, storage, "a0")
+        sync_load(memory, storage, "a0")
+        assert isinstance(storage._reads["a0"][0], HostRead)
+        storage.apply([DropHostCopy("a0")])
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+        assert not storage.has_host_copy("a0")
+
+
 @pytest.mark.gpu
 def test_cuda_reads_pack_into_the_shared_pinned_ring(tmp_path):
     memory, storage = setup(tmp_path, "bfloat16", device="cuda")

@@ -133,7 +133,7 @@ class PoolStorage:
                 read = self._reads.get(effect.name, (None,))[0]
                 if read is not None:  # the copy it would keep is dropped too
                     self._unkept.add(read)
-                if isinstance(read, HostRead) and read.host_file == copy:
+                if isinstance(read, HostRead) and isinstance(copy, str) and read.host_file == copy:
                     read.kept = copy  # the file it reads goes once the read is over
                 else:
                     remove_file(copy)
@@ -160,7 +160,7 @@ class PoolStorage:
                 if read.error is not None:  # the host copy is lost: read the adapter's files instead
                     self._host_copy_lost(effect, read, piece, cache)
                     continue
-                keep = read.host_file if cache else None
+                keep = read.host_copy if cache else None
             try:
                 buf, seconds = read.result()
                 buf = self._check_pages(effect, buf)
@@ -309,6 +309,8 @@ class PoolStorage:
             keep = buf
             buf, piece = self._read_host_file(effect, keep)
             keep = keep if buf is not None else None
+        elif buf is not None and self._start_host_read(effect, buf):  # a buffer of this process: the same
+            return
         if buf is None and self._reader is not None:
             if self._needs_read(effect):  # else `start_reads` submitted it
                 self._submit(effect)
@@ -323,10 +325,12 @@ class PoolStorage:
         if not self._cuda:
             result.done.append(effect.name)
 
-    def _start_host_read(self, effect: LoadAdapter, path: str) -> bool:
-        """With reader processes (CUDA): read the host copy's file into a ring slice on a thread of this
-        process (`HostRead`; `poll` copies the pages in once it is read), so the step loop does not wait for
-        it.  False where the ring has no room for it: then it is read on this thread (`_read_host_file`)."""
+    def _start_host_read(self, effect: LoadAdapter, host_copy: str | torch.Tensor) -> bool:
+        """With reader processes (CUDA): copy the host copy — a file a reader kept, or a buffer of this
+        process (a read that came back through a file, with no ring room then) — into a ring slice on a
+        thread of this process (`HostRead`; `poll` copies the pages in once it is there), so the step loop
+        does not wait for it (a 640 MiB adapter: about 60 ms of memory copy).  False where the ring has no
+        room for it: then it is read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
         if self._reader is None or self._ring is None:
             return False
         piece = self._ring.reserve(self._packed_bytes(effect))
@@ -334,7 +338,7 @@ class PoolStorage:
             return False
         if self._host_reads is None:
             self._host_reads = ThreadPoolExecutor(HOST_READ_THREADS, thread_name_prefix="unipage-host-read")
-        read = HostRead(path)
+        read = HostRead(host_copy)
         try:
             self._host_reads.submit(read.run, self._ring.view(piece), self.dtype, self._packed_shape(effect))
         except RuntimeError:  # no thread can be started (e.g. at interpreter shutdown): read it here
@@ -344,11 +348,11 @@ class PoolStorage:
         return True
 
     def _host_copy_lost(self, effect: LoadAdapter, read: HostRead, piece: RingSlice, cache: bool) -> None:
-        """A host copy's file could not be read (`HostRead`): the copy goes and the adapter's files are read
-        instead (a read whose host copy was dropped meanwhile keeps none this time either)."""
+        """A host copy could not be copied into the ring (`HostRead`): the copy goes and the adapter's files
+        are read instead (a read whose host copy was dropped meanwhile keeps none this time either)."""
         log.warning("the host copy of adapter %r is lost (%s): reading its files", effect.name, read.error)
         self._ring.release(piece)
-        if self._host.get(effect.name) == read.host_file:
+        if _same_copy(self._host.get(effect.name), read.host_copy):
             remove_file(self._host.pop(effect.name))
         self._submit(effect)
         if not cache:
@@ -396,7 +400,8 @@ class PoolStorage:
 
     def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor, piece: RingSlice | None = None,
                      keep: str | None = None, cache: bool | None = None) -> None:
-        """Keep the host copy if asked (the file ``keep``, if a reader wrote one), and copy the pages into
+        """Keep the host copy if asked (``keep``, if there is one already: a file, or the buffer of this
+        process a `HostRead` copied from), and copy the pages into
         the pool (on CUDA: on the side stream, from the pinned ring — ``buf`` already lies in its slice
         ``piece``, or is staged into it here; pinned on its own only when the ring has no room for it).
         A copy that cannot be started (e.g. no device memory for it) is an `AdapterError`.  ``cache``: keep
@@ -410,7 +415,8 @@ class PoolStorage:
                 self.pool.index_copy_(1, torch.tensor(effect.pages, dtype=torch.long), buf)
         finally:
             if cache:  # after the copy is launched: the device need not wait for it
-                self._keep_host_copy(effect.name, keep or (_host_copy(buf) if piece is not None else buf))
+                self._keep_host_copy(effect.name, keep if keep is not None else
+                                     _host_copy(buf) if piece is not None else buf)
             if piece is not None and not self._cuda:  # copied already
                 self._ring.release(piece)
             self.loop.finish += time.perf_counter() - start
@@ -479,21 +485,32 @@ class PoolStorage:
 
 
 class HostRead(Read):
-    """A host copy's file read into a ring slice on a thread (`PoolStorage._start_host_read`): done once
-    ``run`` has filled the slice (``buf``) or failed (``error``).  The file is the adapter's host copy, not a
-    new one: ``kept`` is None unless the host tier drops that copy while it is read, when it names the file
-    to remove once the read is over."""
+    """A host copy — a file, or a buffer of this process — copied into a ring slice on a thread
+    (`PoolStorage._start_host_read`): done once ``run`` has filled the slice (``buf``) or failed
+    (``error``).  It stays the adapter's host copy: ``kept`` is None unless the host tier drops a file copy
+    while it is read, when it names the file to remove once the read is over."""
 
-    __slots__ = ("host_file",)
+    __slots__ = ("host_copy",)
 
-    def __init__(self, host_file: str) -> None:
+    def __init__(self, host_copy: str | torch.Tensor) -> None:
         super().__init__(None, None)
-        self.host_file = host_file
+        self.host_copy = host_copy
+
+    @property
+    def host_file(self) -> str | None:
+        """The host copy's file (None: a buffer of this process)."""
+        return self.host_copy if isinstance(self.host_copy, str) else None
 
     def run(self, dst: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
         start = time.perf_counter()
         try:
-            read_into(self.host_file, dst)
+            if isinstance(self.host_copy, str):
+                read_into(self.host_copy, dst)
+            elif self.host_copy.numel() * self.host_copy.element_size() != dst.numel():
+                raise ValueError(f"the host copy is {self.host_copy.numel() * self.host_copy.element_size()} "
+                                 f"bytes, its slice {dst.numel()}")
+            else:
+                copy_bytes(dst, self.host_copy)
         except Exception as err:  # (on a thread: whatever went wrong must reach `poll`, or the slice is lost)
             self.error = AdapterError(f"{type(err).__name__}: {err}")
             return
@@ -516,6 +533,11 @@ def _pinned_ring(nbytes: int) -> PinnedRing:
     except OSError as err:
         log.warning("no shared pinned ring (%s): packed adapters are staged on the step loop's thread", err)
         return PinnedRing(nbytes)
+
+
+def _same_copy(a: str | torch.Tensor | None, b: str | torch.Tensor) -> bool:
+    """Whether two host copies are one: the same file, or the same buffer."""
+    return a is b or (isinstance(a, str) and isinstance(b, str) and a == b)
 
 
 def _host_copy(buf: torch.Tensor) -> torch.Tensor:
