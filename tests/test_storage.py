@@ -577,3 +577,21 @@ def test_a_host_copy_dropped_while_its_read_is_in_flight_is_not_kept(tmp_path):
         assert not storage.has_host_copy("a0")
         assert storage._host_dir is None or os.listdir(storage._host_dir) == []  # its file went too
     assert storage._ring is None  # closed: the shared ring's file is gone
+
+
+@pytest.mark.gpu
+def test_cuda_reload_from_a_host_buffer_copies_it_on_a_thread(tmp_path):
+    """On CUDA: a host copy held in this process goes into the pinned ring on a thread and to the device by a
+    poll; the pages hold the adapter again."""
+    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
+    host = _loaded_through_a_file_then_evicted(memory, storage, "a0")
+    storage.pool.normal_()
+    sync_load(memory, storage, "a0")
+    assert isinstance(storage._reads["a0"][0], HostRead)
+    assert _wait_loads(storage, ["a0"]) == {"a0"}
+    memory.adapters.load_done("a0")
+    assert_resident_equals_files(memory, storage, "a0")
+    assert storage._host["a0"] is host and storage.reads.count == 1
+    torch.cuda.synchronize()
+    assert storage._ring.reserve(storage._ring.capacity) is not None  # every slice came back
+    storage.close()
