@@ -23,7 +23,9 @@ weight) and another gated activation (`unipage.kernels.moe_act`).
 With LoRA (`unipage.kernels.fused_moe_lora`) ``g_j, u_j`` get their LoRA deltas
 before the activation and the down output its delta before the routing weight:
 pairs of tokens with LoRA leave the gate/up GEMM un-activated (``raw``) and the
-LoRA gate/up pass adds the delta and applies the activation.
+LoRA gate/up pass adds the delta and applies the activation.  With the "lora"
+config's ``"overlap"`` the LoRA plan and shrink run on a side stream beside the
+base alignment and gate/up GEMM (`unipage.kernels.moe_lora_side`).
 
 Each launcher has a torch reference with the same signature (``*_ref``): the
 engine's CPU path and the tests' oracle.  Intermediates are rounded to the
