@@ -529,24 +529,33 @@ def test_cuda_reads_pack_into_the_shared_pinned_ring(tmp_path):
     storage.close()
 
 
-@pytest.mark.gpu
-def test_cuda_reload_from_a_host_file_reads_it_on_a_thread(tmp_path):
-    """The kept host file of an evicted adapter read into the pinned ring on a thread, then copied to the
-    device by a poll: the pages hold the adapter again and its files were not read again."""
-    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
-    sync_load(memory, storage, "a0")
-    assert _wait_loads(storage, ["a0"]) == {"a0"}
-    memory.adapters.load_done("a0")
-    host = storage._host["a0"]
-    memory.adapters.evict("a0")
+def _kept_in_a_file_then_evicted(memory, storage, name):
+    """``name`` loaded on CUDA through the readers (its host copy a file they kept), then evicted; that file."""
+    sync_load(memory, storage, name)
+    assert _wait_loads(storage, [name]) == {name}
+    memory.adapters.load_done(name)
+    memory.adapters.evict(name)
     storage.apply(memory.adapters.take_effects())
+    return storage._host[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("held", ["file", "buffer"])
+def test_cuda_reload_from_a_host_copy_reads_it_on_a_thread(tmp_path, held):
+    """The host copy of an evicted adapter — a file a reader kept, or a buffer of this process — copied into
+    the pinned ring on a thread, then to the device by a poll: the pages hold the adapter again, the copy
+    stays the host copy, and the adapter's files were not read again."""
+    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
+    evicted = _kept_in_a_file_then_evicted if held == "file" else _loaded_through_a_file_then_evicted
+    host = evicted(memory, storage, "a0")
     storage.pool.normal_()
     sync_load(memory, storage, "a0")
     assert isinstance(storage._reads["a0"][0], HostRead)
     assert _wait_loads(storage, ["a0"]) == {"a0"}
     memory.adapters.load_done("a0")
     assert_resident_equals_files(memory, storage, "a0")
-    assert storage._host["a0"] == host and storage.reads.count == 1
+    assert (storage._host["a0"] == host if held == "file" else storage._host["a0"] is host)
+    assert storage.reads.count == 1
     torch.cuda.synchronize()
     assert storage._ring.reserve(storage._ring.capacity) is not None  # every slice came back
     storage.close()
@@ -578,20 +587,3 @@ def test_a_host_copy_dropped_while_its_read_is_in_flight_is_not_kept(tmp_path):
         assert storage._host_dir is None or os.listdir(storage._host_dir) == []  # its file went too
     assert storage._ring is None  # closed: the shared ring's file is gone
 
-
-@pytest.mark.gpu
-def test_cuda_reload_from_a_host_buffer_copies_it_on_a_thread(tmp_path):
-    """On CUDA: a host copy held in this process goes into the pinned ring on a thread and to the device by a
-    poll; the pages hold the adapter again."""
-    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
-    host = _loaded_through_a_file_then_evicted(memory, storage, "a0")
-    storage.pool.normal_()
-    sync_load(memory, storage, "a0")
-    assert isinstance(storage._reads["a0"][0], HostRead)
-    assert _wait_loads(storage, ["a0"]) == {"a0"}
-    memory.adapters.load_done("a0")
-    assert_resident_equals_files(memory, storage, "a0")
-    assert storage._host["a0"] is host and storage.reads.count == 1
-    torch.cuda.synchronize()
-    assert storage._ring.reserve(storage._ring.capacity) is not None  # every slice came back
-    storage.close()
