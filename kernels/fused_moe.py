@@ -500,22 +500,26 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
     if lora is not None and lora.activation != activation:
         lora = dataclasses.replace(lora, activation=activation)
     plan, shrunk = side.lora_plan(ops, lora, topk_ids, x, lora_config)
-    align = ops.align(topk_ids, num_experts, cfg["block_m"])
-    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    mode = lora_fused.fused_mode(plan) if ops.fused else ""
-    if plan is None or mode == "all":
-        if mode:
-            lora_ops.moe_lora_shrink(plan, x)
-        ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation,
-                    lora_plan=plan if mode else None)
-        if mode and not lora_fused.down_shrink_in_epilogue(plan):
-            lora_ops.moe_lora_down_shrink(plan, act)
-    else:  # the separate gate/up pass (it also leaves down_z for a fused down)
-        raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
-        ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
-                    bias=gate_up_bias, activation=activation)
-        if shrunk:  # the shrink ran beside the base GEMM
-            side.join(x.device)
+    raw = None
+    try:
+        align = ops.align(topk_ids, num_experts, cfg["block_m"])
+        act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+        mode = lora_fused.fused_mode(plan) if ops.fused else ""
+        if plan is None or mode == "all":
+            if mode:
+                lora_ops.moe_lora_shrink(plan, x)
+            ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation,
+                        lora_plan=plan if mode else None)
+            if mode and not lora_fused.down_shrink_in_epilogue(plan):
+                lora_ops.moe_lora_down_shrink(plan, act)
+        else:  # the separate gate/up pass (it also leaves down_z for a fused down)
+            raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
+            ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
+                        bias=gate_up_bias, activation=activation)
+    finally:
+        if shrunk:  # the shrink ran beside the base GEMM; joined on an error too, so that its reads of
+            side.join(x.device)  # x and the routing end before the caller may free them
+    if raw is not None:
         ops.lora_gate_up(plan, x, raw, act, shrunk=shrunk)
     y = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias, lora_plan=plan if mode else None)

@@ -264,6 +264,13 @@ def _slice_z(z_ptr, pairs, pair_ok, row, field, num_pairs, R_PAD: tl.constexpr, 
 
 
 @triton.jit
+def _load_gate_up(raw, mask, inter):
+    """A tile's un-activated gate and up columns of ``raw``, in float32."""
+    return (tl.load(raw, mask=mask, other=0.0).to(tl.float32),
+            tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _slice_rows(row, field, group_off, RK_PAD: tl.constexpr, S_PAD: tl.constexpr):
     """Virtual start and validity of each B row of the gate/up slice whose fields start at ``row[field]``."""
     offs = tl.arange(0, RK_PAD)
@@ -283,10 +290,13 @@ def _expand_gate_up_kernel(
     limit, R_PAD: tl.constexpr, RK_PAD: tl.constexpr, RD_PAD: tl.constexpr, RD_T: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, GROUP_M: tl.constexpr,
     PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr, S_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, ACT: tl.constexpr,
+    USE_PDL: tl.constexpr, ACT: tl.constexpr, RAW_AFTER_WAIT: tl.constexpr,
 ):
-    # Everything up to `gdc_wait` reads only what existed before the shrink started (routing,
-    # alignment, metadata, weights, the base GEMM's raw output): under PDL it overlaps the shrink.
+    # Everything up to `gdc_wait` reads only what existed before the kernel this one depends on
+    # programmatically started (routing, alignment, metadata, weights): under PDL it overlaps that kernel.
+    # That kernel is the shrink, launched after the base GEMM, so the GEMM's ``raw`` is read early too;
+    # with RAW_AFTER_WAIT (the shrink ran on the side stream: the kernel before this one is the GEMM that
+    # writes ``raw``) ``raw`` is read after the wait.
     if USE_PDL:
         gdc_launch_dependents()
     num_m = _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M)
@@ -321,10 +331,12 @@ def _expand_gate_up_kernel(
     b_up = load_runs(pool_ptr, pt, up_virt + n0 + up_shift, up_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     a_down = load_runs(pool_ptr, pt, down_virt + n0, down_ok, inter - n0, BLOCK_N, CHUNK, PAGE_SHIFT, True)
     raw = raw_ptr + rows * stride_raw + cols[None, :]
-    g = tl.load(raw, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(raw + inter, mask=mask, other=0.0).to(tl.float32)
+    if not RAW_AFTER_WAIT:
+        g, u = _load_gate_up(raw, mask, inter)
     if USE_PDL:
-        gdc_wait()  # the shrink's partials are complete and visible from here on
+        gdc_wait()  # the kernel before this one is complete and its writes visible from here on
+    if RAW_AFTER_WAIT:
+        g, u = _load_gate_up(raw, mask, inter)
     dtype = pool_ptr.dtype.element_ty
     z_gate = _slice_z(z_ptr, pairs, pair_ok, row, gate, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
     z_up = _slice_z(z_ptr, pairs, pair_ok, row, up, num_pairs, R_PAD, RK_PAD, SPLIT_K, BLOCK_M, S_PAD).to(dtype)
@@ -481,7 +493,8 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
     (written for LoRA pairs only), all the model dtype.  Also leaves ``act[p] @ A_d.T``
     in ``plan.down_z`` for `moe_lora_down` (or the fused down GEMM, config ``"fused": "down"``).
     ``shrunk``: `moe_lora_shrink` already ran on this plan (on a side stream, beside the base GEMM), so
-    only the expand is launched.
+    only the expand is launched; under PDL it then reads ``raw`` only after its wait for the kernel
+    before it, the base GEMM that writes ``raw``.
     """
     meta, num_pairs = plan.lora.meta, plan.topk_ids.numel()
     _check_phase(plan, x=(x, plan.topk_ids.shape[0], meta.hidden), raw=(raw, num_pairs, 2 * meta.inter),
@@ -503,7 +516,7 @@ def moe_lora_gate_up(plan: MoeLoraPlan, x: torch.Tensor, raw: torch.Tensor, act:
         RK_PAD=rk_tile, RD_PAD=rd_pad, RD_T=rd_tile, SPLIT_K=splits, BLOCK_M=cfg["block_m"], BLOCK_N=block_n,
         CHUNK=chunk, GROUP_M=cfg["gate_up"]["group_m"], PAGE_SHIFT=page_shift, EVEN_N=meta.inter % block_n == 0,
         S_PAD=_slots_pad(plan), DOT_PRECISION=precision, USE_PDL=pdl, ACT=plan.lora.activation.code,
-        **_launch_opts(cfg["gate_up"]), **extra)
+        RAW_AFTER_WAIT=shrunk, **_launch_opts(cfg["gate_up"]), **extra)
 
 
 def moe_lora_down(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor) -> None:

@@ -136,3 +136,11 @@ def test_ncu_csv_rows(tmp_path):
     path.write_text(head + '"0","k","GPU Speed Of Light Throughput","Duration","s","1"\n')
     with pytest.raises(ValueError, match="unknown unit"):
         ncu_moe_lora.parse(str(path))
+
+
+def test_overlap_goes_with_pair_mode():
+    """The side-stream overlap (measured slower in pair mode, and not timed by the tuner) leaves an entry that
+    the descent takes back to pair mode, and stays with group mode."""
+    group = {"block_m": 16, "overlap": True, "down": {"block_n": 256}}
+    assert "overlap" not in km._candidate(group, "block_m", 1)
+    assert km._candidate(group, "block_m", 32)["overlap"] is True

@@ -16,8 +16,8 @@ from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
 from unipage.kernels.fused_moe import fused_experts, fused_experts_ref, moe_gate_up_ref, route_topk_ref
 from unipage.kernels.fused_moe_lora import (MoeLora, lora_pairs, moe_lora_down, moe_lora_down_ref,
-                                            moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, plan_moe_lora,
-                                            plan_moe_lora_ref)
+                                            moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, moe_lora_shrink,
+                                            plan_moe_lora, plan_moe_lora_ref)
 from unipage.kernels.moe_align import moe_align_ref
 from unipage.lora_layout import TargetSpec, build_layout
 
@@ -370,14 +370,39 @@ def test_small_tiles_in_every_mix():
             _close(_run(fused_experts, c, config), _loop_moe(c, torch.float32), torch.float32)
 
 
-def test_overlap_is_ignored_off_cuda():
+def test_overlap_is_ignored_off_cuda(monkeypatch):
     """Config "overlap" is CUDA-only: on CPU tensors the single-stream path runs and no stream is made
     (this machine may have no CUDA at all)."""
     from unipage.kernels import moe_lora_side
 
+    monkeypatch.setattr(moe_lora_side, "SIDE_STREAMS", {})
     c = _case(9, torch.float32, "zipf", seed=27)
     _close(_run(fused_experts, c, {**GROUP, "overlap": True}), _loop_moe(c, torch.float32), torch.float32)
     assert not moe_lora_side.SIDE_STREAMS
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_gate_up_after_its_shrink_ran_apart(mode):
+    """``moe_lora_gate_up(..., shrunk=True)`` (the overlap's: the shrink launched before, on the side stream)
+    launches the expand alone, reading ``raw`` after its PDL wait: the same ``act`` and ``down_z`` as the
+    two launches together; and nothing right where the shrink did not run."""
+    c = _case(40, torch.float32, "zipf", seed=28)
+    lora, ids, num_pairs = c["lora"], c["topk_ids"], c["topk_ids"].numel()
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randn(num_pairs, 2 * I, generator=g)
+    outs = []
+    for apart in (False, True, None):  # None: shrunk=True without the shrink
+        plan = plan_moe_lora(lora, ids, MODES[mode])
+        plan.gate_up_z.fill_(float("nan"))
+        act = torch.zeros(num_pairs, I)
+        if apart:
+            moe_lora_shrink(plan, c["x"])
+        moe_lora_gate_up(plan, c["x"], raw, act, shrunk=apart is not False)
+        outs.append((act, plan.down_z))
+    has = lora_pairs(lora.token_slots, lora.meta.slot_flags, K)
+    (act, down_z), (act_apart, down_z_apart), (act_none, _) = outs
+    assert torch.equal(act, act_apart) and torch.equal(down_z[has], down_z_apart[has])
+    assert act_none[has].isnan().any()
 
 
 def test_block_m_must_be_a_power_of_two():
@@ -513,16 +538,29 @@ def test_gpu_small_tiles_bf16(block_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [16, 256, 2048])  # pair mode, group mode at 4 and 8 adapters' loads
-def test_gpu_overlap_on_a_side_stream(num_tokens):
+@pytest.mark.parametrize("adapters, num_tokens", [(8, 2048), (4, 256), (4, 1024), (4, 4096)])  # group mode entries
+def test_gpu_overlap_on_a_side_stream(adapters, num_tokens, monkeypatch):
     """Config "overlap": the plan and the gate/up shrink on a side stream beside the base GEMM give the
-    same output as on one stream, eagerly and replayed in a CUDA graph (the fork and join captured)."""
-    from unipage.kernels.fused_moe_lora import lora_config
+    same output as on one stream, eagerly and replayed in a CUDA graph (the fork and join captured).  The
+    shrink first sleeps ~1 ms on the device, so a missing or misplaced join would let the expand read
+    its partials before they are written."""
+    from unipage.kernels import fused_moe_lora as fl
+    from unipage.kernels import moe_lora_side
 
-    case = _gpu_case("qwen3-30b-a3b", num_tokens)
+    case = _gpu_case("qwen3-30b-a3b", num_tokens, adapters=adapters)
     x, w_gate_up, w_down, topk_weights, topk_ids, lora = case
-    tuned = {**lora_config(lora, topk_ids), "overlap": False}
+    tuned = {**fl.lora_config(lora, topk_ids), "overlap": False}
+    assert tuned["block_m"] > 1
+    forks, real_fork, real_shrink = [], moe_lora_side.fork, fl.moe_lora_shrink
+
+    def slow_shrink(plan, x):
+        torch.cuda._sleep(2_000_000)
+        real_shrink(plan, x)
+
+    monkeypatch.setattr(moe_lora_side, "fork", lambda device: forks.append(device) or real_fork(device))
+    monkeypatch.setattr(fl, "moe_lora_shrink", slow_shrink)
     _check_gpu(*case, {**tuned, "overlap": True})
+    assert forks  # the side stream was used
     one = fused_experts(*case, lora_config=tuned)
     run = functools.partial(fused_experts, *case, lora_config={**tuned, "overlap": True})
     run()  # compiles outside the capture

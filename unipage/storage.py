@@ -56,7 +56,7 @@ from unipage.pinned import (
 log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
 READ_WORKERS = min(8, max(2, CPUS // 2))  # processes that read and pack adapter files (CUDA)
-HOST_READ_THREADS = 2  # threads that read host copies kept in files into the ring (CUDA)
+HOST_READ_THREADS = 2  # threads that copy host copies (files, or buffers of this process) into the ring (CUDA)
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
 
@@ -327,7 +327,8 @@ class PoolStorage:
 
     def _start_host_read(self, effect: LoadAdapter, host_copy: str | torch.Tensor) -> bool:
         """With reader processes (CUDA): copy the host copy — a file a reader kept, or a buffer of this
-        process (a read that came back through a file, with no ring room then) — into a ring slice on a
+        process (a read that came back through a file with no ring room then, or one kept with no
+        directory for host files) — into a ring slice on a
         thread of this process (`HostRead`; `poll` copies the pages in once it is there), so the step loop
         does not wait for it (a 640 MiB adapter: about 60 ms of memory copy).  False where the ring has no
         room for it: then it is read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
@@ -399,7 +400,7 @@ class PoolStorage:
         return rows * pages * elems * self.pool.element_size()
 
     def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor, piece: RingSlice | None = None,
-                     keep: str | None = None, cache: bool | None = None) -> None:
+                     keep: str | torch.Tensor | None = None, cache: bool | None = None) -> None:
         """Keep the host copy if asked (``keep``, if there is one already: a file, or the buffer of this
         process a `HostRead` copied from), and copy the pages into
         the pool (on CUDA: on the side stream, from the pinned ring — ``buf`` already lies in its slice
