@@ -402,8 +402,8 @@ def _time_or_inf(fn) -> float:
 def _candidate(best: dict, path: str, value) -> dict | None:
     """`with_path`, tidied: group mode and small tiles drop the down stage's "sum" (pair mode's alone), pair
     mode and small tiles the shrink's "whole_k" (group mode's alone), pair mode the "overlap"; None where
-    not worth timing: ``best``
-    itself, or a fused down+sum tile past 256 columns (K x rank rows: it only spills)."""
+    not worth timing: ``best`` itself, or a fused down+sum tile past 256 columns (K x rank rows: it only
+    spills)."""
     new = with_path(best, path, value)
     if new.get("block_m", 1) > 1:
         new.get("down", {}).pop("sum", None)

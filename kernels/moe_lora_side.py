@@ -54,7 +54,11 @@ def lora_plan(ops, lora, topk_ids, x, config) -> tuple[lora_ops.MoeLoraPlan | No
     cfg = lora_ops.lora_config(lora, topk_ids, config)
     if not (ops.fused and x.is_cuda and cfg.get("overlap") and not cfg.get("fused")):
         return ops.plan(lora, topk_ids, cfg), False
-    with torch.cuda.stream(fork(x.device)):
-        plan = ops.plan(lora, topk_ids, cfg)
-        lora_ops.moe_lora_shrink(plan, x)
+    try:
+        with torch.cuda.stream(fork(x.device)):
+            plan = ops.plan(lora, topk_ids, cfg)
+            lora_ops.moe_lora_shrink(plan, x)
+    except BaseException:  # whatever the side stream was given ends before the caller may free what it reads
+        join(x.device)
+        raise
     return plan, True
