@@ -430,18 +430,17 @@ class Server:
                 self.clients.pop(client.identity, None)
 
     def _drop_slow(self, client: ClientState) -> None:
-        """The client's outbox overflowed: abort its requests, keep only their Error replies."""
+        """The client's outbox overflowed: abort its requests and queue their slow_reader Errors; of the replies
+        of its requests that ended before, keep the newest within the backlog and every final one (`_trim`)."""
         dropped = set(client.live)
         for rid in list(dropped):
             req = self.live[client.live[rid]]
             self.backend.abort(req.engine_id)
             self._forget(req)
         log.warning("client %s reads too slowly: %d requests dropped", client.identity.hex(), len(dropped))
-        kept = [item for item in client.outbox if item[0] not in dropped]
+        kept = [item for item in client.outbox if item[0] not in dropped]  # of requests that ended before
         limit = self.config.client_backlog
-        if len(kept) + len(dropped) > limit:  # its other replies alone overflow: drop the oldest
-            kept = kept[len(kept) + len(dropped) - limit:] if len(dropped) < limit else []
-        client.outbox = deque(kept)
+        client.outbox = deque(_trim(kept, len(kept) + len(dropped) - limit))
         for rid in dropped:
             self.counters["errors"] += 1
             error = Error(v=VERSION, request_id=rid, code=ErrorCode.SLOW_READER,
@@ -456,3 +455,17 @@ class Server:
         client.outbox.clear()
         self.clients.pop(client.identity, None)
         log.info("client %s disconnected; its requests were aborted", client.identity.hex())
+
+
+def _trim(replies: list, excess: int) -> list:
+    """``replies`` (``(request id, payload)``, of requests that have ended, oldest first) less up to
+    ``excess`` of the oldest that are not their request's last: a request's last reply is its final one
+    (finished, or an error such as an earlier slow_reader drop's), which the client must still get."""
+    last = {rid: index for index, (rid, _) in enumerate(replies)}
+    out = []
+    for index, item in enumerate(replies):
+        if excess > 0 and last[item[0]] != index:
+            excess -= 1
+        else:
+            out.append(item)
+    return out

@@ -66,6 +66,41 @@ def test_a_slow_reader_loses_its_requests_and_stalls_no_one(limited):
         slow.close()
 
 
+def test_a_second_overflow_keeps_the_first_drops_errors():
+    """A slow reader overflows twice (requests it sent meanwhile became live, and it still reads nothing): the
+    slow_reader errors of the first drop stay queued beside the second's, so every request gets its final
+    reply; older chunks of requests that ended go first when the backlog is over."""
+    from unipage.server.config import ServerConfig
+    from unipage.server.protocol import VERSION, Error, TokenChunk, decode_reply, encode
+    from unipage.server.server import ClientState, Live, Server
+
+    server = Server(type("Backend", (), {"abort": lambda self, engine_id: None})(),
+                    ServerConfig(bind="tcp://127.0.0.1:*", client_backlog=4))
+    try:
+        client = server.clients[b"slow"] = ClientState(b"slow")
+
+        def overflow(rids):
+            for rid in rids:
+                req = Live(f"e-{rid}", client, rid, True, 3, 0.0, None)
+                server.live[req.engine_id], client.live[rid] = req, req.engine_id
+            client.outbox.extend((rid, encode(TokenChunk(v=VERSION, request_id=rid, token_ids=[1], text="x")))
+                                 for rid in rids + rids[:2])
+            server._drop_slow(client)
+
+        chunk = encode(TokenChunk(v=VERSION, request_id="z", token_ids=[1], text="x"))
+        final = encode(Error(v=VERSION, request_id="z", code=ErrorCode.INVALID_REQUEST, message="it ended"))
+        client.outbox.extend([("z", chunk), ("z", chunk), ("z", final)])  # a request that ended before
+        overflow(["a", "b", "c"])
+        overflow(["d", "e", "f"])
+        replies = [decode_reply(payload) for _, payload in client.outbox]
+        assert sorted(r.request_id for r in replies) == ["a", "b", "c", "d", "e", "f", "z"]  # no chunk of z left
+        assert {(type(r).__name__, r.code) for r in replies} == {("Error", ErrorCode.SLOW_READER),
+                                                                   ("Error", ErrorCode.INVALID_REQUEST)}
+        assert not server.live and not client.live
+    finally:
+        server.socket.close(linger=0)
+
+
 def test_sigint_aborts_what_outlives_the_drain_timeout(limited):
     with Client(limited.endpoint, timeout=30) as client:
         streams = [client.generate([5, 6, 7 + i], max_tokens=200, ignore_eos=True) for i in range(2)]
