@@ -327,11 +327,11 @@ class PoolStorage:
 
     def _start_host_read(self, effect: LoadAdapter, host_copy: str | torch.Tensor) -> bool:
         """With reader processes (CUDA): copy the host copy — a file a reader kept, or a buffer of this
-        process (a read that came back through a file with no ring room then, or one kept with no
-        directory for host files) — into a ring slice on a
-        thread of this process (`HostRead`; `poll` copies the pages in once it is there), so the step loop
-        does not wait for it (a 640 MiB adapter: about 60 ms of memory copy).  False where the ring has no
-        room for it: then it is read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
+        process (a read that came back through a file with no ring room then, or one kept with no directory
+        for host files) — into a ring slice on a thread of this process (`HostRead`; `poll` copies the pages
+        in once it is there), so the step loop does not wait for it (a 640 MiB adapter: about 60 ms of
+        memory copy).  False where the ring has no room for it: then it is read (`_read_host_file`) or
+        staged (`_copy_pages`) on this thread."""
         if self._reader is None or self._ring is None:
             return False
         piece = self._ring.reserve(self._packed_bytes(effect))
@@ -402,9 +402,9 @@ class PoolStorage:
     def _finish_read(self, effect: LoadAdapter, buf: torch.Tensor, piece: RingSlice | None = None,
                      keep: str | torch.Tensor | None = None, cache: bool | None = None) -> None:
         """Keep the host copy if asked (``keep``, if there is one already: a file, or the buffer of this
-        process a `HostRead` copied from), and copy the pages into
-        the pool (on CUDA: on the side stream, from the pinned ring — ``buf`` already lies in its slice
-        ``piece``, or is staged into it here; pinned on its own only when the ring has no room for it).
+        process a `HostRead` copied from), and copy the pages into the pool (on CUDA: on the side stream,
+        from the pinned ring — ``buf`` already lies in its slice ``piece``, or is staged into it here;
+        pinned on its own only when the ring has no room for it).
         A copy that cannot be started (e.g. no device memory for it) is an `AdapterError`.  ``cache``: keep
         the host copy (default: as the load asks)."""
         cache = effect.cache_on_host if cache is None else cache
