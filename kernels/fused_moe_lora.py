@@ -63,9 +63,9 @@ minimum; registers bound how many of these latency-bound programs run at once);
 (``block_m`` 2-8) align the same way but do pair mode's broadcast-reduce math on
 weight tiles as tall as the ranks' power of two, for loads of a few pairs a group
 (setup (b)'s decode under the affinity policy: about 4), where a 16-row dot's tile is
-mostly padding (not in the tuned configs yet: unmeasured).  The mode and
-the tile height come from the expected pairs per (adapter, expert) group, not from
-the token count.
+mostly padding (slower than group mode on an H200 at that load, so no tuned config
+uses them).  The mode and the tile height come from the expected pairs per
+(adapter, expert) group, not from the token count.
 Per-step sizes are ``do_not_specialize``: one compile serves every batch.
 The plan (`MoeLora`, `plan_moe_lora`, the tile widths) and the device helpers with which a
 program finds its tile and its slot's metadata live in `moe_lora_plan`; this module keeps the

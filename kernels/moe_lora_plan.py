@@ -111,8 +111,8 @@ def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) 
     if type(block_m) is not int or block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f'lora config "block_m" must be a power of two >= 1, got {block_m!r}')
     align = None
-    if cfg["block_m"] > 1:
-        align = align_fn(topk_ids, meta.num_experts, cfg["block_m"], lora.token_slots, meta.slot_flags)
+    if block_m > 1:
+        align = align_fn(topk_ids, meta.num_experts, block_m, lora.token_slots, meta.slot_flags)
     r_pad, _, rd_pad = lora_pads(meta)
     splits, _ = _split_k(meta.hidden, cfg["split_k"])
     num_pairs, device = topk_ids.numel(), topk_ids.device

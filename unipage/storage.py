@@ -303,14 +303,12 @@ class PoolStorage:
         self._warn_oversized(effect)
         buf = self._host.get(effect.name) if effect.from_host else None
         piece = keep = None
-        if isinstance(buf, str):  # a file a reader kept: it stays the host copy
-            if self._start_host_read(effect, buf):
-                return
+        if buf is not None and self._start_host_read(effect, buf):  # copied into the ring on a thread
+            return
+        if isinstance(buf, str):  # a file a reader kept, read here: it stays the host copy
             keep = buf
             buf, piece = self._read_host_file(effect, keep)
             keep = keep if buf is not None else None
-        elif buf is not None and self._start_host_read(effect, buf):  # a buffer of this process: the same
-            return
         if buf is None and self._reader is not None:
             if self._needs_read(effect):  # else `start_reads` submitted it
                 self._submit(effect)
@@ -507,10 +505,10 @@ class HostRead(Read):
         try:
             if isinstance(self.host_copy, str):
                 read_into(self.host_copy, dst)
-            elif self.host_copy.numel() * self.host_copy.element_size() != dst.numel():
-                raise ValueError(f"the host copy is {self.host_copy.numel() * self.host_copy.element_size()} "
-                                 f"bytes, its slice {dst.numel()}")
             else:
+                nbytes = self.host_copy.numel() * self.host_copy.element_size()
+                if nbytes != dst.numel():
+                    raise ValueError(f"the host copy is {nbytes} bytes, its slice {dst.numel()}")
                 copy_bytes(dst, self.host_copy)
         except Exception as err:  # (on a thread: whatever went wrong must reach `poll`, or the slice is lost)
             self.error = AdapterError(f"{type(err).__name__}: {err}")
