@@ -220,7 +220,7 @@ def shared_reads(tmp_path, ring_bytes=1 << 20):
 
 def _poll_reads(storage, seconds=120):
     deadline, failed = time.monotonic() + seconds, []
-    while storage._reads and time.monotonic() < deadline:
+    while (storage._reads or storage._waiting) and time.monotonic() < deadline:
         failed += storage.poll().failed
         time.sleep(0.01)
     return failed
@@ -513,6 +513,59 @@ def test_a_host_buffer_dropped_while_it_is_copied_is_not_kept(tmp_path):
         assert not storage.has_host_copy("a0")
 
 
+def _reload_with_the_ring_full(memory, storage, names, reload):
+    """``names`` kept in files, then evicted, then those of ``reload`` loaded again while a slice holds the
+    whole ring; that slice."""
+    for name in names:
+        _kept_then_evicted(memory, storage, name)
+    full = storage._ring.reserve(storage._ring.capacity)
+    assert full is not None
+    for name in reload:
+        assert sync_load(memory, storage, name).done == []
+    return full
+
+
+def test_a_reload_with_no_ring_room_waits_for_it_off_the_step_loop(tmp_path):
+    """A host copy the ring has no room for now is not staged and pinned on the step loop's thread: its load
+    waits, oldest first, and a poll starts its read once the ring has room; a load that comes after queues
+    behind it even if room came back in between."""
+    with shared_reads(tmp_path) as (memory, storage):
+        full = _reload_with_the_ring_full(memory, storage, ["a0", "a1"], ["a0"])
+        loop = (storage.loop.read, storage.loop.finish)
+        assert list(storage._waiting) == ["a0"] and "a0" not in storage._reads
+        assert storage.poll().done == [] and list(storage._waiting) == ["a0"]
+        storage._ring.release(full)
+        assert sync_load(memory, storage, "a1").done == []
+        assert list(storage._waiting) == ["a0", "a1"]  # behind a0, though the ring has room now
+        assert (storage.loop.read, storage.loop.finish) == loop  # nothing read or staged in the loads
+        storage.poll()
+        assert storage._waiting == {} and all(isinstance(storage._reads[n][0], HostRead) for n in ("a0", "a1"))
+        assert _poll_reads(storage) == []
+        for name in ("a0", "a1"):
+            memory.adapters.load_done(name)
+            assert_resident_equals_files(memory, storage, name)
+        assert storage.reads.count == 2  # each read from its files once, at the first load
+        assert memory.adapters.stats.loads_from_host == 2
+
+
+def test_a_waiting_reload_leaves_the_queue_when_evicted_or_its_copy_dropped(tmp_path):
+    """Evicted: it is never started, and its host copy stays.  Its host copy dropped: its files are read
+    instead (now, through the readers) and no host copy is kept of them."""
+    with shared_reads(tmp_path) as (memory, storage):
+        full = _reload_with_the_ring_full(memory, storage, ["a0", "a1"], ["a0", "a1"])
+        host = storage._host["a0"]
+        storage.apply([EvictAdapter("a0", 0, [])])
+        storage.apply([DropHostCopy("a1")])
+        assert storage._waiting == {} and not storage.has_host_copy("a1")
+        assert storage._reads["a1"][2] is None  # a file read, through a file: the ring is still full
+        storage._ring.release(full)
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a1")
+        assert_resident_equals_files(memory, storage, "a1")
+        assert storage.reads.count == 3 and not storage.has_host_copy("a1") and storage._unkept == set()
+        assert "a0" not in storage._reads and storage._host["a0"] == host and os.path.exists(host)
+
+
 @pytest.mark.gpu
 def test_cuda_reads_pack_into_the_shared_pinned_ring(tmp_path):
     memory, storage = setup(tmp_path, "bfloat16", device="cuda")
@@ -540,17 +593,26 @@ def _kept_in_a_file_then_evicted(memory, storage, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("held", ["file", "buffer"])
-def test_cuda_reload_from_a_host_copy_reads_it_on_a_thread(tmp_path, held):
+@pytest.mark.parametrize("held,full", [("file", False), ("buffer", False), ("buffer", True)])
+def test_cuda_reload_from_a_host_copy_reads_it_on_a_thread(tmp_path, held, full):
     """The host copy of an evicted adapter — a file a reader kept, or a buffer of this process — copied into
     the pinned ring on a thread, then to the device by a poll: the pages hold the adapter again, the copy
-    stays the host copy, and the adapter's files were not read again."""
+    stays the host copy, and the adapter's files were not read again.  ``full``: a copy still running on the
+    device holds the whole ring, so the load waits until a poll finds it over."""
     memory, storage = setup(tmp_path, "bfloat16", device="cuda")
     evicted = _kept_in_a_file_then_evicted if held == "file" else _loaded_through_a_file_then_evicted
     host = evicted(memory, storage, "a0")
     storage.pool.normal_()
+    if full:
+        piece = storage._ring.reserve(storage._ring.capacity)
+        torch.cuda._sleep(100_000_000)  # some 50 ms of device time before the event
+        storage._ring.hold_slice(piece, torch.cuda.current_stream().record_event())
+    finish = storage.loop.finish
     sync_load(memory, storage, "a0")
-    assert isinstance(storage._reads["a0"][0], HostRead)
+    if full:
+        assert list(storage._waiting) == ["a0"] and storage.loop.finish == finish  # nothing staged or pinned
+    else:
+        assert isinstance(storage._reads["a0"][0], HostRead)
     assert _wait_loads(storage, ["a0"]) == {"a0"}
     memory.adapters.load_done("a0")
     assert_resident_equals_files(memory, storage, "a0")

@@ -20,7 +20,9 @@ when the read is submitted), so the step loop copies nothing on the way in —
 ``poll()`` only starts the page copy once a read's reply is in, and reports a
 read that failed.  The reader writes the host copy too, as a file in shared
 memory (under `SHM_DIR`): a host copy is a tensor or such a file, and a load from
-one reads it into the ring.  On CPU a load completes inside ``apply``.
+one reads it into the ring on a thread — once the ring has room: until then the
+load waits, first in, first out, and a ``poll()`` starts it.  On CPU a load
+completes inside ``apply``.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class PoolStorage:
         self._reads: dict[str, tuple[Read, LoadAdapter, RingSlice | None]] = {}  # file reads in flight (CUDA)
         self._orphans: list[tuple[Read, RingSlice | None]] = []  # reads of evicted adapters, still in flight
         self._unkept: set[Read] = set()  # reads in flight whose host copy was dropped meanwhile: not kept
+        self._waiting: dict[str, LoadAdapter] = {}  # host-copy loads waiting for ring room, oldest first (CUDA)
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
         self._ring = _pinned_ring(config.lora.staging_ring_bytes) if self._cuda else None
         self._host_reads: ThreadPoolExecutor | None = None  # `_start_host_read`'s threads, made on first use
@@ -125,6 +128,7 @@ class PoolStorage:
                 self._load(effect, result)
             elif isinstance(effect, EvictAdapter):
                 self._events.pop(effect.name, None)
+                self._waiting.pop(effect.name, None)
                 dropped = self._reads.pop(effect.name, None)
                 if dropped is not None:  # its ring slice comes back once the worker is done with it
                     self._orphans.append((dropped[0], dropped[2]))
@@ -137,6 +141,7 @@ class PoolStorage:
                     read.kept = copy  # the file it reads goes once the read is over
                 else:
                     remove_file(copy)
+                self._read_files_instead(effect.name)
             else:
                 raise TypeError(f"unknown effect {effect!r}")
         return result
@@ -149,6 +154,8 @@ class PoolStorage:
         if self._reads or self._orphans:
             self._reader.poll()
             self._release_orphans()
+        if self._waiting:
+            self._start_waiting(result)
         for name in [n for n, (read, _, _) in self._reads.items() if read.done()]:
             read, effect, piece = self._reads.pop(name)
             cache = effect.cache_on_host and read not in self._unkept
@@ -206,6 +213,7 @@ class PoolStorage:
         the shared ring's file go.  Safe to call again; `apply`, `start_reads` and `poll` then raise
         `ClosedError`."""
         self.closed = True
+        self._waiting.clear()
         if self._reader is not None:
             self._reader.shutdown()
         if self._host_reads is not None:  # they write into the ring: over before it goes (queued ones dropped)
@@ -302,9 +310,14 @@ class PoolStorage:
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
         self._warn_oversized(effect)
         buf = self._host.get(effect.name) if effect.from_host else None
-        piece = keep = None
         if buf is not None and self._start_host_read(effect, buf):  # copied into the ring on a thread
             return
+        self._load_here(effect, buf, result)
+
+    def _load_here(self, effect: LoadAdapter, buf: str | torch.Tensor | None, result: ApplyResult) -> None:
+        """Load from the host copy ``buf`` on this thread (read, or staged and pinned, here), or, with none,
+        from the adapter's files (submitted to the readers, if any)."""
+        piece = keep = None
         if isinstance(buf, str):  # a file a reader kept, read here: it stays the host copy
             keep = buf
             buf, piece = self._read_host_file(effect, keep)
@@ -328,13 +341,22 @@ class PoolStorage:
         process (a read that came back through a file with no ring room then, or one kept with no directory
         for host files) — into a ring slice on a thread of this process (`HostRead`; `poll` copies the pages
         in once it is there), so the step loop does not wait for it (a 640 MiB adapter: about 60 ms of
-        memory copy).  False where the ring has no room for it: then it is read (`_read_host_file`) or
-        staged (`_copy_pages`) on this thread."""
-        if self._reader is None or self._ring is None:
+        memory copy).  With no ring room now it waits for some, behind the loads already waiting (`poll`
+        starts it once copies in flight give room back): staging it here instead would pin it on this
+        thread (about 1 s for four such adapters, in one step, on an H200 host).  False where the ring can
+        never hold it, or no thread can be started: then it is read (`_read_host_file`) or staged
+        (`_copy_pages`) on this thread."""
+        if self._reader is None or self._ring is None or self._packed_bytes(effect) > self._ring.capacity:
             return False
-        piece = self._ring.reserve(self._packed_bytes(effect))
+        piece = None if self._waiting else self._ring.reserve(self._packed_bytes(effect))
         if piece is None:
-            return False
+            self._waiting[effect.name] = effect
+            return True
+        return self._begin_host_read(effect, host_copy, piece)
+
+    def _begin_host_read(self, effect: LoadAdapter, host_copy: str | torch.Tensor, piece: RingSlice) -> bool:
+        """`HostRead` of ``host_copy`` into ``piece`` on a thread; False (``piece`` given back) if no thread
+        can be started."""
         if self._host_reads is None:
             self._host_reads = ThreadPoolExecutor(HOST_READ_THREADS, thread_name_prefix="unipage-host-read")
         read = HostRead(host_copy)
@@ -345,6 +367,26 @@ class PoolStorage:
             return False
         self._reads[effect.name] = (read, effect, piece)
         return True
+
+    def _start_waiting(self, result: ApplyResult) -> None:
+        """Start the host reads of the loads waiting for ring room, oldest first, while it has room."""
+        while self._waiting:
+            name, effect = next(iter(self._waiting.items()))
+            piece = self._ring.reserve(self._packed_bytes(effect))
+            if piece is None:
+                return
+            del self._waiting[name]
+            host_copy = self._host[name]  # (one dropped meanwhile left the queue: `_read_files_instead`)
+            if not self._begin_host_read(effect, host_copy, piece):
+                self._load_here(effect, host_copy, result)
+
+    def _read_files_instead(self, name: str) -> None:
+        """The host copy of a load waiting for ring room is dropped: its files are read now, and no host
+        copy is kept of them (the host tier dropped it)."""
+        effect = self._waiting.pop(name, None)
+        if effect is not None:
+            self._submit(effect)
+            self._unkept.add(self._reads[name][0])
 
     def _host_copy_lost(self, effect: LoadAdapter, read: HostRead, piece: RingSlice, cache: bool) -> None:
         """A host copy could not be copied into the ring (`HostRead`): the copy goes and the adapter's files
