@@ -365,7 +365,9 @@ def test_close_waits_for_host_reads_before_the_ring_goes(tmp_path, monkeypatch):
         assert read.done() and read.error is None and storage._ring is None
 
 
-def test_an_unreadable_host_file_drops_the_copy_and_reads_the_files(tmp_path):
+@pytest.mark.parametrize("dropped", [False, True])
+def test_an_unreadable_host_file_drops_the_copy_and_reads_the_files(tmp_path, dropped):
+    """``dropped``: the host tier dropped the copy while the thread read it: the files read instead keep none."""
     with shared_reads(tmp_path) as (memory, storage):
         host = _kept_then_evicted(memory, storage, "a0")
         with open(host, "r+b") as f:
@@ -373,10 +375,13 @@ def test_an_unreadable_host_file_drops_the_copy_and_reads_the_files(tmp_path):
         storage.pool.normal_()
         sync_load(memory, storage, "a0")
         assert isinstance(storage._reads["a0"][0], HostRead)
+        if dropped:
+            storage.apply([DropHostCopy("a0")])
         assert _poll_reads(storage) == []  # no load failed: the files were read instead
         memory.adapters.load_done("a0")
         assert_resident_equals_files(memory, storage, "a0")
-        assert storage.reads.count == 2 and storage._host["a0"] != host and not os.path.exists(host)
+        assert storage.reads.count == 2 and not os.path.exists(host) and storage._unkept == set()
+        assert storage.has_host_copy("a0") != dropped and storage._host.get("a0") != host
         assert storage._ring.reserve(storage._ring.capacity) is not None  # the failed read's slice came back
 
 
@@ -538,8 +543,9 @@ def test_a_reload_with_no_ring_room_waits_for_it_off_the_step_loop(tmp_path):
         assert sync_load(memory, storage, "a1").done == []
         assert list(storage._waiting) == ["a0", "a1"]  # behind a0, though the ring has room now
         assert (storage.loop.read, storage.loop.finish) == loop  # nothing read or staged in the loads
-        storage.poll()
-        assert storage._waiting == {} and all(isinstance(storage._reads[n][0], HostRead) for n in ("a0", "a1"))
+        storage.poll()  # starts both (and may finish them: the threads copy little)
+        assert storage._waiting == {}
+        assert all(isinstance(storage._reads.get(n, (HostRead(""),))[0], HostRead) for n in ("a0", "a1"))
         assert _poll_reads(storage) == []
         for name in ("a0", "a1"):
             memory.adapters.load_done(name)
@@ -548,17 +554,39 @@ def test_a_reload_with_no_ring_room_waits_for_it_off_the_step_loop(tmp_path):
         assert memory.adapters.stats.loads_from_host == 2
 
 
+def test_a_read_with_no_ring_room_waits_for_it_instead_of_going_through_a_file(tmp_path):
+    """A read of an adapter's files that the ring could hold, but has no room for now, waits for room (queued
+    once by `start_reads` and `apply`) rather than coming back through a file to be staged on the step loop's
+    thread; then it packs into a slice, and the reader keeps the host copy in a file."""
+    with shared_reads(tmp_path) as (memory, storage):
+        full = storage._ring.reserve(storage._ring.capacity)
+        memory.adapters.request("a0")
+        effects = memory.adapters.take_effects()
+        storage.start_reads(effects)
+        storage.apply(effects)
+        assert list(storage._waiting) == ["a0"] and storage._reads == {} and storage._reader.in_flight == 0
+        storage._ring.release(full)
+        storage.poll()
+        assert storage._waiting == {} and storage._reads["a0"][2] is not None  # into a ring slice
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+        assert isinstance(storage._host["a0"], str) and storage.reads.count == 1
+
+
 def test_a_waiting_reload_leaves_the_queue_when_evicted_or_its_copy_dropped(tmp_path):
-    """Evicted: it is never started, and its host copy stays.  Its host copy dropped: its files are read
-    instead (now, through the readers) and no host copy is kept of them."""
+    """Evicted: it is never started, and its host copy stays.  Its host copy dropped: it stays in the queue,
+    and once the ring has room its files are read into it, no host copy kept of them."""
     with shared_reads(tmp_path) as (memory, storage):
         full = _reload_with_the_ring_full(memory, storage, ["a0", "a1"], ["a0", "a1"])
         host = storage._host["a0"]
         storage.apply([EvictAdapter("a0", 0, [])])
         storage.apply([DropHostCopy("a1")])
-        assert storage._waiting == {} and not storage.has_host_copy("a1")
-        assert storage._reads["a1"][2] is None  # a file read, through a file: the ring is still full
+        assert list(storage._waiting) == ["a1"] and storage._waiting["a1"][1] and not storage.has_host_copy("a1")
         storage._ring.release(full)
+        storage.poll()
+        read, _, piece = storage._reads["a1"]
+        assert not isinstance(read, HostRead) and piece is not None and read in storage._unkept
         assert _poll_reads(storage) == []
         memory.adapters.load_done("a1")
         assert_resident_equals_files(memory, storage, "a1")

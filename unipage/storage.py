@@ -8,7 +8,7 @@ n = one adapter's pages.
 host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
 onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
 On CUDA the copy runs on a side stream from a slice of one pinned ring
-(`unipage.pinned`: nothing is pinned per adapter unless the ring has no room
+(`unipage.pinned`: nothing is pinned per adapter unless the ring is too small
 for it) and records an event: ``poll()`` reports loads whose event has
 completed, and only then does the engine tell the scheduler, so no batch reads
 an adapter before its pages are written.  A load without a host copy first
@@ -20,9 +20,10 @@ when the read is submitted), so the step loop copies nothing on the way in —
 ``poll()`` only starts the page copy once a read's reply is in, and reports a
 read that failed.  The reader writes the host copy too, as a file in shared
 memory (under `SHM_DIR`): a host copy is a tensor or such a file, and a load from
-one reads it into the ring on a thread — once the ring has room: until then the
-load waits, first in, first out, and a ``poll()`` starts it.  On CPU a load
-completes inside ``apply``.
+one reads it into the ring on a thread.  A load the ring has no room for now
+waits for some, first in, first out, and a ``poll()`` starts it, so the step
+loop neither reads nor stages it (unless the whole ring is too small for it).
+On CPU a load completes inside ``apply``.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class PoolStorage:
         self._reads: dict[str, tuple[Read, LoadAdapter, RingSlice | None]] = {}  # file reads in flight (CUDA)
         self._orphans: list[tuple[Read, RingSlice | None]] = []  # reads of evicted adapters, still in flight
         self._unkept: set[Read] = set()  # reads in flight whose host copy was dropped meanwhile: not kept
-        self._waiting: dict[str, LoadAdapter] = {}  # host-copy loads waiting for ring room, oldest first (CUDA)
+        # Loads waiting for ring room, oldest first, each with whether what it reads is not to be kept (CUDA)
+        self._waiting: dict[str, tuple[LoadAdapter, bool]] = {}
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
         self._ring = _pinned_ring(config.lora.staging_ring_bytes) if self._cuda else None
         self._host_reads: ThreadPoolExecutor | None = None  # `_start_host_read`'s threads, made on first use
@@ -141,7 +143,8 @@ class PoolStorage:
                     read.kept = copy  # the file it reads goes once the read is over
                 else:
                     remove_file(copy)
-                self._read_files_instead(effect.name)
+                if effect.name in self._waiting:  # its files are read once it has room, keeping no copy
+                    self._waiting[effect.name] = (self._waiting[effect.name][0], True)
             else:
                 raise TypeError(f"unknown effect {effect!r}")
         return result
@@ -259,15 +262,25 @@ class PoolStorage:
         in_flight = self._reads.get(effect.name)
         return in_flight is None or in_flight[1] is not effect
 
-    def _submit(self, effect: LoadAdapter) -> None:
+    def _submit(self, effect: LoadAdapter, unkept: bool = False, piece: RingSlice | None = None) -> None:
         """Read and pack the adapter's files in a reader process, straight into a slice of the shared ring
-        (or, with no room there, through a file: staged by `poll` on this thread)."""
-        piece = target = None
-        if self._ring is not None and self._ring.path is not None:
-            piece = self._ring.reserve(self._packed_bytes(effect))
-            if piece is not None:
-                keep = self._keep_path() if effect.cache_on_host else None
-                target = SharedTarget(self._ring.path, piece.start, self._ring.view(piece), keep)
+        (``piece``, or one reserved here).  With no room there now the read waits for some, behind the loads
+        already waiting (`_start_waiting`); through a file (staged by `poll` on this thread) only where the
+        ring can never hold it or is not shared.  ``unkept``: keep no host copy of what it reads."""
+        shared = self._ring is not None and self._ring.path is not None
+        if piece is not None and not shared:  # (a waiting host-copy load whose copy was dropped)
+            self._ring.release(piece)
+            piece = None
+        nbytes = self._packed_bytes(effect)
+        if piece is None and shared and nbytes <= self._ring.capacity:
+            piece = None if self._waiting else self._ring.reserve(nbytes)
+            if piece is None:
+                self._waiting[effect.name] = (effect, unkept)
+                return
+        target = None
+        if piece is not None:
+            keep = self._keep_path() if effect.cache_on_host and not unkept else None
+            target = SharedTarget(self._ring.path, piece.start, self._ring.view(piece), keep)
         try:
             read = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
                                        self.dtype, target)
@@ -275,6 +288,8 @@ class PoolStorage:
             read = Read(target, None)  # fails at the next poll, and its slice comes back then
             read.fail(f"adapter {effect.name!r}: no reader could take its read: {err}")
         self._reads[effect.name] = (read, effect, piece)
+        if unkept:
+            self._unkept.add(read)
 
     def _release_orphans(self) -> None:
         """Give back the ring slices of dropped reads that are over."""
@@ -350,7 +365,7 @@ class PoolStorage:
             return False
         piece = None if self._waiting else self._ring.reserve(self._packed_bytes(effect))
         if piece is None:
-            self._waiting[effect.name] = effect
+            self._waiting[effect.name] = (effect, False)
             return True
         return self._begin_host_read(effect, host_copy, piece)
 
@@ -369,35 +384,27 @@ class PoolStorage:
         return True
 
     def _start_waiting(self, result: ApplyResult) -> None:
-        """Start the host reads of the loads waiting for ring room, oldest first, while it has room."""
+        """Start the loads waiting for ring room, oldest first, while it has room: a host copy's on a
+        thread, a file read in a reader process (also a host-copy load's whose copy was dropped meanwhile)."""
         while self._waiting:
-            name, effect = next(iter(self._waiting.items()))
+            name, (effect, unkept) = next(iter(self._waiting.items()))
             piece = self._ring.reserve(self._packed_bytes(effect))
             if piece is None:
                 return
             del self._waiting[name]
-            host_copy = self._host[name]  # (one dropped meanwhile left the queue: `_read_files_instead`)
-            if not self._begin_host_read(effect, host_copy, piece):
+            host_copy = self._host.get(name) if effect.from_host else None
+            if host_copy is None:
+                self._submit(effect, unkept, piece)
+            elif not self._begin_host_read(effect, host_copy, piece):
                 self._load_here(effect, host_copy, result)
-
-    def _read_files_instead(self, name: str) -> None:
-        """The host copy of a load waiting for ring room is dropped: its files are read now, and no host
-        copy is kept of them (the host tier dropped it)."""
-        effect = self._waiting.pop(name, None)
-        if effect is not None:
-            self._submit(effect)
-            self._unkept.add(self._reads[name][0])
 
     def _host_copy_lost(self, effect: LoadAdapter, read: HostRead, piece: RingSlice, cache: bool) -> None:
         """A host copy could not be copied into the ring (`HostRead`): the copy goes and the adapter's files
         are read instead (a read whose host copy was dropped meanwhile keeps none this time either)."""
         log.warning("the host copy of adapter %r is lost (%s): reading its files", effect.name, read.error)
-        self._ring.release(piece)
         if _same_copy(self._host.get(effect.name), read.host_copy):
             remove_file(self._host.pop(effect.name))
-        self._submit(effect)
-        if not cache:
-            self._unkept.add(self._reads[effect.name][0])
+        self._submit(effect, not cache, piece)  # into the slice the copy was to fill
 
     def _warn_oversized(self, effect: LoadAdapter) -> None:
         """Once per adapter: one larger than the ring cannot pass through it (CUDA), so its loads are
