@@ -1,6 +1,7 @@
 """PoolStorage: the manager's effects performed on a real pool tensor, from real PEFT files."""
 
 import contextlib
+import dataclasses
 import os
 import time
 
@@ -457,8 +458,8 @@ def test_reads_go_through_files_when_the_ring_has_no_room(tmp_path):
 
 
 def _loaded_through_a_file_then_evicted(memory, storage, name):
-    """``name`` read with no ring room (back through a file: its host copy a buffer of this process), then
-    evicted, and the ring given room; that buffer."""
+    """``name`` read with a ring too small for it (back through a file: its host copy a buffer of this
+    process), then evicted, and the ring given room; that buffer."""
     ring = storage._ring
     storage._ring = PinnedRing(ALIGN, pin=False, shared=True)
     memory.adapters.request(name)
@@ -574,6 +575,80 @@ def test_a_read_with_no_ring_room_waits_for_it_instead_of_going_through_a_file(t
         assert isinstance(storage._host["a0"], str) and storage.reads.count == 1
 
 
+def _sized_for_one(storage, effects):
+    """A shared ring with room for the larger of ``effects``' loads but not for two."""
+    sizes = sorted(storage._packed_bytes(e) for e in effects)
+    assert sizes[-1] < sizes[0] + sizes[1] - ALIGN
+    storage._ring.close()
+    storage._ring = PinnedRing(-(-sizes[-1] // ALIGN) * ALIGN, pin=False, shared=True)
+
+
+def test_loads_wait_in_the_order_they_came(tmp_path):
+    """A file read that comes while a reload waits queues behind it, even with room back; and with room for
+    one of two waiting loads the older starts; `close` drops the loads still waiting."""
+    with shared_reads(tmp_path) as (memory, storage):
+        full = _reload_with_the_ring_full(memory, storage, ["a0"], ["a0"])
+        storage._ring.release(full)
+        memory.adapters.request("a1")
+        storage.apply(memory.adapters.take_effects())
+        assert list(storage._waiting) == ["a0", "a1"] and storage._reads == {}
+    memory, storage = setup(tmp_path / "one")
+    with_shared_reads(storage)
+    for name in ("a1", "a0"):
+        memory.adapters.request(name)
+    effects = memory.adapters.take_effects()
+    _sized_for_one(storage, effects)
+    full = storage._ring.reserve(storage._ring.capacity)
+    storage.apply(effects)
+    storage._ring.release(full)
+    storage.poll()
+    assert list(storage._waiting) == ["a0"] and list(storage._reads) == ["a1"]
+    storage.close()
+    assert storage._waiting == {}
+
+
+def test_a_load_that_waits_too_long_goes_the_step_loops_way(tmp_path, monkeypatch, caplog):
+    """With the ring held past `RING_WAIT_S` (a stuck read), a waiting reload is read and staged on this
+    thread and a waiting file read comes back through a file, as before the queue: slower, but done."""
+    monkeypatch.setattr("unipage.storage.RING_WAIT_S", 0.0)
+    with shared_reads(tmp_path) as (memory, storage):
+        _reload_with_the_ring_full(memory, storage, ["a0"], ["a0"])  # the ring never comes back
+        memory.adapters.request("a1")
+        storage.apply(memory.adapters.take_effects())
+        assert list(storage._waiting) == ["a0", "a1"]
+        with caplog.at_level("WARNING", logger="unipage.storage"):
+            storage.poll()
+        assert storage._waiting == {} and "a0" not in storage._reads and storage._reads["a1"][2] is None
+        assert sum("waited" in r.getMessage() for r in caplog.records) == 2
+        assert _poll_reads(storage) == []
+        for name in ("a0", "a1"):
+            memory.adapters.load_done(name)
+            assert_resident_equals_files(memory, storage, name)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_drop_applied_before_a_load_is_of_an_older_copy(tmp_path, full):
+    """The engine submits a step's reads before it performs its effects: a drop of the adapter's old host
+    copy, applied after its new read was submitted (or queued) but before its load, leaves the new read's
+    copy kept."""
+    with shared_reads(tmp_path) as (memory, storage):
+        _kept_then_evicted(memory, storage, "a0")
+        memory.adapters.request("a0")
+        (load,) = memory.adapters.take_effects()
+        load = dataclasses.replace(load, from_host=False, cache_on_host=True)  # e.g. its copy was stale
+        effects = [DropHostCopy("a0"), load]
+        ring = storage._ring.reserve(storage._ring.capacity) if full else None
+        storage.start_reads(effects)
+        assert ("a0" in storage._waiting) == full
+        for effect in effects:
+            storage.apply([effect])
+        if full:
+            storage._ring.release(ring)
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert storage.has_host_copy("a0") and storage._unkept == set()
+
+
 def test_a_waiting_reload_leaves_the_queue_when_evicted_or_its_copy_dropped(tmp_path):
     """Evicted: it is never started, and its host copy stays.  Its host copy dropped: it stays in the queue,
     and once the ring has room its files are read into it, no host copy kept of them."""
@@ -582,7 +657,7 @@ def test_a_waiting_reload_leaves_the_queue_when_evicted_or_its_copy_dropped(tmp_
         host = storage._host["a0"]
         storage.apply([EvictAdapter("a0", 0, [])])
         storage.apply([DropHostCopy("a1")])
-        assert list(storage._waiting) == ["a1"] and storage._waiting["a1"][1] and not storage.has_host_copy("a1")
+        assert list(storage._waiting) == ["a1"] and storage._waiting["a1"].unkept and not storage.has_host_copy("a1")
         storage._ring.release(full)
         storage.poll()
         read, _, piece = storage._reads["a1"]
@@ -592,6 +667,7 @@ def test_a_waiting_reload_leaves_the_queue_when_evicted_or_its_copy_dropped(tmp_
         assert_resident_equals_files(memory, storage, "a1")
         assert storage.reads.count == 3 and not storage.has_host_copy("a1") and storage._unkept == set()
         assert "a0" not in storage._reads and storage._host["a0"] == host and os.path.exists(host)
+        assert os.listdir(storage._host_dir) == [os.path.basename(host)]  # the reader kept no file for a1
 
 
 @pytest.mark.gpu
@@ -620,25 +696,35 @@ def _kept_in_a_file_then_evicted(memory, storage, name):
     return storage._host[name]
 
 
+class Gate:
+    """An event the test completes (`over`): what a ring slice waits for."""
+
+    over = False
+
+    def query(self) -> bool:
+        return self.over
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("held,full", [("file", False), ("buffer", False), ("buffer", True)])
 def test_cuda_reload_from_a_host_copy_reads_it_on_a_thread(tmp_path, held, full):
     """The host copy of an evicted adapter — a file a reader kept, or a buffer of this process — copied into
     the pinned ring on a thread, then to the device by a poll: the pages hold the adapter again, the copy
-    stays the host copy, and the adapter's files were not read again.  ``full``: a copy still running on the
-    device holds the whole ring, so the load waits until a poll finds it over."""
+    stays the host copy, and the adapter's files were not read again.  ``full``: a copy not yet over holds the
+    whole ring, so the load waits until a poll finds it over."""
     memory, storage = setup(tmp_path, "bfloat16", device="cuda")
     evicted = _kept_in_a_file_then_evicted if held == "file" else _loaded_through_a_file_then_evicted
     host = evicted(memory, storage, "a0")
     storage.pool.normal_()
+    gate = Gate()
     if full:
-        piece = storage._ring.reserve(storage._ring.capacity)
-        torch.cuda._sleep(100_000_000)  # some 50 ms of device time before the event
-        storage._ring.hold_slice(piece, torch.cuda.current_stream().record_event())
+        storage._ring.hold_slice(storage._ring.reserve(storage._ring.capacity), gate)
     finish = storage.loop.finish
     sync_load(memory, storage, "a0")
     if full:
         assert list(storage._waiting) == ["a0"] and storage.loop.finish == finish  # nothing staged or pinned
+        assert storage.poll().done == [] and list(storage._waiting) == ["a0"]
+        gate.over = True
     else:
         assert isinstance(storage._reads["a0"][0], HostRead)
     assert _wait_loads(storage, ["a0"]) == {"a0"}
@@ -651,10 +737,11 @@ def test_cuda_reload_from_a_host_copy_reads_it_on_a_thread(tmp_path, held, full)
     storage.close()
 
 
-def test_a_read_no_reader_can_take_fails_its_load_and_gives_its_slice_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [OSError(11, "Resource temporarily unavailable"), TypeError("cannot pickle")])
+def test_a_read_no_reader_can_take_fails_its_load_and_gives_its_slice_back(tmp_path, monkeypatch, error):
     with shared_reads(tmp_path) as (memory, storage):
         def no_process(*args, **kwargs):
-            raise OSError(11, "Resource temporarily unavailable")
+            raise error
 
         monkeypatch.setattr(storage._reader, "submit", no_process)
         memory.adapters.request("a0")

@@ -9,7 +9,8 @@ host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
 onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
 On CUDA the copy runs on a side stream from a slice of one pinned ring
 (`unipage.pinned`: nothing is pinned per adapter unless the ring is too small
-for it) and records an event: ``poll()`` reports loads whose event has
+for it, or has had no room for it for `RING_WAIT_S`, or is not in shared memory
+and has no room now) and records an event: ``poll()`` reports loads whose event has
 completed, and only then does the engine tell the scheduler, so no batch reads
 an adapter before its pages are written.  A load without a host copy first
 reads and packs the adapter's files: on CUDA in helper processes
@@ -31,7 +32,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
 READ_WORKERS = min(8, max(2, CPUS // 2))  # processes that read and pack adapter files (CUDA)
 HOST_READ_THREADS = 2  # threads that copy host copies (files, or buffers of this process) into the ring (CUDA)
+# A load that has waited this long for ring room goes the step loop's way (staged there, or read through a
+# file): room not coming back means something holding the ring is stuck (e.g. a read of a hung mount).
+RING_WAIT_S = 2.0
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
 
@@ -80,11 +83,20 @@ class ReadStats:
 @dataclass
 class LoopTimes:
     """Host seconds the caller's thread (the engine's step loop) spent on loads: reading files (a host copy
-    the ring had no room for; every read without reader processes) and finishing reads (the page copy
-    launched, the host copy kept)."""
+    the ring is too small for, or that waited too long for room; every read without reader processes) and
+    finishing reads (the page copy launched, the host copy kept)."""
 
     read: float = 0.0
     finish: float = 0.0
+
+
+@dataclass
+class Waiting:
+    """A load waiting for ring room (`PoolStorage._start_waiting`)."""
+
+    effect: LoadAdapter
+    unkept: bool  # keep no host copy of what it reads (the host tier dropped its copy meanwhile)
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -107,8 +119,7 @@ class PoolStorage:
         self._reads: dict[str, tuple[Read, LoadAdapter, RingSlice | None]] = {}  # file reads in flight (CUDA)
         self._orphans: list[tuple[Read, RingSlice | None]] = []  # reads of evicted adapters, still in flight
         self._unkept: set[Read] = set()  # reads in flight whose host copy was dropped meanwhile: not kept
-        # Loads waiting for ring room, oldest first, each with whether what it reads is not to be kept (CUDA)
-        self._waiting: dict[str, tuple[LoadAdapter, bool]] = {}
+        self._waiting: dict[str, Waiting] = {}  # loads waiting for ring room, oldest first (CUDA)
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
         self._ring = _pinned_ring(config.lora.staging_ring_bytes) if self._cuda else None
         self._host_reads: ThreadPoolExecutor | None = None  # `_start_host_read`'s threads, made on first use
@@ -144,7 +155,7 @@ class PoolStorage:
                 else:
                     remove_file(copy)
                 if effect.name in self._waiting:  # its files are read once it has room, keeping no copy
-                    self._waiting[effect.name] = (self._waiting[effect.name][0], True)
+                    self._waiting[effect.name].unkept = True
             else:
                 raise TypeError(f"unknown effect {effect!r}")
         return result
@@ -190,9 +201,10 @@ class PoolStorage:
                     self._ring.release(piece)
                 log.warning("loading adapter %r failed: %s", name, err)
                 result.failed.append((name, str(err)))
-        result.done = [name for name, event in self._events.items() if event.query()]
-        for name in result.done:
+        copied = [name for name, event in self._events.items() if event.query()]
+        for name in copied:
             del self._events[name]
+        result.done += copied  # (after any a waiting load completed here: CPU, in tests)
         return result
 
     @property
@@ -212,9 +224,9 @@ class PoolStorage:
 
     def close(self) -> None:
         """Stop the background readers (reads in flight are abandoned; host copies being read into the ring
-        are read to the end first, those queued are not); the host copies kept in files and
-        the shared ring's file go.  Safe to call again; `apply`, `start_reads` and `poll` then raise
-        `ClosedError`."""
+        are read to the end first, those queued are not; loads waiting for ring room are dropped, never
+        reported); the host copies kept in files and the shared ring's file go.  Safe to call again;
+        `apply`, `start_reads` and `poll` then raise `ClosedError`."""
         self.closed = True
         self._waiting.clear()
         if self._reader is not None:
@@ -259,23 +271,27 @@ class PoolStorage:
         """Whether ``effect``'s file read is still to submit: no host copy to load from, no read of it in flight."""
         if effect.from_host and effect.name in self._host:
             return False
+        if effect.name in self._waiting and self._waiting[effect.name].effect is effect:
+            return False
         in_flight = self._reads.get(effect.name)
         return in_flight is None or in_flight[1] is not effect
 
-    def _submit(self, effect: LoadAdapter, unkept: bool = False, piece: RingSlice | None = None) -> None:
+    def _submit(self, effect: LoadAdapter, unkept: bool = False, piece: RingSlice | None = None,
+                wait: bool = True) -> None:
         """Read and pack the adapter's files in a reader process, straight into a slice of the shared ring
         (``piece``, or one reserved here).  With no room there now the read waits for some, behind the loads
-        already waiting (`_start_waiting`); through a file (staged by `poll` on this thread) only where the
-        ring can never hold it or is not shared.  ``unkept``: keep no host copy of what it reads."""
+        already waiting (`_start_waiting`); through a file (staged by `poll` on this thread) where the ring
+        can never hold it or is not shared, or it has waited too long (not ``wait``).  ``unkept``: keep no
+        host copy of what it reads."""
         shared = self._ring is not None and self._ring.path is not None
         if piece is not None and not shared:  # (a waiting host-copy load whose copy was dropped)
             self._ring.release(piece)
             piece = None
         nbytes = self._packed_bytes(effect)
-        if piece is None and shared and nbytes <= self._ring.capacity:
+        if piece is None and wait and shared and nbytes <= self._ring.capacity:
             piece = None if self._waiting else self._ring.reserve(nbytes)
             if piece is None:
-                self._waiting[effect.name] = (effect, unkept)
+                self._waiting[effect.name] = Waiting(effect, unkept)
                 return
         target = None
         if piece is not None:
@@ -284,8 +300,8 @@ class PoolStorage:
         try:
             read = self._reader.submit(effect.info, effect.layout, self.config.model, self.config.page_elems,
                                        self.dtype, target)
-        except (OSError, pickle.PicklingError) as err:  # e.g. no reader process could be started: the load
-            read = Read(target, None)  # fails at the next poll, and its slice comes back then
+        except Exception as err:  # e.g. no reader process could be started, or the request does not pickle:
+            read = Read(target, None)  # the load fails at the next poll, and its slice comes back then
             read.fail(f"adapter {effect.name!r}: no reader could take its read: {err}")
         self._reads[effect.name] = (read, effect, piece)
         if unkept:
@@ -338,8 +354,10 @@ class PoolStorage:
             buf, piece = self._read_host_file(effect, keep)
             keep = keep if buf is not None else None
         if buf is None and self._reader is not None:
-            if self._needs_read(effect):  # else `start_reads` submitted it
+            if self._needs_read(effect):
                 self._submit(effect)
+            else:  # `start_reads` submitted it: a drop applied since was of an older host copy
+                self._keep_what_it_reads(effect.name)
             return
         try:
             buf = buf if buf is not None else self.read_packed(effect)
@@ -353,19 +371,20 @@ class PoolStorage:
 
     def _start_host_read(self, effect: LoadAdapter, host_copy: str | torch.Tensor) -> bool:
         """With reader processes (CUDA): copy the host copy — a file a reader kept, or a buffer of this
-        process (a read that came back through a file with no ring room then, or one kept with no directory
-        for host files) — into a ring slice on a thread of this process (`HostRead`; `poll` copies the pages
-        in once it is there), so the step loop does not wait for it (a 640 MiB adapter: about 60 ms of
+        process (a read that came back through a file: an adapter larger than the ring, a ring not in
+        shared memory, a read that waited too long for room; or one kept with no directory for host
+        files) — into a ring slice on a thread of this process (`HostRead`; `poll` copies the pages in
+        once it is there), so the step loop does not wait for it (a 640 MiB adapter: about 60 ms of
         memory copy).  With no ring room now it waits for some, behind the loads already waiting (`poll`
-        starts it once copies in flight give room back): staging it here instead would pin it on this
-        thread (about 1 s for four such adapters, in one step, on an H200 host).  False where the ring can
-        never hold it, or no thread can be started: then it is read (`_read_host_file`) or staged
-        (`_copy_pages`) on this thread."""
+        starts it once copies in flight give room back, or stages it after `RING_WAIT_S`): staging it
+        here instead would pin it on this thread (about 1 s for four such adapters, in one step, on an
+        H200 host).  False where the ring can never hold it, or no thread can be started: then it is
+        read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
         if self._reader is None or self._ring is None or self._packed_bytes(effect) > self._ring.capacity:
             return False
         piece = None if self._waiting else self._ring.reserve(self._packed_bytes(effect))
         if piece is None:
-            self._waiting[effect.name] = (effect, False)
+            self._waiting[effect.name] = Waiting(effect, False)
             return True
         return self._begin_host_read(effect, host_copy, piece)
 
@@ -384,19 +403,32 @@ class PoolStorage:
         return True
 
     def _start_waiting(self, result: ApplyResult) -> None:
-        """Start the loads waiting for ring room, oldest first, while it has room: a host copy's on a
-        thread, a file read in a reader process (also a host-copy load's whose copy was dropped meanwhile)."""
+        """Start the loads waiting for ring room, oldest first, while it has room (or they have waited
+        `RING_WAIT_S`): a host copy's on a thread, a file read in a reader process (also a host-copy load's
+        whose copy was dropped meanwhile)."""
+        now = time.monotonic()
         while self._waiting:
-            name, (effect, unkept) = next(iter(self._waiting.items()))
-            piece = self._ring.reserve(self._packed_bytes(effect))
-            if piece is None:
+            name, wait = next(iter(self._waiting.items()))
+            piece = self._ring.reserve(self._packed_bytes(wait.effect))
+            if piece is None and now - wait.since < RING_WAIT_S:
                 return
             del self._waiting[name]
-            host_copy = self._host.get(name) if effect.from_host else None
+            if piece is None:
+                log.warning("adapter %r waited %.1f s for staging ring room: loading it on the step loop's "
+                            "thread", name, now - wait.since)
+            host_copy = self._host.get(name) if wait.effect.from_host else None
             if host_copy is None:
-                self._submit(effect, unkept, piece)
-            elif not self._begin_host_read(effect, host_copy, piece):
-                self._load_here(effect, host_copy, result)
+                self._submit(wait.effect, wait.unkept, piece, wait=False)
+            elif piece is None or not self._begin_host_read(wait.effect, host_copy, piece):
+                self._load_here(wait.effect, host_copy, result)
+
+    def _keep_what_it_reads(self, name: str) -> None:
+        """The file read submitted for ``name`` keeps its host copy after all (a drop of the host copy was
+        applied after the read was submitted, but before its load: it was of an older copy)."""
+        if name in self._waiting:
+            self._waiting[name].unkept = False
+        elif name in self._reads:
+            self._unkept.discard(self._reads[name][0])
 
     def _host_copy_lost(self, effect: LoadAdapter, read: HostRead, piece: RingSlice, cache: bool) -> None:
         """A host copy could not be copied into the ring (`HostRead`): the copy goes and the adapter's files
@@ -534,7 +566,7 @@ class PoolStorage:
 
 class HostRead(Read):
     """A host copy — a file, or a buffer of this process — copied into a ring slice on a thread
-    (`PoolStorage._start_host_read`): done once ``run`` has filled the slice (``buf``) or failed
+    (`PoolStorage._begin_host_read`): done once ``run`` has filled the slice (``buf``) or failed
     (``error``).  It stays the adapter's host copy: ``kept`` is None unless the host tier drops a file copy
     while it is read, when it names the file to remove once the read is over."""
 
