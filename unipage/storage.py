@@ -61,8 +61,9 @@ CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.
 READ_WORKERS = min(8, max(2, CPUS // 2))  # processes that read and pack adapter files (CUDA)
 HOST_READ_THREADS = 2  # threads that copy host copies (files, or buffers of this process) into the ring (CUDA)
 # A load that has waited this long for ring room goes the step loop's way (staged there, or read through a
-# file): room not coming back means something holding the ring is stuck (e.g. a read of a hung mount).
-RING_WAIT_S = 2.0
+# file), so none waits without bound behind reads that hold the ring and are slow or stuck (a hung mount:
+# reads have no timeout).  Longer than a read of a large adapter (640 MiB: about 7 s, eight at once, H200 host).
+RING_WAIT_S = 10.0
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
 
