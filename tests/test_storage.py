@@ -546,7 +546,7 @@ def test_a_reload_with_no_ring_room_waits_for_it_off_the_step_loop(tmp_path):
         assert (storage.loop.read, storage.loop.finish) == loop  # nothing read or staged in the loads
         storage.poll()  # starts both (and may finish them: the threads copy little)
         assert storage._waiting == {}
-        assert all(isinstance(storage._reads.get(n, (HostRead(""),))[0], HostRead) for n in ("a0", "a1"))
+        assert all(n not in storage._reads or isinstance(storage._reads[n][0], HostRead) for n in ("a0", "a1"))
         assert _poll_reads(storage) == []
         for name in ("a0", "a1"):
             memory.adapters.load_done(name)
@@ -592,19 +592,18 @@ def test_loads_wait_in_the_order_they_came(tmp_path):
         memory.adapters.request("a1")
         storage.apply(memory.adapters.take_effects())
         assert list(storage._waiting) == ["a0", "a1"] and storage._reads == {}
-    memory, storage = setup(tmp_path / "one")
-    with_shared_reads(storage)
-    for name in ("a1", "a0"):
-        memory.adapters.request(name)
-    effects = memory.adapters.take_effects()
-    _sized_for_one(storage, effects)
-    full = storage._ring.reserve(storage._ring.capacity)
-    storage.apply(effects)
-    storage._ring.release(full)
-    storage.poll()
-    assert list(storage._waiting) == ["a0"] and list(storage._reads) == ["a1"]
-    storage.close()
-    assert storage._waiting == {}
+    with shared_reads(tmp_path / "one") as (memory, storage):
+        for name in ("a1", "a0"):
+            memory.adapters.request(name)
+        effects = memory.adapters.take_effects()
+        _sized_for_one(storage, effects)
+        full = storage._ring.reserve(storage._ring.capacity)
+        storage.apply(effects)
+        storage._ring.release(full)
+        storage.poll()
+        assert list(storage._waiting) == ["a0"] and list(storage._reads) == ["a1"]
+        storage.close()
+        assert storage._waiting == {}
 
 
 def test_a_load_that_waits_too_long_goes_the_step_loops_way(tmp_path, monkeypatch, caplog):
@@ -657,7 +656,8 @@ def test_a_waiting_reload_leaves_the_queue_when_evicted_or_its_copy_dropped(tmp_
         host = storage._host["a0"]
         storage.apply([EvictAdapter("a0", 0, [])])
         storage.apply([DropHostCopy("a1")])
-        assert list(storage._waiting) == ["a1"] and storage._waiting["a1"].unkept and not storage.has_host_copy("a1")
+        assert list(storage._waiting) == ["a1"] and storage._waiting["a1"].unkept
+        assert not storage.has_host_copy("a1")
         storage._ring.release(full)
         storage.poll()
         read, _, piece = storage._reads["a1"]

@@ -23,7 +23,8 @@ read that failed.  The reader writes the host copy too, as a file in shared
 memory (under `SHM_DIR`): a host copy is a tensor or such a file, and a load from
 one reads it into the ring on a thread.  A load the ring has no room for now
 waits for some, first in, first out, and a ``poll()`` starts it, so the step
-loop neither reads nor stages it (unless the whole ring is too small for it).
+loop neither reads nor stages it (unless the whole ring is too small for it, or
+no room comes back within `RING_WAIT_S`).
 On CPU a load completes inside ``apply``.
 """
 
@@ -205,7 +206,7 @@ class PoolStorage:
         copied = [name for name, event in self._events.items() if event.query()]
         for name in copied:
             del self._events[name]
-        result.done += copied  # (after any a waiting load completed here: CPU, in tests)
+        result.done += copied  # after any load `_start_waiting` completed here (CPU, in tests)
         return result
 
     @property
