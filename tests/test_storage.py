@@ -11,11 +11,12 @@ import torch
 from unipage.adapter_reader import read_and_pack
 from unipage.adapters import DropHostCopy, EvictAdapter
 from unipage.config import LoRAConfig, ModelConfig, PoolConfig, UnipageConfig
+from unipage.host_copies import HostRead
 from unipage.memory import UnifiedMemory
 from unipage.peft_io import load_adapter_weights
 from unipage.peft_write import write_random_adapter
 from unipage.pinned import ALIGN, PinnedRing
-from unipage.storage import HostRead, PoolStorage
+from unipage.storage import PoolStorage
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4,
                     top_k=2, expert_intermediate_size=32, dtype="float32")  # page_elems = 4*2*32 = 256

@@ -47,11 +47,11 @@ from unipage.adapter_reader import Read, ReaderPool, SharedTarget, read_and_pack
 from unipage.adapters import AdapterRecord, DropHostCopy, EvictAdapter, LoadAdapter
 from unipage.config import UnipageConfig
 from unipage.errors import AdapterError, ClosedError
+from unipage.host_copies import HostRead, read_into, same_copy, unpinned_copy
 from unipage.pinned import (
     SHM_DIR,
     PinnedRing,
     RingSlice,
-    copy_bytes,
     hold_lock,
     remove_file,
     sweep_dead,
@@ -436,7 +436,7 @@ class PoolStorage:
         """A host copy could not be copied into the ring (`HostRead`): the copy goes and the adapter's files
         are read instead (a read whose host copy was dropped meanwhile keeps none this time either)."""
         log.warning("the host copy of adapter %r is lost (%s): reading its files", effect.name, read.error)
-        if _same_copy(self._host.get(effect.name), read.host_copy):
+        if same_copy(self._host.get(effect.name), read.host_copy):
             remove_file(self._host.pop(effect.name))
         self._submit(effect, not cache, piece)  # into the slice the copy was to fill
 
@@ -498,7 +498,7 @@ class PoolStorage:
         finally:
             if cache:  # after the copy is launched: the device need not wait for it
                 self._keep_host_copy(effect.name, keep if keep is not None else
-                                     _host_copy(buf) if piece is not None else buf)
+                                     unpinned_copy(buf) if piece is not None else buf)
             if piece is not None and not self._cuda:  # copied already
                 self._ring.release(piece)
             self.loop.finish += time.perf_counter() - start
@@ -566,47 +566,6 @@ class PoolStorage:
         return gather_adapter(self.pool, record.pages, record.layout)
 
 
-class HostRead(Read):
-    """A host copy — a file, or a buffer of this process — copied into a ring slice on a thread
-    (`PoolStorage._begin_host_read`): done once ``run`` has filled the slice (``buf``) or failed
-    (``error``).  It stays the adapter's host copy: ``kept`` is None unless the host tier drops a file copy
-    while it is read, when it names the file to remove once the read is over."""
-
-    __slots__ = ("host_copy",)
-
-    def __init__(self, host_copy: str | torch.Tensor) -> None:
-        super().__init__(None, None)
-        self.host_copy = host_copy
-
-    @property
-    def host_file(self) -> str | None:
-        """The host copy's file (None: a buffer of this process)."""
-        return self.host_copy if isinstance(self.host_copy, str) else None
-
-    def run(self, dst: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
-        start = time.perf_counter()
-        try:
-            if isinstance(self.host_copy, str):
-                read_into(self.host_copy, dst)
-            else:
-                nbytes = self.host_copy.numel() * self.host_copy.element_size()
-                if nbytes != dst.numel():
-                    raise ValueError(f"the host copy is {nbytes} bytes, its slice {dst.numel()}")
-                copy_bytes(dst, self.host_copy)
-        except Exception as err:  # (on a thread: whatever went wrong must reach `poll`, or the slice is lost)
-            self.error = AdapterError(f"{type(err).__name__}: {err}")
-            return
-        self.seconds = time.perf_counter() - start
-        self.buf = dst.view(dtype).view(shape)  # last: `done` from here on
-
-
-def read_into(path: str, dst: torch.Tensor) -> None:
-    """Fill ``dst`` (uint8) with the bytes of the file ``path``; `OSError` if it holds fewer."""
-    with open(path, "rb") as f:
-        if f.readinto(dst.numpy()) != dst.numel():
-            raise OSError(f"{path} is short of {dst.numel()} bytes")
-
-
 def _pinned_ring(nbytes: int) -> PinnedRing:
     """The ring page copies pass through: in shared memory, so reader processes can pack into it, unless
     the system has no room for that."""
@@ -615,18 +574,6 @@ def _pinned_ring(nbytes: int) -> PinnedRing:
     except OSError as err:
         log.warning("no shared pinned ring (%s): packed adapters are staged on the step loop's thread", err)
         return PinnedRing(nbytes)
-
-
-def _same_copy(a: str | torch.Tensor | None, b: str | torch.Tensor) -> bool:
-    """Whether two host copies are one: the same file, or the same buffer."""
-    return a is b or (isinstance(a, str) and isinstance(b, str) and a == b)
-
-
-def _host_copy(buf: torch.Tensor) -> torch.Tensor:
-    """A copy of ``buf`` in ordinary host memory (`copy_bytes`)."""
-    out = torch.empty(buf.shape, dtype=buf.dtype)
-    copy_bytes(out, buf)
-    return out
 
 
 def _remove_dir(path: str, lock: int) -> None:
