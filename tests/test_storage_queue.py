@@ -1,0 +1,163 @@
+"""PoolStorage: loads the pinned ring has no room for wait for room, in order, off the step loop (CPU, with
+reader processes and a shared ring, as on CUDA)."""
+
+import dataclasses
+import os
+
+import pytest
+
+from test_storage import _kept_then_evicted, _poll_reads, assert_resident_equals_files, shared_reads, sync_load
+from unipage.adapters import DropHostCopy, EvictAdapter
+from unipage.host_copies import HostRead
+from unipage.pinned import ALIGN, PinnedRing
+
+
+def _reload_with_the_ring_full(memory, storage, names, reload):
+    """``names`` kept in files, then evicted, then those of ``reload`` loaded again while a slice holds the
+    whole ring; that slice."""
+    for name in names:
+        _kept_then_evicted(memory, storage, name)
+    full = storage._ring.reserve(storage._ring.capacity)
+    assert full is not None
+    for name in reload:
+        assert sync_load(memory, storage, name).done == []
+    return full
+
+
+def test_a_reload_with_no_ring_room_waits_for_it_off_the_step_loop(tmp_path):
+    """A host copy the ring has no room for now is not staged and pinned on the step loop's thread: its load
+    waits, oldest first, and a poll starts its read once the ring has room; a load that comes after queues
+    behind it even if room came back in between."""
+    with shared_reads(tmp_path) as (memory, storage):
+        full = _reload_with_the_ring_full(memory, storage, ["a0", "a1"], ["a0"])
+        loop = (storage.loop.read, storage.loop.finish)
+        assert list(storage._waiting) == ["a0"] and "a0" not in storage._reads
+        assert storage.poll().done == [] and list(storage._waiting) == ["a0"]
+        storage._ring.release(full)
+        assert sync_load(memory, storage, "a1").done == []
+        assert list(storage._waiting) == ["a0", "a1"]  # behind a0, though the ring has room now
+        assert (storage.loop.read, storage.loop.finish) == loop  # nothing read or staged in the loads
+        storage.poll()  # starts both (and may finish them: the threads copy little)
+        assert storage._waiting == {}
+        assert all(n not in storage._reads or isinstance(storage._reads[n][0], HostRead) for n in ("a0", "a1"))
+        assert _poll_reads(storage) == []
+        for name in ("a0", "a1"):
+            memory.adapters.load_done(name)
+            assert_resident_equals_files(memory, storage, name)
+        assert storage.reads.count == 2  # each read from its files once, at the first load
+        assert memory.adapters.stats.loads_from_host == 2
+
+
+def test_a_read_with_no_ring_room_waits_for_it_instead_of_going_through_a_file(tmp_path):
+    """A read of an adapter's files that the ring could hold, but has no room for now, waits for room (queued
+    once by `start_reads` and `apply`) rather than coming back through a file to be staged on the step loop's
+    thread; then it packs into a slice, and the reader keeps the host copy in a file."""
+    with shared_reads(tmp_path) as (memory, storage):
+        full = storage._ring.reserve(storage._ring.capacity)
+        memory.adapters.request("a0")
+        effects = memory.adapters.take_effects()
+        storage.start_reads(effects)
+        storage.apply(effects)
+        assert list(storage._waiting) == ["a0"] and storage._reads == {} and storage._reader.in_flight == 0
+        storage._ring.release(full)
+        storage.poll()
+        assert storage._waiting == {} and storage._reads["a0"][2] is not None  # into a ring slice
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+        assert isinstance(storage._host["a0"], str) and storage.reads.count == 1
+
+
+def _sized_for_one(storage, effects):
+    """A shared ring with room for the larger of ``effects``' loads but not for two."""
+    sizes = sorted(storage._packed_bytes(e) for e in effects)
+    assert sizes[-1] < sizes[0] + sizes[1] - ALIGN
+    storage._ring.close()
+    storage._ring = PinnedRing(-(-sizes[-1] // ALIGN) * ALIGN, pin=False, shared=True)
+
+
+def test_loads_wait_in_the_order_they_came(tmp_path):
+    """A file read that comes while a reload waits queues behind it, even with room back; and with room for
+    one of two waiting loads the older starts; `close` drops the loads still waiting."""
+    with shared_reads(tmp_path) as (memory, storage):
+        full = _reload_with_the_ring_full(memory, storage, ["a0"], ["a0"])
+        storage._ring.release(full)
+        memory.adapters.request("a1")
+        storage.apply(memory.adapters.take_effects())
+        assert list(storage._waiting) == ["a0", "a1"] and storage._reads == {}
+    with shared_reads(tmp_path / "one") as (memory, storage):
+        for name in ("a1", "a0"):
+            memory.adapters.request(name)
+        effects = memory.adapters.take_effects()
+        _sized_for_one(storage, effects)
+        full = storage._ring.reserve(storage._ring.capacity)
+        storage.apply(effects)
+        storage._ring.release(full)
+        storage.poll()
+        assert list(storage._waiting) == ["a0"] and list(storage._reads) == ["a1"]
+        storage.close()
+        assert storage._waiting == {}
+
+
+def test_a_load_that_waits_too_long_goes_the_step_loops_way(tmp_path, monkeypatch, caplog):
+    """With the ring held past `RING_WAIT_S` (a stuck read), a waiting reload is read and staged on this
+    thread and a waiting file read comes back through a file, as before the queue: slower, but done."""
+    monkeypatch.setattr("unipage.storage.RING_WAIT_S", 0.0)
+    with shared_reads(tmp_path) as (memory, storage):
+        _reload_with_the_ring_full(memory, storage, ["a0"], ["a0"])  # the ring never comes back
+        memory.adapters.request("a1")
+        storage.apply(memory.adapters.take_effects())
+        assert list(storage._waiting) == ["a0", "a1"]
+        with caplog.at_level("WARNING", logger="unipage.storage"):
+            storage.poll()
+        assert storage._waiting == {} and "a0" not in storage._reads and storage._reads["a1"][2] is None
+        assert sum("waited" in r.getMessage() for r in caplog.records) == 2
+        assert _poll_reads(storage) == []
+        for name in ("a0", "a1"):
+            memory.adapters.load_done(name)
+            assert_resident_equals_files(memory, storage, name)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_drop_applied_before_a_load_is_of_an_older_copy(tmp_path, full):
+    """The engine submits a step's reads before it performs its effects: a drop of the adapter's old host
+    copy, applied after its new read was submitted (or queued) but before its load, leaves the new read's
+    copy kept."""
+    with shared_reads(tmp_path) as (memory, storage):
+        _kept_then_evicted(memory, storage, "a0")
+        memory.adapters.request("a0")
+        (load,) = memory.adapters.take_effects()
+        load = dataclasses.replace(load, from_host=False, cache_on_host=True)  # e.g. its copy was stale
+        effects = [DropHostCopy("a0"), load]
+        ring = storage._ring.reserve(storage._ring.capacity) if full else None
+        storage.start_reads(effects)
+        assert ("a0" in storage._waiting) == full
+        for effect in effects:
+            storage.apply([effect])
+        if full:
+            storage._ring.release(ring)
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert storage.has_host_copy("a0") and storage._unkept == set()
+
+
+def test_a_waiting_reload_leaves_the_queue_when_evicted_or_its_copy_dropped(tmp_path):
+    """Evicted: it is never started, and its host copy stays.  Its host copy dropped: it stays in the queue,
+    and once the ring has room its files are read into it, no host copy kept of them."""
+    with shared_reads(tmp_path) as (memory, storage):
+        full = _reload_with_the_ring_full(memory, storage, ["a0", "a1"], ["a0", "a1"])
+        host = storage._host["a0"]
+        storage.apply([EvictAdapter("a0", 0, [])])
+        storage.apply([DropHostCopy("a1")])
+        assert list(storage._waiting) == ["a1"] and storage._waiting["a1"].unkept
+        assert not storage.has_host_copy("a1")
+        storage._ring.release(full)
+        storage.poll()
+        read, _, piece = storage._reads["a1"]
+        assert not isinstance(read, HostRead) and piece is not None and read in storage._unkept
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a1")
+        assert_resident_equals_files(memory, storage, "a1")
+        assert storage.reads.count == 3 and not storage.has_host_copy("a1") and storage._unkept == set()
+        assert "a0" not in storage._reads and storage._host["a0"] == host and os.path.exists(host)
+        assert os.listdir(storage._host_dir) == [os.path.basename(host)]  # the reader kept no file for a1
