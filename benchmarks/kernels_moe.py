@@ -293,7 +293,9 @@ def align_row(name: str, num_tokens: int, slots: int) -> dict | None:
 def split_row(name: str, s: dict, num_tokens: int, overrides: dict) -> dict:
     """Each separate-path LoRA pass timed alone at ``s``'s shape: the shrink, the gate/up pass (the shrink,
     then the expand) and the down pass (`moe_lora_down`, or `moe_lora_down_sum` with the base's top-k sum
-    where the config says so), with the tuned entry and ``overrides`` (``with_path`` paths) set on it."""
+    where the config says so; ``topk_sum_us`` times that sum alone), with the tuned entry and ``overrides``
+    (``with_path`` paths) set on it; ``moe_lora_us`` / ``base_us``: `fused_moe` end to end with LoRA under
+    that config (side stream and all) / without."""
     b = batch(s, num_tokens)
     cfg = lora_config(b["lora"], b["topk_ids"])
     for path, value in overrides.items():
@@ -303,9 +305,12 @@ def split_row(name: str, s: dict, num_tokens: int, overrides: dict) -> dict:
         down = functools.partial(moe_lora_down_sum, plan, b["act"], b["y"], b["topk_weights"])
     else:
         down = functools.partial(moe_lora_down, plan, b["act"], b["y"], b["topk_weights"])
+    args = (b["x"], b["logits"], s["w_gate_up"], s["w_down"], s["top_k"], True)
     times = {"shrink": lambda: moe_lora_shrink(plan, b["x"]),
              "gate_up_pass": lambda: moe_lora_gate_up(plan, b["x"], b["raw"], b["act"]),
-             "down_pass": down, "all": lambda: lora_step(s, b, cfg)}
+             "down_pass": down, "all": lambda: lora_step(s, b, cfg),
+             "topk_sum": lambda: b["y"].view(-1, s["top_k"], s["hidden"]).sum(dim=1),
+             "moe_lora": lambda: fused_moe(*args, lora=b["lora"], lora_config=cfg), "base": lambda: fused_moe(*args)}
     row = {"row": "split", "shape": name, "tokens": num_tokens, "overrides": overrides, "config": copy.deepcopy(cfg)}
     row.update({f"{key}_us": round(time_graph(fn, iters=25) * 1e6, 2) for key, fn in times.items()})
     return row
@@ -367,9 +372,10 @@ LORA_SPACE = [("block_m", [1, 4, 8, 16, 32, 64]),
               ("gate_up", [{"block_n": n, "num_warps": 1} for n in (64, 128, 256)]),
               ("down.block_n", [64, 128, 256, 512, 1024, 2048]),
               ("down.num_warps", [1, 2, 4, 8]), ("down.num_stages", [1, 2, 3]), ("pdl", [False, True]),
-              # pair mode: the down delta inside the top-k sum (K x rank rows a tile: narrower tiles), then
-              # the down tile again
-              ("down", [{"sum": False}] + [{"sum": True, "block_n": n} for n in (64, 128, 256)]),
+              # the down delta inside the top-k sum (K x rank rows a tile: narrower tiles, fewer warps than a
+              # group-mode down tile's), then the down tile again
+              ("down", [{"sum": False}] + [{"sum": True, "block_n": n, "num_warps": w}
+                                           for n in (64, 128, 256) for w in (2, 4)]),
               ("down.block_n", [64, 128, 256, 512, 1024, 2048]), ("down.num_warps", [1, 2, 4, 8])]
 
 
@@ -400,15 +406,14 @@ def _time_or_inf(fn) -> float:
 
 
 def _candidate(best: dict, path: str, value) -> dict | None:
-    """`with_path`, tidied: group mode and small tiles drop the down stage's "sum" (pair mode's alone), pair
-    mode and small tiles the shrink's "whole_k" (group mode's alone), pair mode the "overlap"; None where
-    not worth timing: ``best`` itself, or a fused down+sum tile past 256 columns (K x rank rows: it only
-    spills)."""
+    """`with_path`, tidied: the down stage's "sum": false goes (the default), pair mode and small tiles drop
+    the shrink's "whole_k" (group mode's alone), pair mode the "overlap"; None where not worth timing:
+    ``best`` itself, or a fused down+sum tile past 256 columns (K x rank rows: it only spills)."""
     new = with_path(best, path, value)
-    if new.get("block_m", 1) > 1:
-        new.get("down", {}).pop("sum", None)
-    else:  # the side-stream overlap, measured slower in pair mode (it is not timed here: `lora_step` is one stream)
-        new.pop("overlap", None)
+    if new.get("down", {}).get("sum") is False:
+        del new["down"]["sum"]
+    if new.get("block_m", 1) == 1:  # the side-stream overlap, measured slower in pair mode (not timed here:
+        new.pop("overlap", None)  # `lora_step` is one stream)
     if new.get("block_m", 1) < 16:
         new.get("shrink", {}).pop("whole_k", None)
     down = new.get("down", {})

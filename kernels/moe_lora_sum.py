@@ -1,4 +1,4 @@
-"""The expert LoRA's down delta fused into the MoE's sum over the top-k choices (pair mode).
+"""The expert LoRA's down delta fused into the MoE's sum over the top-k choices.
 
 Shape legend as in `fused_moe_lora`: T tokens, K = top_k, TK pairs, H hidden.
 
@@ -15,9 +15,10 @@ loads behind one chain of dependent loads, where pair mode pays that chain per p
 ``y`` is read once and never written back.  Tokens without LoRA in this layer read no
 weights (their loads are masked off) and just sum.
 
-Used at decode loads (`fused_moe_lora` pair mode, block_m 1) when the launch config's
-down stage says ``"sum": true``; a tile of tokens in group mode would read each group's
-B once per pair instead of once per tile, so group mode keeps the separate pass.
+Used when the launch config's down stage says ``"sum": true``, in any mode: the kernel reads
+each pair's ``down_z`` (left by the gate/up pass of pair mode or of group mode) and needs no
+alignment.  In group mode it reads a group's B once per pair, where the separate pass reads
+it once per tile; at decode loads the pairs of a group are few and those reads mostly hit L2.
 Under PDL (config ``"pdl"``) everything up to ``gdc_wait`` reads only the routing,
 metadata and weights; ``y`` and ``down_z`` are read after it.
 """
@@ -29,7 +30,8 @@ import triton
 import triton.language as tl
 from unipage.kernels.common import cdiv, gdc_launch_dependents, gdc_wait, load_runs, next_pow2
 from unipage.kernels.fused_moe_lora import _col_mask, _launch_opts, _use_pdl, check_weights, moe_lora_down_ref
-from unipage.kernels.moe_lora_plan import MoeLoraPlan, _field, _skip, _slot_row, _slots_pad, lora_pads, tile_ranks
+from unipage.kernels.moe_lora_plan import (GATHER_SLOTS, MoeLoraPlan, _field, _skip, _slot_row, lora_pads,
+                                           tile_ranks)
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_align import F_BASE, F_DOWN_B, F_DOWN_RANK, F_STRIDE
 
@@ -81,9 +83,16 @@ def _down_sum_kernel(
 
 
 def sums_down(plan: MoeLoraPlan) -> bool:
-    """Whether ``plan`` adds its down delta in the top-k sum (`moe_lora_down_sum`): pair mode with the
-    down stage's ``"sum": true``."""
-    return plan.config["block_m"] == 1 and bool(plan.config["down"].get("sum"))
+    """Whether ``plan`` adds its down delta in the top-k sum (`moe_lora_down_sum`): the down stage's
+    ``"sum": true``, in pair mode or group mode."""
+    return bool(plan.config["down"].get("sum"))
+
+
+def _table_pad(plan: MoeLoraPlan) -> int:
+    """`_slot_row`'s S_PAD for this kernel: a program takes one token, as pair mode's do, so it gathers
+    the whole metadata table in any mode (up to `GATHER_SLOTS` rows)."""
+    slots = plan.lora.meta.table.shape[0]
+    return next_pow2(slots) if slots <= GATHER_SLOTS else 0
 
 
 def _check(plan: MoeLoraPlan, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -116,7 +125,7 @@ def moe_lora_down_sum(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor,
         meta.slot_flags, plan.topk_ids, num_tokens, top_k, meta.table.shape[0], meta.hidden, out.stride(0),
         y.stride(0), lora.page_table.stride(0), K_PAD=next_pow2(top_k), RD_PAD=lora_pads(meta)[2],
         RD_T=tile_ranks(meta, 1)[1], BLOCK_N=block_n, RUN=64, PAGE_SHIFT=lora.pool.shape[1].bit_length() - 1,
-        EVEN_N=meta.hidden % block_n == 0, S_PAD=_slots_pad(plan), USE_PDL=pdl, **_launch_opts(cfg),
+        EVEN_N=meta.hidden % block_n == 0, S_PAD=_table_pad(plan), USE_PDL=pdl, **_launch_opts(cfg),
         **({"launch_pdl": True} if pdl else {}))
     return out
 

@@ -45,15 +45,17 @@ def test_a_dict_candidate_is_merged_into_its_stage():
     assert km.with_path(entry, "down.num_warps", 8)["down"]["num_warps"] == 8
 
 
-def test_sum_candidates_only_in_pair_mode_and_narrow():
+def test_sum_candidates_in_any_mode_and_narrow():
     pair = {"block_m": 1, "down": {"block_n": 2048}}
     assert km._candidate(pair, "down", {"sum": True, "block_n": 128})["down"] == {"block_n": 128, "sum": True}
     assert km._candidate(pair, "down", {"sum": True}) is None  # 2048 columns of K x rank rows
     assert km._candidate(pair, "down.block_n", 2048) is None  # the entry itself
     group = {"block_m": 16, "down": {"block_n": 256}}
-    assert km._candidate(group, "down", {"sum": False}) is None  # no sum in group mode: the same entry
+    assert km._candidate(group, "down", {"sum": False}) is None  # "sum": false is the entry itself
+    assert km._candidate(group, "down", {"sum": True, "block_n": 64})["down"] == {"block_n": 64, "sum": True}
     summing = {"block_m": 1, "down": {"block_n": 64, "sum": True}}
-    assert km._candidate(summing, "block_m", 16) == {"block_m": 16, "down": {"block_n": 64}}
+    assert km._candidate(summing, "block_m", 16) == {"block_m": 16, "down": {"block_n": 64, "sum": True}}
+    assert km._candidate(summing, "down", {"sum": False}) == {"block_m": 1, "down": {"block_n": 64}}
 
 
 def test_whole_k_candidates_only_in_group_mode():
@@ -76,7 +78,7 @@ def test_descent_skips_what_is_not_worth_timing(monkeypatch):
     start = {"block_m": 16, "down": {"block_n": 256}}
     km.descend(start, [("down", [{"sum": False}, {"sum": True, "block_n": 64}]), ("down.block_n", [128, 256])],
                time_fn)
-    assert [e["down"] for e in timed] == [{"block_n": 256}, {"block_n": 64}, {"block_n": 128}]
+    assert [e["down"] for e in timed] == [{"block_n": 256}, {"block_n": 64, "sum": True}, {"block_n": 128}]
 
 
 def test_one_warp_gate_up_is_tried_with_a_narrower_tile():
@@ -105,13 +107,14 @@ def test_split_times_each_pass_with_the_overrides(monkeypatch):
     monkeypatch.setattr(km, "PAGE_ELEMS", 256)
     monkeypatch.setattr(km, "ADAPTERS", 2)
     ran = []
-    monkeypatch.setattr(km, "time_graph", lambda fn, iters: ran.append(fn) or fn() or 2e-6)
+    monkeypatch.setattr(km, "time_graph", lambda fn, iters: (ran.append(fn), fn(), 2e-6)[-1])
     s = km.setup("tiny")
     row = km.split_row("tiny", s, 4, {"gate_up.num_warps": 1, "split_k": 2})
     assert row["config"]["gate_up"]["num_warps"] == 1 and row["config"]["split_k"] == 2
     assert row["overrides"] == {"gate_up.num_warps": 1, "split_k": 2}
-    assert [row[f"{k}_us"] for k in ("shrink", "gate_up_pass", "down_pass", "all")] == [2.0] * 4
-    assert len(ran) == 4
+    passes = ("shrink", "gate_up_pass", "down_pass", "all", "topk_sum", "moe_lora", "base")
+    assert [row[f"{k}_us"] for k in passes] == [2.0] * len(passes)
+    assert len(ran) == len(passes)
 
 
 def test_ncu_csv_rows(tmp_path):

@@ -1,4 +1,4 @@
-"""The MoE LoRA down delta fused into the top-k sum (`moe_lora_sum`, pair mode's ``"down": {"sum": true}``).
+"""The MoE LoRA down delta fused into the top-k sum (`moe_lora_sum`, the config's ``"down": {"sum": true}``).
 
 Same tiny layers and adapter mixes as test_kernel_fused_moe_lora (mixed ranks, both gate/up formats,
 slots without expert LoRA in the layer, tokens with no adapter), Triton under the interpreter on CPU.
@@ -12,8 +12,8 @@ from unipage.kernels.fused_moe_lora import moe_lora_down, moe_lora_gate_up, plan
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, moe_lora_down_sum_ref, sums_down
 
 
-def _sum_config(block_n=64, split_k=2):
-    config = base._lora_config(1, split_k=split_k, block_n=block_n)
+def _sum_config(block_n=64, split_k=2, block_m=1):
+    config = base._lora_config(block_m, split_k=split_k, block_n=block_n)
     return {**config, "down": {**config["down"], "sum": True}}
 
 
@@ -32,9 +32,11 @@ def _prepared(c, config):
 
 @pytest.mark.parametrize("mix", ["uniform", "zipf", "distinct", "none"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_down_sum_matches_reference_and_separate_pass(mix, dtype):
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_down_sum_matches_reference_and_separate_pass(mix, dtype, block_m):
+    """Pair mode and group mode (``down_z`` left by group mode's gate/up pass)."""
     c = base._case(19, dtype, mix, seed=21)
-    plan, act, y = _prepared(c, _sum_config())
+    plan, act, y = _prepared(c, _sum_config(block_m=block_m))
     y_before = y.clone()
     got = moe_lora_down_sum(plan, act, y, c["topk_weights"])
     assert torch.equal(y, y_before)  # y is read, never written
@@ -68,7 +70,7 @@ def test_pair_tiles_shorter_than_the_pads(slots, sums):
     base._close(base._run(base.fused_experts, c, config), base._loop_moe(c, torch.float32), torch.float32)
 
 
-def test_fused_experts_takes_the_sum_path_in_pair_mode_only(monkeypatch):
+def test_fused_experts_takes_the_sum_path_where_the_config_says(monkeypatch):
     import unipage.kernels.moe_lora_sum as module
 
     calls = []
@@ -82,11 +84,12 @@ def test_fused_experts_takes_the_sum_path_in_pair_mode_only(monkeypatch):
     monkeypatch.setattr(base.fused_experts.__globals__["_TRITON"], "lora_down_sum", spy)
     c = base._case(23, torch.float32, "zipf", seed=23)
     group = {**base.GROUP, "down": {**base.GROUP["down"], "sum": True}}
-    for config in (_sum_config(), group):
+    for config in (_sum_config(), group, base.GROUP):
         base._close(base._run(base.fused_experts, c, config), base._loop_moe(c, torch.float32), torch.float32)
-    assert calls == [1]
+    assert calls == [1, 16]
     assert sums_down(plan_moe_lora(c["lora"], c["topk_ids"], _sum_config()))
-    assert not sums_down(plan_moe_lora(c["lora"], c["topk_ids"], group))
+    assert sums_down(plan_moe_lora(c["lora"], c["topk_ids"], group))
+    assert not sums_down(plan_moe_lora(c["lora"], c["topk_ids"], base.GROUP))
 
 
 def test_reference_engine_path_matches_loop():
@@ -107,11 +110,15 @@ def test_bad_y_is_rejected():
 @pytest.mark.parametrize("num_tokens", [1, 16, 256])
 @pytest.mark.parametrize("shape", sorted(base.GPU_SHAPES))
 @pytest.mark.parametrize("pdl", [False, True])
-def test_gpu_down_sum_bf16(shape, num_tokens, pdl):
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_gpu_down_sum_bf16(shape, num_tokens, pdl, block_m):
     from unipage.kernels.fused_moe_lora import MoeLora, lora_config
 
     x, w_gate_up, w_down, topk_weights, topk_ids, lora = base._gpu_case(shape, num_tokens)
-    config = dict(lora_config(lora, topk_ids), block_m=1, pdl=pdl)
+    config = dict(lora_config(lora, topk_ids), block_m=block_m, pdl=pdl)
+    if block_m > 1:  # (a pair-mode entry's one-warp, wide gate/up tile would spill in group mode)
+        config.update(split_k=1, shrink={"group_m": 8, "num_warps": 4, "num_stages": 2},
+                      gate_up={"block_n": 64, "group_m": 8, "num_warps": 4, "num_stages": 2})
     config["down"] = {**config["down"], "sum": True, "block_n": 128}
     got = base.fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=config)
     separate = base.fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora,
