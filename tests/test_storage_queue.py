@@ -3,12 +3,14 @@ reader processes and a shared ring, as on CUDA)."""
 
 import dataclasses
 import os
+import time
 
 import pytest
 
 from test_storage import _kept_then_evicted, _poll_reads, assert_resident_equals_files, shared_reads, sync_load
 from unipage.adapters import DropHostCopy, EvictAdapter
 from unipage.host_copies import HostRead
+from unipage.peft_write import write_random_adapter
 from unipage.pinned import ALIGN, PinnedRing
 
 
@@ -161,3 +163,35 @@ def test_a_waiting_reload_leaves_the_queue_when_evicted_or_its_copy_dropped(tmp_
         assert storage.reads.count == 3 and not storage.has_host_copy("a1") and storage._unkept == set()
         assert "a0" not in storage._reads and storage._host["a0"] == host and os.path.exists(host)
         assert os.listdir(storage._host_dir) == [os.path.basename(host)]  # the reader kept no file for a1
+
+
+def test_the_wait_limit_counts_only_time_the_ring_stood_still(tmp_path, monkeypatch, caplog):
+    """A load queued behind others waits past `RING_WAIT_S` without going the step loop's way while the ring
+    moves: a poll that comes late (the step loop busy) first finishes the reads that completed, and a
+    waiting load that starts, or a read that finishes, restarts the clock of those behind it."""
+    monkeypatch.setattr("unipage.storage.RING_WAIT_S", 0.5)
+    with shared_reads(tmp_path) as (memory, storage):
+        model = storage.config.model
+        memory.register_adapter("a2", write_random_adapter(tmp_path / "a2", model, rank=8, alpha=16,
+                                                           expert_format="fused", seed=2))
+        for name in ("a1", "a0", "a2"):
+            memory.adapters.request(name)
+        effects = memory.adapters.take_effects()
+        _sized_for_one(storage, effects[:2])
+        assert all(storage._packed_bytes(e) <= storage._ring.capacity for e in effects)
+        storage.start_reads(effects)
+        storage.apply(effects)
+        assert list(storage._reads) == ["a1"] and list(storage._waiting) == ["a0", "a2"]
+        while not storage._reads["a1"][0].done():
+            storage._reader.poll()
+            time.sleep(0.01)
+        time.sleep(0.6)  # the step loop was away: both waited past the limit, the ring moved meanwhile
+        with caplog.at_level("WARNING", logger="unipage.storage"):
+            storage.poll()
+            assert storage._reads["a0"][2] is not None  # a1 finished first, so a0 took its slice
+            assert list(storage._waiting) == ["a2"]  # and a2 waits on: the ring just moved
+            assert _poll_reads(storage) == []
+        assert not any("waited" in r.getMessage() for r in caplog.records)
+        for name in ("a0", "a1", "a2"):
+            memory.adapters.load_done(name)
+            assert_resident_equals_files(memory, storage, name)

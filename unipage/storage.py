@@ -9,7 +9,7 @@ host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
 onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
 On CUDA the copy runs on a side stream from a slice of one pinned ring
 (`unipage.pinned`: nothing is pinned per adapter unless the ring is too small
-for it, or has had no room for it for `RING_WAIT_S`, or is not in shared memory
+for it, or has been held still for `RING_WAIT_S` with no room for it, or is not in shared memory
 and has no room now) and records an event: ``poll()`` reports loads whose event has
 completed, and only then does the engine tell the scheduler, so no batch reads
 an adapter before its pages are written.  A load without a host copy first
@@ -24,7 +24,7 @@ memory (under `SHM_DIR`): a host copy is a tensor or such a file, and a load fro
 one reads it into the ring on a thread.  A load the ring has no room for now
 waits for some, first in, first out, and a ``poll()`` starts it, so the step
 loop neither reads nor stages it (unless the whole ring is too small for it, or
-no room comes back within `RING_WAIT_S`).
+the ring stays held, no read or copy in it finishing, for `RING_WAIT_S`).
 On CPU a load completes inside ``apply``.
 """
 
@@ -61,9 +61,11 @@ log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
 READ_WORKERS = min(8, max(2, CPUS // 2))  # processes that read and pack adapter files (CUDA)
 HOST_READ_THREADS = 2  # threads that copy host copies (files, or buffers of this process) into the ring (CUDA)
-# A load that has waited this long for ring room goes the step loop's way (staged there, or read through a
-# file), so none waits without bound behind reads that hold the ring and are slow or stuck (a hung mount:
-# reads have no timeout).  Longer than a read of a large adapter (640 MiB: about 7 s, eight at once, H200 host).
+# A load that has waited this long for ring room while no read or copy holding the ring finished and no
+# waiting load started goes the step loop's way (staged there, or read through a file), so none waits
+# without bound behind reads that hold the ring and are stuck (a hung mount: reads have no timeout).  A
+# load queued behind many (setup b's warm-up: 16 adapters of 640 MiB, 4 at a time) waits as long as the
+# ring keeps moving.  Longer than a read of a large adapter (640 MiB: about 7 s, eight at once, H200 host).
 RING_WAIT_S = 10.0
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
@@ -122,6 +124,7 @@ class PoolStorage:
         self._orphans: list[tuple[Read, RingSlice | None]] = []  # reads of evicted adapters, still in flight
         self._unkept: set[Read] = set()  # reads in flight whose host copy was dropped meanwhile: not kept
         self._waiting: dict[str, Waiting] = {}  # loads waiting for ring room, oldest first (CUDA)
+        self._ring_moved = time.monotonic()  # when a read or copy last finished or a waiting load started
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
         self._ring = _pinned_ring(config.lora.staging_ring_bytes) if self._cuda else None
         self._host_reads: ThreadPoolExecutor | None = None  # `_start_host_read`'s threads, made on first use
@@ -170,9 +173,8 @@ class PoolStorage:
         if self._reads or self._orphans:
             self._reader.poll()
             self._release_orphans()
-        if self._waiting:
-            self._start_waiting(result)
         for name in [n for n, (read, _, _) in self._reads.items() if read.done()]:
+            self._ring_moved = time.monotonic()
             read, effect, piece = self._reads.pop(name)
             cache = effect.cache_on_host and read not in self._unkept
             self._unkept.discard(read)
@@ -206,6 +208,9 @@ class PoolStorage:
         copied = [name for name, event in self._events.items() if event.query()]
         for name in copied:
             del self._events[name]
+            self._ring_moved = time.monotonic()
+        if self._waiting:  # after the reads and copies that finished: their slices may be free now
+            self._start_waiting(result)
         result.done += copied  # after any load `_start_waiting` completed here (CPU, in tests)
         return result
 
@@ -378,7 +383,8 @@ class PoolStorage:
         files) — into a ring slice on a thread of this process (`HostRead`; `poll` copies the pages in
         once it is there), so the step loop does not wait for it (a 640 MiB adapter: about 60 ms of
         memory copy).  With no ring room now it waits for some, behind the loads already waiting (`poll`
-        starts it once copies in flight give room back, or stages it after `RING_WAIT_S`): staging it
+        starts it once copies in flight give room back, or stages it once the ring has been held still for
+        `RING_WAIT_S`): staging it
         here instead would pin it on this thread (about 1 s for four such adapters, in one step, on an
         H200 host).  False where the ring can never hold it, or no thread can be started: then it is
         read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
@@ -405,19 +411,22 @@ class PoolStorage:
         return True
 
     def _start_waiting(self, result: ApplyResult) -> None:
-        """Start the loads waiting for ring room, oldest first, while it has room (or they have waited
-        `RING_WAIT_S`): a host copy's on a thread, a file read in a reader process (also a host-copy load's
-        whose copy was dropped meanwhile)."""
+        """Start the loads waiting for ring room, oldest first, while it has room (or the ring has not moved
+        for `RING_WAIT_S` of their wait): a host copy's on a thread, a file read in a reader process (also a
+        host-copy load's whose copy was dropped meanwhile)."""
         now = time.monotonic()
         while self._waiting:
             name, wait = next(iter(self._waiting.items()))
             piece = self._ring.reserve(self._packed_bytes(wait.effect))
-            if piece is None and now - wait.since < RING_WAIT_S:
+            if piece is None and now - max(wait.since, self._ring_moved) < RING_WAIT_S:
                 return
             del self._waiting[name]
-            if piece is None:
-                log.warning("adapter %r waited %.1f s for staging ring room: loading it on the step loop's "
-                            "thread", name, now - wait.since)
+            if piece is not None:
+                self._ring_moved = now
+            else:
+                log.warning("adapter %r waited %.1f s for staging ring room, %.1f s of them with the ring "
+                            "held still: loading it on the step loop's thread", name, now - wait.since,
+                            now - max(wait.since, self._ring_moved))
             host_copy = self._host.get(name) if wait.effect.from_host else None
             if host_copy is None:
                 self._submit(wait.effect, wait.unkept, piece, wait=False)
