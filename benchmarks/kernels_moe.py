@@ -16,7 +16,7 @@ adapters, random routing.  Per row:
   sum); FLOPs = 6·T·K·H·I.
 - ``lora_us``: `plan_moe_lora` (its alignment) + `moe_lora_gate_up` + `moe_lora_down`, timed
   with the sum over the K choices after them and that sum's time alone (``topk_sum_us``) taken
-  off, so that a pair-mode config whose down stage says ``"sum"`` (`moe_lora_down_sum`: the
+  off, so that a config whose down stage says ``"sum"`` (`moe_lora_down_sum`: the
   delta inside that sum) is timed alike.
 - ``lora_floor_us``: bytes over the copy bandwidth measured in this run (``lora_floor_read_us`` /
   ``lora_over_read_floor``: over the read bandwidth, ``read_gbps``: the true floor of a pass that
@@ -149,7 +149,7 @@ def batch(s: dict, num_tokens: int) -> dict:
 
 def lora_step(s: dict, b: dict, config: dict | None = None, with_sum: bool = False) -> None:
     """The whole LoRA work of one layer and step (what ``lora_us`` times).  A config whose down stage
-    has ``"sum": true`` (pair mode) runs `moe_lora_down_sum`, which also does the base's sum over the K
+    has ``"sum": true`` runs `moe_lora_down_sum`, which also does the base's sum over the K
     choices; ``with_sum`` adds that sum to the separate pass too (the tuner compares the two so)."""
     plan = plan_moe_lora(b["lora"], b["topk_ids"], config)
     moe_lora_gate_up(plan, b["x"], b["raw"], b["act"])

@@ -41,9 +41,9 @@ Kernels (one launch each):
 - `_expand_gate_up_kernel`: ``raw + delta`` -> activation -> ``act`` (the add and the
   activation fused into the expand epilogue), and the down shrink
   ``act @ A_d.T`` accumulated per column tile (atomics) — no extra pass over ``act``.
-- `_expand_down_kernel`: ``y += w · z_d @ B_d`` (the add fused into the epilogue); in pair
-  mode the down config's ``"sum": true`` takes `moe_lora_sum` instead, the delta added
-  inside the sum over the K choices.
+- `_expand_down_kernel`: ``y += w · z_d @ B_d`` (the add fused into the epilogue); the down
+  config's ``"sum": true`` takes `moe_lora_sum` instead (any mode), the delta added inside
+  the sum over the K choices.
 
 With launch config ``"pdl": true`` on Hopper+, both expands are programmatic dependent
 launches: each program reads its tile, the metadata, the page table, its whole weight

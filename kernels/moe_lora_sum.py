@@ -84,7 +84,7 @@ def _down_sum_kernel(
 
 def sums_down(plan: MoeLoraPlan) -> bool:
     """Whether ``plan`` adds its down delta in the top-k sum (`moe_lora_down_sum`): the down stage's
-    ``"sum": true``, in pair mode or group mode."""
+    ``"sum": true``, in any mode."""
     return bool(plan.config["down"].get("sum"))
 
 
