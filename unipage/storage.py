@@ -24,7 +24,7 @@ memory (under `SHM_DIR`): a host copy is a tensor or such a file, and a load fro
 one reads it into the ring on a thread.  A load the ring has no room for now
 waits for some, first in, first out, and a ``poll()`` starts it, so the step
 loop neither reads nor stages it (unless the whole ring is too small for it, or
-the ring stays held, no read or copy in it finishing, for `RING_WAIT_S`).
+the ring stays held, no read in it finishing, for `RING_WAIT_S`).
 On CPU a load completes inside ``apply``.
 """
 
@@ -61,11 +61,12 @@ log = logging.getLogger(__name__)
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4  # ours to use
 READ_WORKERS = min(8, max(2, CPUS // 2))  # processes that read and pack adapter files (CUDA)
 HOST_READ_THREADS = 2  # threads that copy host copies (files, or buffers of this process) into the ring (CUDA)
-# A load that has waited this long for ring room while no read or copy holding the ring finished and no
-# waiting load started goes the step loop's way (staged there, or read through a file), so none waits
-# without bound behind reads that hold the ring and are stuck (a hung mount: reads have no timeout).  A
-# load queued behind many (setup b's warm-up: 16 adapters of 640 MiB, 4 at a time) waits as long as the
-# ring keeps moving.  Longer than a read of a large adapter (640 MiB: about 7 s, eight at once, H200 host).
+# A load that has waited this long for ring room while no read holding a slice of the ring finished (or gave
+# its slice back) and no waiting load took room goes the step loop's way (staged there, or read through a
+# file), so none waits without bound behind reads that hold the ring and are stuck (a hung mount: reads have
+# no timeout).  A load queued behind many (setup b's warm-up: 16 adapters of 640 MiB, 4 at a time) waits as
+# long as the ring keeps moving.  Longer than a read of a large adapter (640 MiB: about 7 s, eight at once,
+# H200 host).
 RING_WAIT_S = 10.0
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
@@ -124,7 +125,7 @@ class PoolStorage:
         self._orphans: list[tuple[Read, RingSlice | None]] = []  # reads of evicted adapters, still in flight
         self._unkept: set[Read] = set()  # reads in flight whose host copy was dropped meanwhile: not kept
         self._waiting: dict[str, Waiting] = {}  # loads waiting for ring room, oldest first (CUDA)
-        self._ring_moved = time.monotonic()  # when a read or copy last finished or a waiting load started
+        self._ring_moved = time.monotonic()  # when a read holding the ring last finished or a load took room
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
         self._ring = _pinned_ring(config.lora.staging_ring_bytes) if self._cuda else None
         self._host_reads: ThreadPoolExecutor | None = None  # `_start_host_read`'s threads, made on first use
@@ -174,8 +175,9 @@ class PoolStorage:
             self._reader.poll()
             self._release_orphans()
         for name in [n for n, (read, _, _) in self._reads.items() if read.done()]:
-            self._ring_moved = time.monotonic()
             read, effect, piece = self._reads.pop(name)
+            if piece is not None:  # a read that held the ring is over: it moved
+                self._ring_moved = time.monotonic()
             cache = effect.cache_on_host and read not in self._unkept
             self._unkept.discard(read)
             if not cache:
@@ -208,7 +210,6 @@ class PoolStorage:
         copied = [name for name, event in self._events.items() if event.query()]
         for name in copied:
             del self._events[name]
-            self._ring_moved = time.monotonic()
         if self._waiting:  # after the reads and copies that finished: their slices may be free now
             self._start_waiting(result)
         result.done += copied  # after any load `_start_waiting` completed here (CPU, in tests)
@@ -325,6 +326,7 @@ class PoolStorage:
             self._unkept.discard(read)
             if piece is not None:
                 self._ring.release(piece)
+                self._ring_moved = time.monotonic()
         self._orphans = keep
 
     def _keep_path(self) -> str | None:
