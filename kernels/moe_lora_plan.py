@@ -166,13 +166,14 @@ assert len(FIELDS) < F_PAD.value, "a metadata row and its flag must fit in F_PAD
 @triton.jit
 def _slot_row(meta_ptr, flags_ptr, slot, num_slots, S_PAD: tl.constexpr):
     """``(row, at)``: where a program reads its slot's metadata; field ``F`` is
-    ``_field(row, at + F)``.  ``S_PAD`` 0 (group mode, and pair mode above `GATHER_SLOTS` slots):
-    ``at`` points at the slot's row of the table (slot 0's for slot -1), ``row`` is unused.
-    ``S_PAD`` > 0 (pair mode: the table's rows padded): ``row`` [F_PAD] int32 holds the slot's
-    fields and, at ``F_FLAG``, its flag (zeros for slot -1), and ``at`` is 0: the whole table and
-    every flag are loaded and the row picked in registers, so these loads need not wait for the
-    slot's own — one dependent memory round trip fewer before the weights, worth more at decode
-    than the reductions that pick the fields out (in group mode it is the other way round)."""
+    ``_field(row, at + F)``.  ``S_PAD`` 0 (group mode's tile kernels, and any kernel above
+    `GATHER_SLOTS` slots): ``at`` points at the slot's row of the table (slot 0's for slot -1), ``row``
+    is unused.  ``S_PAD`` > 0 (pair mode, and `moe_lora_sum` in any mode: the table's rows padded):
+    ``row`` [F_PAD] int32 holds the slot's fields and, at ``F_FLAG``, its flag (zeros for slot -1), and
+    ``at`` is 0: the whole table and every flag are loaded and the row picked in registers, so these
+    loads need not wait for the slot's own — one dependent memory round trip fewer before the weights,
+    worth more at decode than the reductions that pick the fields out (in group mode's tiles it is the
+    other way round)."""
     f = tl.arange(0, F_PAD)
     if S_PAD > 0:
         s = tl.arange(0, S_PAD)[:, None]

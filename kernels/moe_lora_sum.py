@@ -84,13 +84,17 @@ def _down_sum_kernel(
 
 def sums_down(plan: MoeLoraPlan) -> bool:
     """Whether ``plan`` adds its down delta in the top-k sum (`moe_lora_down_sum`): the down stage's
-    ``"sum": true``, in any mode."""
-    return bool(plan.config["down"].get("sum"))
+    ``"sum": true``, in any mode, for a step of at most its ``"sum_max_tokens"`` tokens (default: any).
+    The bound is for group-mode entries: this kernel reads a group's B once per pair, which stops
+    paying once those reads spill out of L2 (many tokens over many adapters at the same load)."""
+    down = plan.config["down"]
+    limit = down.get("sum_max_tokens")
+    return bool(down.get("sum")) and (limit is None or plan.topk_ids.shape[0] <= limit)
 
 
 def _table_pad(plan: MoeLoraPlan) -> int:
-    """`_slot_row`'s S_PAD for this kernel: a program takes one token, as pair mode's do, so it gathers
-    the whole metadata table in any mode (up to `GATHER_SLOTS` rows)."""
+    """`_slot_row`'s S_PAD for this kernel: a program serves one slot (its token's), as a pair-mode one
+    does, so it gathers the whole metadata table in any mode (up to `GATHER_SLOTS` rows)."""
     slots = plan.lora.meta.table.shape[0]
     return next_pow2(slots) if slots <= GATHER_SLOTS else 0
 

@@ -92,6 +92,16 @@ def test_fused_experts_takes_the_sum_path_where_the_config_says(monkeypatch):
     assert not sums_down(plan_moe_lora(c["lora"], c["topk_ids"], base.GROUP))
 
 
+def test_sum_max_tokens_bounds_the_steps_that_sum():
+    """``"sum_max_tokens"``: steps of more tokens take the separate down pass (same output)."""
+    c = base._case(23, torch.float32, "zipf", seed=27)
+    for limit, sums in ((23, True), (22, False)):
+        config = _sum_config(block_m=16)
+        config["down"]["sum_max_tokens"] = limit
+        assert sums_down(plan_moe_lora(c["lora"], c["topk_ids"], config)) == sums
+        base._close(base._run(base.fused_experts, c, config), base._loop_moe(c, torch.float32), torch.float32)
+
+
 def test_reference_engine_path_matches_loop():
     c = base._case(11, torch.float32, "uniform", seed=24)
     base._close(base._run(base.fused_experts_ref, c, _sum_config()), base._loop_moe(c, torch.float32), torch.float32)
@@ -104,6 +114,19 @@ def test_bad_y_is_rejected():
         moe_lora_down_sum(plan, act, y[:, :-1], c["topk_weights"])
     with pytest.raises(ValueError, match="topk_weights"):
         moe_lora_down_sum(plan, act, y, c["topk_weights"].double())
+
+
+@pytest.mark.gpu
+def test_gpu_tuned_entry_at_four_adapters():
+    """The tuned entry as shipped at 256 tokens of 4 adapters (on an H200: Qwen3's decode entry, group mode
+    with the whole-K shrink on the side stream and the down delta in the sum, one warp)."""
+    from unipage.kernels.fused_moe_lora import lora_config
+
+    case = base._gpu_case("qwen3-30b-a3b", 256, adapters=4)
+    config = lora_config(case[-1], case[4])
+    if torch.cuda.get_device_name() == "NVIDIA H200":
+        assert config["block_m"] == 16 and config["down"].get("sum") and config.get("overlap")
+    base._check_gpu(*case)
 
 
 @pytest.mark.gpu
