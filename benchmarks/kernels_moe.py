@@ -373,7 +373,7 @@ LORA_SPACE = [("block_m", [1, 4, 8, 16, 32, 64]),
               ("down.block_n", [64, 128, 256, 512, 1024, 2048]),
               ("down.num_warps", [1, 2, 4, 8]), ("down.num_stages", [1, 2, 3]), ("pdl", [False, True]),
               # the down delta inside the top-k sum (K x rank rows a tile: narrower tiles, fewer warps than a
-              # group-mode down tile's; one warp won at setup b's decode), then the down tile again
+              # group-mode down tile's; one warp won at 256 tokens of 4 adapters), then the down tile again
               ("down", [{"sum": False}] + [{"sum": True, "block_n": n, "num_warps": w}
                                            for n in (64, 128, 256) for w in (1, 2, 4)]),
               ("down.block_n", [64, 128, 256, 512, 1024, 2048]), ("down.num_warps", [1, 2, 4, 8])]

@@ -9,8 +9,8 @@ host copy of an adapter is its packed page buffer ``[L, n, P]``, so bringing it
 onto the GPU is one page-wise ``index_copy_`` into the pages of its page table.
 On CUDA the copy runs on a side stream from a slice of one pinned ring
 (`unipage.pinned`: nothing is pinned per adapter unless the ring is too small
-for it, or has been held still for `RING_WAIT_S` with no room for it, or is not in shared memory
-and has no room now) and records an event: ``poll()`` reports loads whose event has
+for it, or has been held still for `RING_WAIT_S` with no room for it, or is
+not in shared memory and has no room now) and records an event: ``poll()`` reports loads whose event has
 completed, and only then does the engine tell the scheduler, so no batch reads
 an adapter before its pages are written.  A load without a host copy first
 reads and packs the adapter's files: on CUDA in helper processes
@@ -385,10 +385,9 @@ class PoolStorage:
         files) — into a ring slice on a thread of this process (`HostRead`; `poll` copies the pages in
         once it is there), so the step loop does not wait for it (a 640 MiB adapter: about 60 ms of
         memory copy).  With no ring room now it waits for some, behind the loads already waiting (`poll`
-        starts it once copies in flight give room back, or stages it once the ring has been held still for
-        `RING_WAIT_S`): staging it
-        here instead would pin it on this thread (about 1 s for four such adapters, in one step, on an
-        H200 host).  False where the ring can never hold it, or no thread can be started: then it is
+        starts it once copies in flight give room back, or stages it once the ring has been held still
+        for `RING_WAIT_S`): staging it here instead would pin it on this thread (about 1 s for four such
+        adapters, in one step, on an H200 host).  False where the ring can never hold it, or no thread can be started: then it is
         read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
         if self._reader is None or self._ring is None or self._packed_bytes(effect) > self._ring.capacity:
             return False
