@@ -387,8 +387,8 @@ class PoolStorage:
         memory copy).  With no ring room now it waits for some, behind the loads already waiting (`poll`
         starts it once copies in flight give room back, or stages it once the ring has been held still
         for `RING_WAIT_S`): staging it here instead would pin it on this thread (about 1 s for four such
-        adapters, in one step, on an H200 host).  False where the ring can never hold it, or no thread can be started: then it is
-        read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
+        adapters, in one step, on an H200 host).  False where the ring can never hold it, or no thread can
+        be started: then it is read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
         if self._reader is None or self._ring is None or self._packed_bytes(effect) > self._ring.capacity:
             return False
         piece = None if self._waiting else self._ring.reserve(self._packed_bytes(effect))
@@ -419,15 +419,15 @@ class PoolStorage:
         while self._waiting:
             name, wait = next(iter(self._waiting.items()))
             piece = self._ring.reserve(self._packed_bytes(wait.effect))
-            if piece is None and now - max(wait.since, self._ring_moved) < RING_WAIT_S:
+            still = now - max(wait.since, self._ring_moved)  # of its wait, the time the ring stood still
+            if piece is None and still < RING_WAIT_S:
                 return
             del self._waiting[name]
             if piece is not None:
                 self._ring_moved = now
             else:
                 log.warning("adapter %r waited %.1f s for staging ring room, %.1f s of them with the ring "
-                            "held still: loading it on the step loop's thread", name, now - wait.since,
-                            now - max(wait.since, self._ring_moved))
+                            "held still: loading it on the step loop's thread", name, now - wait.since, still)
             host_copy = self._host.get(name) if wait.effect.from_host else None
             if host_copy is None:
                 self._submit(wait.effect, wait.unkept, piece, wait=False)
