@@ -2,10 +2,17 @@
 
 A *decode step* gives every scheduled request exactly one token.  Its forward
 pass is the same sequence of kernels whatever the requests, so `DecodeGraphs`
-captures it once per bucket of batch sizes (`bucket_sizes`) — twice where
-adapters are resident: with the LoRA kernels, and without them for steps in
-which no request has an adapter — and replays it:
-one launch instead of hundreds, and no Python in the loop over layers.
+captures it once per bucket of batch sizes (`bucket_sizes`) and *adapter class*,
+and replays it: one launch instead of hundreds, and no Python in the loop over
+layers.  Class 0 runs no LoRA kernel (steps in which no request has an
+adapter); where adapters are resident, class ``a`` (`adapter_classes`) serves
+steps of at most ``a`` distinct adapters: the LoRA kernels' grids cover that
+many, and their launch configs are the ones tuned for that many (the MoE LoRA's
+mode and tiles follow the pairs expected per adapter and expert).  A step takes
+the smallest class that holds its adapters, so few adapters run what is fast
+for few: setup (b)'s decode under the affinity policy, about 4 adapters of a
+`max_adapters_per_batch` of 16, runs the MoE LoRA in group mode rather than the
+pair mode tuned for 16.
 
 A bucket's step can be captured as *pieces*, consecutive graphs replayed in
 order (`piece_bounds`: the embedding and the first layer, then `PIECE_LAYERS`
@@ -65,6 +72,16 @@ from unipage.models.lora_tables import LoraTables
 
 WARMUP_RUNS = 2  # eager runs before a capture (compile every kernel variant the graph needs)
 PIECE_LAYERS = 0  # layers per decode graph after the first (0: one graph for the whole step)
+CLASS_STEP = 4  # adapter classes: max_adapters, then a quarter of it, and so on down to 1
+
+
+def adapter_classes(max_adapters: int) -> list[int]:
+    """The adapter counts decode graphs are captured for, ascending: ``max_adapters``, then each a
+    `CLASS_STEP`-th of the one before, down to 1 (16 -> [1, 4, 16]; 8 -> [1, 2, 8])."""
+    classes = [max(1, max_adapters)]
+    while classes[-1] > 1:
+        classes.append(max(1, classes[-1] // CLASS_STEP))
+    return classes[::-1]
 
 
 def warm_up(run: Callable[[], object], device: torch.device) -> None:
@@ -207,6 +224,7 @@ class DecodeGraphs:
                  max_seqs: int, max_blocks: int, max_adapters: int, device: torch.device) -> None:
         self.model, self.pool, self.lora, self.block_tokens = model, pool, lora, block_tokens
         self.buckets, self.max_adapters, self.device = bucket_sizes(max_seqs), max_adapters, device
+        self.classes = adapter_classes(max_adapters)
         rows, groups = self.buckets[-1], 2 if model.model.hybrid_kv else 1
         self.inputs = DecodeInputs(rows, groups, max_blocks, block_tokens, pin=True)
         self.dev64 = torch.zeros(2 + groups, rows, dtype=torch.int64, device=device)
@@ -217,7 +235,7 @@ class DecodeGraphs:
         self.rows = torch.arange(rows, dtype=torch.int64, device=device)
         self.piece_layers = PIECE_LAYERS
         self.bounds = piece_bounds(len(model.layers), self.piece_layers)
-        self.graphs: dict[tuple[int, bool], tuple[list[torch.cuda.CUDAGraph], torch.Tensor]] = {}  # (bucket, LoRA) ->
+        self.graphs: dict[tuple[int, int], tuple[list[torch.cuda.CUDAGraph], torch.Tensor]] = {}  # (bucket, class) ->
         self.generation = -1  # the LoRA tables' generation the graphs were captured with
         self.replays = self.captures = 0  # counters, for tests and benchmarks
         self.epoch = 0  # counts `drop`s: a step run ahead is stale once its graphs are gone
@@ -239,9 +257,8 @@ class DecodeGraphs:
         """Hidden states ``[B, H]`` (after the final norm) of one decode step of ``seqs`` (`SeqState`s)."""
         if self.lora.generation != self.generation:
             self.drop()
-        count = len(seqs)
-        bucket = next(b for b in self.buckets if b >= count)
-        key = (bucket, self.lora.page_table is not None and any(seq.slot >= 0 for seq in seqs))
+        key = self._key(seqs)
+        bucket, count = key[0], len(seqs)
         self._fill(seqs, bucket)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
@@ -255,9 +272,8 @@ class DecodeGraphs:
         step's samples): the graph takes them from `fed`.  None (nothing launched) if that step's graph is
         not captured; a sequence without a KV page for its position is left out.  The caller takes the
         result with `take_ahead` before any other replay."""
-        count = len(seqs)
-        bucket = next(b for b in self.buckets if b >= count)
-        key = (bucket, self.lora.page_table is not None and any(seq.slot >= 0 for seq in seqs))
+        key = self._key(seqs)
+        bucket, count = key[0], len(seqs)
         if self.lora.generation != self.generation or key not in self.graphs:
             return None
         self._copied.synchronize()
@@ -282,26 +298,43 @@ class DecodeGraphs:
             return ahead.hidden[:len(rows)]
         return ahead.hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
 
-    def _replay(self, key: tuple[int, bool]) -> None:
+    def _key(self, seqs) -> tuple[int, int]:
+        """``(bucket, adapter class)`` of a step of ``seqs``: the smallest bucket that holds them, and the
+        smallest class that holds their distinct adapters (0: none, or no LoRA tables)."""
+        bucket = next(b for b in self.buckets if b >= len(seqs))
+        if self.lora.page_table is None:
+            return bucket, 0
+        active = len({seq.slot for seq in seqs if seq.slot >= 0})
+        if active == 0:
+            return bucket, 0
+        return bucket, min(bucket, next((c for c in self.classes if c >= active), self.classes[-1]))
+
+    def _classes(self, bucket: int) -> list[int]:
+        """A bucket's adapter classes (0 first; the others only where adapters are resident), each at most
+        the bucket (a step has no more adapters than requests)."""
+        if self.lora.page_table is None:
+            return [0]
+        return [0, *sorted({min(bucket, c) for c in self.classes})]
+
+    def _replay(self, key: tuple[int, int]) -> None:
         for graph in self.graphs[key][0]:
             graph.replay()
         self._copied.record()  # the replay's copies out of the pinned rows are done once this passes
         self.replays += 1
 
     def capture_all(self) -> int:
-        """Capture every bucket now (largest first, so smaller graphs reuse its memory), with and
-        without the LoRA kernels where adapters are resident; returns the graphs captured."""
+        """Capture every bucket now (largest first, so smaller graphs reuse its memory), in every adapter
+        class (`_classes`); returns the graphs captured."""
         self.lora.refresh()
         if self.lora.generation != self.generation:
             self.drop()
-        variants = (False, True) if self.lora.page_table is not None else (False,)
         before = len(self.graphs)
         for bucket in reversed(self.buckets):
             self._copied.synchronize()
             self.inputs.pad(0, bucket)
-            for lora in variants:
-                if (bucket, lora) not in self.graphs:
-                    self.graphs[bucket, lora] = self._capture(bucket, lora)
+            for adapters in self._classes(bucket):
+                if (bucket, adapters) not in self.graphs:
+                    self.graphs[bucket, adapters] = self._capture(bucket, adapters)
                     self.captures += 1
         return len(self.graphs) - before
 
@@ -327,23 +360,26 @@ class DecodeGraphs:
         ids = self.dev64[0, :bucket]
         torch.where(ids < 0, self.fed[:bucket], ids, out=ids)  # rows run ahead take their token from `fed`
 
-    def _batch(self, bucket: int, lora: bool) -> StepBatch:
-        adapters, rows = min(bucket, self.max_adapters), self.buckets[-1]
+    def _batch(self, bucket: int, adapters: int) -> StepBatch:
+        """The step batch a ``(bucket, adapters)`` graph is captured with: LoRA kernels for up to ``adapters``
+        distinct adapters (none for 0)."""
+        lora, rows = adapters > 0, self.buckets[-1]
         tables = self.dev32[2 * rows:].view(rows, self.groups, self.max_blocks)
         hybrid = self.groups > 1
         return StepBatch(
             input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
             block_tables=tables[:bucket, 0], seq_lens=self.dev32[:bucket], cu_seqlens_q=self.cu[:bucket + 1],
             max_q_len=1, token_slots=self.dev32[rows:rows + bucket], logits_rows=self.rows[:bucket],
-            any_lora=lora, group_tokens=-(-bucket // adapters), active_slots=adapters,
+            any_lora=lora, group_tokens=-(-bucket // max(adapters, 1)), active_slots=adapters,
             window_slot_mapping=self.dev64[3, :bucket] if hybrid else None,
             window_block_tables=tables[:bucket, 1] if hybrid else None)
 
     # -- capture -----------------------------------------------------------
-    def _capture(self, bucket: int, lora: bool) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor]:
-        """A bucket's graphs, the first beginning with the input copies (`_copy`).  The pinned rows hold this
-        step's inputs (or padding, from `capture_all`): the warm-up runs read them, copied eagerly."""
-        batch = self._batch(bucket, lora)
+    def _capture(self, bucket: int, adapters: int) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor]:
+        """A bucket's graphs for an adapter class, the first beginning with the input copies (`_copy`).  The
+        pinned rows hold this step's inputs (or padding, from `capture_all`): the warm-up runs read them,
+        copied eagerly."""
+        batch = self._batch(bucket, adapters)
         lora = self.lora if batch.any_lora else None
         self._copy(bucket)
         self._copied.record()
