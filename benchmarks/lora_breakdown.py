@@ -1,13 +1,15 @@
 """Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
 
-    python benchmarks/lora_breakdown.py [--shape llama3-8b] [--running 252] [--prompt 64] [--prefill 4 960]
+    python benchmarks/lora_breakdown.py [--shape llama3-8b] [--adapters 16] [--max-adapters N] [--running 252]
+                                        [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
                                         [--stack-ab] [--moe-ab JSON] [--dense-ab JSON] [--skinny-ab]
                                         [--linear-config JSON]
                                         [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
-``--adapters`` random rank-``--rank`` adapters on every linear layer, then for
+``--adapters`` random rank-``--rank`` adapters on every linear layer (``--max-adapters``:
+`max_adapters_per_batch`, by default ``--adapters``; the CUDA graphs' adapter classes follow it), then for
 the base model and for the adapters round-robin: ``--running`` requests with
 ``--prompt``-token prompts reach steady decode and ``--timed-steps`` decode steps
 are timed without the profiler (median wall time per step, synchronised; the
@@ -82,7 +84,7 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.adapters, args.rank, "all")
     max_len = max(args.prompt + decode_tokens(args) + 2, args.prefill[1] + 8)
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
-                    lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.adapters),
+                    lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.max_adapters or args.adapters),
                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
                                               max_num_batched_tokens=args.budget), load_format="dummy",
                     run_ahead=False)  # (steps timed one by one: none launched ahead of its own)
@@ -442,6 +444,8 @@ def main(argv=None) -> None:
     p.add_argument("--shape", default="llama3-8b", choices=sorted(sm.SHAPES))
     p.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
     p.add_argument("--adapters", type=int, default=16)
+    p.add_argument("--max-adapters", type=int, default=None,
+                   help="max_adapters_per_batch (default: --adapters); setup b serves 16 at about 4 a step")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--running", type=int, default=252, help="requests decoding")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of the decoding requests")
@@ -512,7 +516,8 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     extra = dict(sorted(((k, v) for k, v in extra.items() if abs(v) >= 0.05), key=lambda kv: -abs(kv[1])))
     row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
-           "adapters": args.adapters, "rank": args.rank, "early_shrink": not args.no_early,
+           "adapters": args.adapters, "max_adapters": args.max_adapters or args.adapters, "rank": args.rank,
+           "early_shrink": not args.no_early,
            "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR),
            "shrink_stack": engine.runner.stack is not None}
     if window == "decode":  # the medians of the unprofiled steps
