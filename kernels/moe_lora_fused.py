@@ -34,8 +34,13 @@ without LoRA pairs does no step.  Scaling is folded into B.
 `fused_moe_lora.moe_lora_shrink`, run before the gate/up GEMM.
 
 Status (H100, bf16, 8 adapters; benchmarks/results/kernels-moe-fused-sweeps-h100.jsonl):
-exact, but slower than the separate pass at every size measured, so launch configs leave
-it off.  Config ``"fused": "down"`` (`fused_mode`) fuses the down delta alone, after the
+exact, but slower than the separate pass at every size measured there.  On an H200, Qwen3-30B-A3B
+(rank 8, adapters in runs), with ``"lora_k": 32``, one unrolled step and the down shrink in the
+epilogue, it beats the separate pass from 2,048 tokens (4 adapters: 660-664 against 681 us a layer
+at 2,048, 959-973 against 1,019 at 4,096; one adapter at 4,096: 922-937 against 998) but not at
+1,024 tokens of one adapter (476-483 against 465), nor at decode sizes (256 tokens: 453 against
+368); so that H200 entry past load 22.6 fuses from 2,048 tokens (``"fused_min_tokens"``), and the
+other entries leave it off.  Config ``"fused": "down"`` (`fused_mode`) fuses the down delta alone, after the
 separate gate/up pass.  In the "fused-down-sweep" rows it is 2.5-3.8 % faster than the separate
 pass in three cases only (Qwen3-30B-A3B 8 x r16 at 256 and 1024 tokens, 16 x r8 at 1024) and
 slower elsewhere (16, 64 and 4096 tokens, 16 x r8 at 256, GPT-OSS-20B); with the gate/up expand
@@ -317,10 +322,21 @@ def fused_mode(plan) -> str:
     K steps of the base down GEMM, so the separate pass's read-modify-write of ``y`` is gone)."""
     if plan is None:
         return ""
-    value = plan.config.get("fused", False)
+    return config_mode(plan.config, plan.topk_ids.shape[0])
+
+
+def config_mode(config: dict, num_tokens: int) -> str:
+    """`fused_mode` of a "lora" launch config at a step of ``num_tokens`` tokens: its ``"fused"`` value's
+    mode for a step of at least ``"fused_min_tokens"`` tokens (default 0), else ``""`` (Qwen3-30B-A3B's
+    H200 entry past load 22.6 fuses from 2,048 tokens: at 1,024 tokens of one adapter, the same load,
+    the separate pass was faster)."""
+    value = config.get("fused", False)
     if type(value) not in (bool, str) or value not in FUSED_MODES:
         raise ValueError(f'lora config "fused" must be false, true or "down", got {value!r}')
-    return FUSED_MODES[value]
+    least = config.get("fused_min_tokens", 0)
+    if type(least) is not int or least < 0:
+        raise ValueError(f'lora config "fused_min_tokens" must be an int >= 0, got {least!r}')
+    return FUSED_MODES[value] if num_tokens >= least else ""
 
 
 def down_shrink_in_epilogue(plan) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from unipage.kernels import fused_moe_lora as lora_ops
+from unipage.kernels.moe_lora_fused import config_mode as fused_config_mode
 
 SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -52,7 +53,7 @@ def lora_plan(ops, lora, topk_ids, x, config) -> tuple[lora_ops.MoeLoraPlan | No
     if lora is None or not lora.meta.any_lora:
         return None, False
     cfg = lora_ops.lora_config(lora, topk_ids, config)
-    if not (ops.fused and x.is_cuda and cfg.get("overlap") and not cfg.get("fused")):
+    if not (ops.fused and x.is_cuda and cfg.get("overlap") and not fused_config_mode(cfg, topk_ids.shape[0])):
         return ops.plan(lora, topk_ids, cfg), False
     try:
         with torch.cuda.stream(fork(x.device)):

@@ -222,6 +222,24 @@ def test_fused_down_skips_only_the_separate_down(monkeypatch):
         lt._run(fused_experts, c, lt.GROUP)
 
 
+def test_fused_min_tokens_bounds_the_steps_that_fuse(monkeypatch):
+    """``"fused_min_tokens"``: a step of fewer tokens takes the separate gate/up pass (same output)."""
+    fused_moe = importlib.import_module("unipage.kernels.fused_moe")
+    separate = fused_moe._TRITON.lora_gate_up
+    calls = []
+    monkeypatch.setattr(fused_moe._TRITON, "lora_gate_up", lambda *a, **k: calls.append(1) or separate(*a, **k))
+    c = lt._case(7, torch.float32, "uniform", seed=5)
+    want = lt._run(fused_experts_ref, c, lt.GROUP)
+    for least, separated in ((8, True), (7, False), (0, False)):
+        calls.clear()
+        config = {**FUSED_GROUP, "fused_min_tokens": least}
+        lt._close(lt._run(fused_experts, c, config), want, torch.float32)
+        assert bool(calls) == separated, least
+        assert moe_lora_fused.config_mode(config, 7) == ("" if separated else "all")
+    with pytest.raises(ValueError, match="fused_min_tokens"):
+        lt._run(fused_experts, c, {**FUSED_GROUP, "fused_min_tokens": -1})
+
+
 # --- GPU: real layers in bf16 ---------------------------------------------------------------------
 
 
