@@ -37,7 +37,7 @@ Status (H100, bf16, 8 adapters; benchmarks/results/kernels-moe-fused-sweeps-h100
 exact, but slower than the separate pass at every size measured there.  On an H200, Qwen3-30B-A3B
 (rank 8, adapters in runs), with ``"lora_k": 32``, one unrolled step and the down shrink in the
 epilogue, it beats the separate pass from 2,048 tokens (4 adapters: 660-664 against 681 us a layer
-at 2,048, 959-973 against 1,019 at 4,096; one adapter at 4,096: 922-937 against 998) but not at
+at 2,048, 959-979 against 1,019-1,031 at 4,096; one adapter at 4,096: 922-937 against 998) but not at
 1,024 tokens of one adapter (476-483 against 465), nor at decode sizes (256 tokens: 453 against
 368); so that H200 entry past load 22.6 fuses from 2,048 tokens (``"fused_min_tokens"``), and the
 other entries leave it off.  Config ``"fused": "down"`` (`fused_mode`) fuses the down delta alone, after the
