@@ -134,7 +134,10 @@ def main() -> int:
         for tokens in args.tokens:
             b = km.batch(s, tokens)
             compiled.clear()
-            config = {**lora_config(b["lora"], b["topk_ids"]), **json.loads(args.lora)}
+            extra = json.loads(args.lora)
+            if "fused" in extra:  # that path at every token count
+                extra = {"fused_min_tokens": 0, **extra}
+            config = {**lora_config(b["lora"], b["topk_ids"]), **extra}
             fused_experts(b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"], b["lora"],
                           lora_config=config)
             experts, top_k, dtype = s["w_gate_up"].shape[0], b["topk_ids"].shape[1], b["x"].dtype

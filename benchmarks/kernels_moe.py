@@ -25,17 +25,17 @@ adapters, random routing.  Per row:
   pass must touch (x in, raw gate/up in, act out, y in and out).
 - ``moe_lora_us``: `fused_moe` with LoRA end to end (its excess over ``base_us`` is
   the LoRA cost as the engine sees it).
-- ``lora_path``: what the tuned "lora" config picks.  "separate": ``lora_us`` times the
-  LoRA kernels alone (above).  "fused" (config ``"fused": true``, `moe_lora_fused`: the
-  deltas are extra K steps of the base GEMMs, so they cannot be timed alone) and
+- ``lora_path``: what the tuned "lora" config picks at the row's token count (`config_mode`).
+  "separate": ``lora_us`` times the LoRA kernels alone (above).  "fused" (config ``"fused": true``,
+  `moe_lora_fused`: the deltas are extra K steps of the base GEMMs, so they cannot be timed alone) and
   "fused_down" (``"fused": "down"``: the down delta alone is fused): ``lora_us`` =
   ``moe_lora_us - base_us``, i.e. the plan, the LoRA kernels and the GEMMs' extra work.
-  Every path is timed in every row (``lora_separate_us``, ``lora_fused_us``,
-  ``lora_fused_down_us``, ``moe_lora_<path>_us``).  ``moe_lora_one_stream_us`` / ``moe_lora_overlap_us``:
-  `fused_moe` with the separate pass, its plan and gate/up shrink on the main stream / on a side stream
-  beside the base gate/up GEMM (config ``"overlap"``, `moe_lora_side`), whatever the tuned entry says;
-  ``moe_lora_separate_us`` follows the tuned entry's ``"overlap"``, while ``lora_us`` (the separate
-  pass timed alone) is always one stream.
+  Every path is timed in every row, whatever the entry's ``"fused_min_tokens"`` (``lora_separate_us``,
+  ``lora_fused_us``, ``lora_fused_down_us``, ``moe_lora_<path>_us``).  ``moe_lora_one_stream_us`` /
+  ``moe_lora_overlap_us``: `fused_moe` with the separate pass, its plan and gate/up shrink on the main
+  stream / on a side stream beside the base gate/up GEMM (config ``"overlap"``, `moe_lora_side`), whatever
+  the tuned entry says; ``moe_lora_separate_us`` follows the tuned entry's ``"overlap"``, while
+  ``lora_us`` (the separate pass timed alone) is always one stream.
 Targets: LoRA <= 15 us at 1 token, <= 3 x floor + 10 us from 16 to 256 tokens,
 <= 0.30 x base everywhere.  One failing row is recorded with its error and the run
 goes on.
@@ -65,6 +65,7 @@ from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, rou
 from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
                                             moe_lora_gate_up, moe_lora_meta, moe_lora_shrink, plan_moe_lora)
 from unipage.kernels.common import config_devices, record_tuned_device  # noqa: E402
+from unipage.kernels.moe_lora_fused import config_mode  # noqa: E402
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, sums_down  # noqa: E402
 from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
 from unipage.lora_layout import TargetSpec, build_layout  # noqa: E402
@@ -173,6 +174,13 @@ def floor_bytes(s: dict, b: dict) -> int:
 
 
 PATHS = {False: "separate", True: "fused", "down": "fused_down"}  # lora config "fused" -> the path's name
+MODE_PATHS = {"": "separate", "all": "fused", "down": "fused_down"}  # `config_mode` -> the path's name
+FUSED_KEYS = ("fused", "lora_k", "lora_steps", "down_shrink", "fused_min_tokens")  # the fused path's config keys
+
+
+def on_path(cfg: dict, fused) -> dict:
+    """``cfg`` with the path ``fused`` ("fused" value) at every token count (its "fused_min_tokens" off)."""
+    return {**cfg, "fused": fused, "fused_min_tokens": 0}
 
 
 def measure(s: dict, num_tokens: int, bandwidth: float, read_bw: float) -> dict:
@@ -182,14 +190,14 @@ def measure(s: dict, num_tokens: int, bandwidth: float, read_bw: float) -> dict:
     cfg = lora_config(b["lora"], b["topk_ids"])
     base_s = time_graph(lambda: fused_moe(*args), iters=20)
     sum_s = time_graph(lambda: b["y"].view(-1, k, s["hidden"]).sum(dim=1), iters=20)
-    sep_s = time_graph(lambda: lora_step(s, b, {**cfg, "fused": False}, with_sum=True), iters=20) - sum_s
-    moe_s = {name: time_graph(functools.partial(fused_moe, *args, lora=b["lora"], lora_config={**cfg, "fused": mode}),
+    sep_s = time_graph(lambda: lora_step(s, b, on_path(cfg, False), with_sum=True), iters=20) - sum_s
+    moe_s = {name: time_graph(functools.partial(fused_moe, *args, lora=b["lora"], lora_config=on_path(cfg, mode)),
                               iters=20) for mode, name in PATHS.items()}
     # the separate pass with its plan and gate/up shrink on a side stream (`moe_lora_side`), or on one stream
     side_s = {overlap: time_graph(functools.partial(fused_moe, *args, lora=b["lora"],
                                                     lora_config={**cfg, "fused": False, "overlap": overlap}), iters=20)
               for overlap in (False, True)}
-    path = PATHS[cfg.get("fused", False)]
+    path = MODE_PATHS[config_mode(cfg, num_tokens)]
     lora_s = sep_s if path == "separate" else moe_s[path] - base_s
     nbytes = floor_bytes(s, b)
     floor_s, read_floor_s = nbytes / bandwidth, nbytes / read_bw
@@ -295,9 +303,12 @@ def split_row(name: str, s: dict, num_tokens: int, overrides: dict) -> dict:
     then the expand) and the down pass (`moe_lora_down`, or `moe_lora_down_sum` with the base's top-k sum
     where the config says so; ``topk_sum_us`` times that sum alone), with the tuned entry and ``overrides``
     (``with_path`` paths) set on it; ``moe_lora_us`` / ``base_us``: `fused_moe` end to end with LoRA under
-    that config (side stream and all) / without."""
+    that config (side stream and all) / without.  A variant that sets ``"fused"`` takes that path at any
+    token count (``"fused_min_tokens"`` 0, unless it sets that too)."""
     b = batch(s, num_tokens)
     cfg = lora_config(b["lora"], b["topk_ids"])
+    if "fused" in overrides:
+        cfg = on_path(cfg, overrides["fused"])
     for path, value in overrides.items():
         cfg = with_path(cfg, path, value)
     plan = plan_moe_lora(b["lora"], b["topk_ids"], cfg)
@@ -443,7 +454,9 @@ def _base_step(args: tuple, config: dict) -> None:
 def _tune_shape(s: dict, tokens, save, stages=("base", "lora"), keep=()) -> None:
     """Tune the ``stages``' configs per token count (the others keep their entries); ``save(kind,
     entries)`` after each count keeps partial work.  ``keep``: the current "lora" entries, merged with
-    the tuned ones (`_merged`), so a tune at a few token counts keeps the others' entries."""
+    the tuned ones (`_merged`), so a tune at a few token counts keeps the others' entries.  The "lora"
+    search times the separate pass, so it starts from the entry without the fused path's keys
+    (`FUSED_KEYS`: those are set by hand from ``--split`` rows) and a tuned entry has none."""
     base, lora = [], []
     for num_tokens in tokens:
         b = batch(s, num_tokens)
@@ -455,7 +468,7 @@ def _tune_shape(s: dict, tokens, save, stages=("base", "lora"), keep=()) -> None
             log.info("%s T=%d base %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)
             save("base", _bucketed(base))
         if "lora" in stages:
-            start = lora_config(b["lora"], b["topk_ids"])
+            start = {k: v for k, v in lora_config(b["lora"], b["topk_ids"]).items() if k not in FUSED_KEYS}
             entry, secs = descend(start, LORA_SPACE, functools.partial(lora_step, s, b, with_sum=True))
             lora.append((expected_load(b["topk_ids"].numel(), min(num_tokens, ADAPTERS) * s["experts"]), entry))
             log.info("%s T=%d lora %.1f us %s", s["name"], num_tokens, secs * 1e6, entry)

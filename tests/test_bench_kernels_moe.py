@@ -97,24 +97,48 @@ def test_split_variants_must_be_json_objects():
             km.overrides_arg(bad)
 
 
-def test_split_times_each_pass_with_the_overrides(monkeypatch):
-    """`split_row` on a toy layer in the interpreter: the overrides reach the config the passes run with, and
-    every pass runs (a stand-in timer calls each once)."""
+def _tiny(monkeypatch, ran: list) -> dict:
+    """A toy layer on CPU (the interpreter), with a stand-in timer that runs each timed call once."""
     tiny = {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2, "rank": 8}
     monkeypatch.setitem(km.SHAPES, "tiny", tiny)
     monkeypatch.setattr(km, "DEVICE", "cpu")
     monkeypatch.setattr(km, "DTYPE", torch.float32)
     monkeypatch.setattr(km, "PAGE_ELEMS", 256)
     monkeypatch.setattr(km, "ADAPTERS", 2)
-    ran = []
     monkeypatch.setattr(km, "time_graph", lambda fn, iters: (ran.append(fn), fn(), 2e-6)[-1])
-    s = km.setup("tiny")
+    return km.setup("tiny")
+
+
+def test_split_times_each_pass_with_the_overrides(monkeypatch):
+    """`split_row` on a toy layer in the interpreter: the overrides reach the config the passes run with, and
+    every pass runs (a stand-in timer calls each once)."""
+    ran = []
+    s = _tiny(monkeypatch, ran)
     row = km.split_row("tiny", s, 4, {"gate_up.num_warps": 1, "split_k": 2})
     assert row["config"]["gate_up"]["num_warps"] == 1 and row["config"]["split_k"] == 2
     assert row["overrides"] == {"gate_up.num_warps": 1, "split_k": 2}
     passes = ("shrink", "gate_up_pass", "down_pass", "all", "topk_sum", "moe_lora", "base")
     assert [row[f"{k}_us"] for k in passes] == [2.0] * len(passes)
     assert len(ran) == len(passes)
+
+
+def test_fused_min_tokens_in_rows_and_tuning(monkeypatch):
+    """An entry that fuses from more tokens than a row has: `measure` labels the row with the path the engine
+    takes there (separate); a ``--split`` variant that sets "fused" takes it at any count unless it sets
+    "fused_min_tokens" too; the tuner (which times the separate pass) starts without the fused keys."""
+    ran = []
+    s = _tiny(monkeypatch, ran)
+    entry = {**km.lora_config(km.batch(s, 4)["lora"], km.batch(s, 4)["topk_ids"]),
+             "fused": True, "lora_k": 32, "lora_steps": 1, "fused_min_tokens": 8}
+    monkeypatch.setattr(km, "lora_config", lambda *args: entry)
+    assert km.measure(s, 4, 1e9, 1e9)["lora_path"] == "separate"
+    assert km.split_row("tiny", s, 4, {"fused": True})["config"]["fused_min_tokens"] == 0
+    assert km.split_row("tiny", s, 4, {"fused": True, "fused_min_tokens": 4})["config"]["fused_min_tokens"] == 4
+    assert km.split_row("tiny", s, 4, {"split_k": 2})["config"]["fused_min_tokens"] == 8
+    starts = []
+    monkeypatch.setattr(km, "descend", lambda start, space, fn: (starts.append(start), (start, 1e-6))[1])
+    km._tune_shape(s, [4], lambda kind, entries: None, stages=("lora",))
+    assert starts and not set(km.FUSED_KEYS) & set(starts[0]) and starts[0]["split_k"] == entry["split_k"]
 
 
 def test_ncu_csv_rows(tmp_path):
