@@ -84,7 +84,7 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.adapters, args.rank, "all")
     max_len = max(args.prompt + decode_tokens(args) + 2, args.prefill[1] + 8)
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
-                    lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.max_adapters or args.adapters),
+                    lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.max_adapters),
                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
                                               max_num_batched_tokens=args.budget), load_format="dummy",
                     run_ahead=False)  # (steps timed one by one: none launched ahead of its own)
@@ -482,6 +482,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.piece_layers < 0:
         p.error(f"--piece-layers must be >= 0, got {args.piece_layers}")
+    args.max_adapters = args.adapters if args.max_adapters is None else args.max_adapters
+    if args.max_adapters < args.adapters:
+        p.error(f"--max-adapters must be >= --adapters ({args.adapters}), got {args.max_adapters}")
     if args.no_early:  # the default config of every path, which the tuned entries overlay
         for path in lora_meta._load_json()["default"].values():
             path["early"] = False
@@ -516,7 +519,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     extra = dict(sorted(((k, v) for k, v in extra.items() if abs(v) >= 0.05), key=lambda kv: -abs(kv[1])))
     row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
-           "adapters": args.adapters, "max_adapters": args.max_adapters or args.adapters, "rank": args.rank,
+           "adapters": args.adapters, "max_adapters": args.max_adapters, "rank": args.rank,
            "early_shrink": not args.no_early,
            "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR),
            "shrink_stack": engine.runner.stack is not None}

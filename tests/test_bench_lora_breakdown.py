@@ -34,6 +34,12 @@ def test_bad_moe_ab_is_refused(capsys):
     assert exc.value.code == 2 and "not JSON" in capsys.readouterr().err
 
 
+def test_max_adapters_below_the_adapters_served_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        lb.main(["--adapters", "4", "--max-adapters", "2"])
+    assert exc.value.code == 2 and "--max-adapters must be >= --adapters (4), got 2" in capsys.readouterr().err
+
+
 def test_dense_ab_overlays_every_dense_config_and_restores_the_lookup(monkeypatch):
     """`dense_ab` sets its keys over every config the dense LoRA kernels look up (a tuned entry's too), then
     puts the lookup back; the A-B-A timing itself is stood in for (it needs a GPU engine)."""

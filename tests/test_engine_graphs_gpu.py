@@ -51,7 +51,7 @@ def test_graphs_match_eager(family, piece_layers):
     assert graphs.replays > 0 and graphs.captures <= 4 * len(graphs.buckets)
     assert mixed.replays > 0 and eager.engine.runner.mixed is None  # the prefill steps replayed pieces
     assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"
-    assert graphed.engine.capture_graphs() > 0  # every bucket, both variants, at the current tables
+    assert graphed.engine.capture_graphs() > 0  # every bucket and adapter class, at the current tables
     captured = graphs.captures, mixed.captures
     _run(graphed, prompts, mixes[3])
     assert (graphs.captures, mixed.captures) == captured  # nothing left to capture while the tables keep their shape

@@ -33,7 +33,17 @@ def test_a_step_takes_the_smallest_class_that_holds_its_adapters():
     assert key(graphs, _seqs([3, -1])) == (2, 1)
     assert key(graphs, _seqs([3, 5])) == (2, 2)  # class 4 in a bucket of 2 is class 2
     assert key(_graphs(16, tables=False), _seqs([3, 5])) == (2, 0)  # no LoRA tables yet
-    assert key(graphs, _seqs(range(20))) == (24, 16)  # past max_adapters (the scheduler never does): the largest
+    with pytest.raises(ValueError, match="at most 16"):  # past max_adapters (the scheduler never does)
+        key(graphs, _seqs(range(20)))
+
+
+def test_a_step_past_the_largest_class_runs_eagerly():
+    graphs = SimpleNamespace(**vars(_graphs(16)), max_blocks=8)
+    accepts = DecodeGraphs.accepts
+    assert accepts(graphs, [1] * 20, [[0]] * 20, list(range(16)) + [-1] * 4)
+    assert not accepts(graphs, [1] * 20, [[0]] * 20, list(range(17)) + [-1] * 3)
+    assert accepts(graphs, [1] * 20, [[0]] * 20)  # (no slots given: not checked)
+    assert not accepts(graphs, [1, 2], [[0], [0]], [0, 1])  # a prompt chunk: not a decode step
 
 
 def test_each_bucket_captures_its_distinct_classes():

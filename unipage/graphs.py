@@ -52,7 +52,7 @@ layers (a slot mapping and a block table each), else 1.
 Rows past the batch (up to its bucket) are padding: token 0 at position 0,
 no KV write (slot -1), no adapter, a context of one token in page 0.  The LoRA tables
 (`LoraTables`) keep their tensors while their *signature* is unchanged, so a
-graph serves every adapter mix; when the signature changes (`generation`),
+graph serves every mix of at most its class's adapters; when the signature changes (`generation`),
 the graphs are dropped and captured again on next use.  The graph ends at the
 final norm's output; the LM head runs outside it (a ``[B, V]`` float32 output
 per bucket would pin hundreds of MB).
@@ -248,10 +248,12 @@ class DecodeGraphs:
         self.piece_layers, self.bounds = layers, piece_bounds(len(self.model.layers), layers)
         self.drop()
 
-    def accepts(self, num_scheduled: list[int], tables: list[list[int]]) -> bool:
-        """Whether the step is a decode step these graphs cover."""
+    def accepts(self, num_scheduled: list[int], tables: list[list[int]], slots: list[int] = ()) -> bool:
+        """Whether the step is a decode step these graphs cover: a token each, up to the largest bucket and
+        `max_blocks` pages, and no more distinct adapters (``slots``, -1 for none) than the largest class."""
         return (len(num_scheduled) <= self.buckets[-1] and all(n == 1 for n in num_scheduled)
-                and all(len(t) <= self.max_blocks for t in tables))
+                and all(len(t) <= self.max_blocks for t in tables)
+                and len({slot for slot in slots if slot >= 0}) <= self.classes[-1])
 
     def run(self, seqs) -> torch.Tensor:
         """Hidden states ``[B, H]`` (after the final norm) of one decode step of ``seqs`` (`SeqState`s)."""
@@ -307,7 +309,9 @@ class DecodeGraphs:
         active = len({seq.slot for seq in seqs if seq.slot >= 0})
         if active == 0:
             return bucket, 0
-        return bucket, min(bucket, next((c for c in self.classes if c >= active), self.classes[-1]))
+        if active > self.classes[-1]:  # (`accepts` refuses such a step: its graphs' LoRA grids are too small)
+            raise ValueError(f"a decode step of {active} adapters: the graphs cover at most {self.classes[-1]}")
+        return bucket, min(bucket, next(c for c in self.classes if c >= active))
 
     def _classes(self, bucket: int) -> list[int]:
         """A bucket's adapter classes (0 first; the others only where adapters are resident), each at most

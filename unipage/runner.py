@@ -139,7 +139,7 @@ class ModelRunner:
         samplers = [i for i, (seq, n) in enumerate(zip(seqs, out.num_scheduled_tokens))
                     if seq.num_computed + n == len(seq.token_ids)]
         decode = self.graphs is not None and self.graphs.accepts(out.num_scheduled_tokens,
-                                                                  [s.block_table for s in seqs])
+                                                                  [s.block_table for s in seqs], [s.slot for s in seqs])
         hidden = self._take_ahead(seqs, ahead, decode)
         if decode:
             hidden = self.graphs.run(seqs) if hidden is None else hidden
