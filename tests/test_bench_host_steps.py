@@ -34,7 +34,7 @@ class EagerDecode:
     def __init__(self, runner) -> None:
         self.runner, self.inputs = runner, EagerInputs()
 
-    def accepts(self, num_scheduled, tables) -> bool:
+    def accepts(self, num_scheduled, tables, slots=()) -> bool:
         return all(n == 1 for n in num_scheduled)
 
     def run(self, seqs):

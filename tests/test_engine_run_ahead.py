@@ -27,7 +27,7 @@ class EagerGraphs:
         self.lora = SimpleNamespace(generation=0)
         self.padded = 0
 
-    def accepts(self, num_scheduled, tables) -> bool:
+    def accepts(self, num_scheduled, tables, slots=()) -> bool:
         return all(n == 1 for n in num_scheduled)
 
     def run(self, seqs) -> torch.Tensor:
