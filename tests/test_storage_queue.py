@@ -120,6 +120,31 @@ def test_a_load_that_waits_too_long_goes_the_step_loops_way(tmp_path, monkeypatc
             assert_resident_equals_files(memory, storage, name)
 
 
+def test_a_large_read_holds_the_ring_longer_before_a_load_gives_up(tmp_path, monkeypatch, caplog):
+    """While a read in flight fills a slice that would take longer than `RING_WAIT_S` at
+    `SLOW_READ_BYTES_PER_S`, a waiting load does not go the step loop's way before that time."""
+    monkeypatch.setattr("unipage.storage.RING_WAIT_S", 1.0)
+    with shared_reads(tmp_path) as (memory, storage):
+        full = _reload_with_the_ring_full(memory, storage, ["a0"], ["a0"])
+        reading = type("Reading", (), {"done": lambda self: False})()  # a read still filling `full`
+        storage._reads["big"] = (reading, None, full)
+        storage._waiting["a0"] = dataclasses.replace(storage._waiting["a0"], since=time.monotonic() - 5)
+        storage._ring_moved = time.monotonic() - 5  # the ring has stood still for 5 s
+        with caplog.at_level("WARNING", logger="unipage.storage"):
+            monkeypatch.setattr("unipage.storage.SLOW_READ_BYTES_PER_S", full.nbytes / 10)  # 10 s to fill
+            assert storage._wait_limit() == pytest.approx(10.0)
+            storage.poll()
+            assert list(storage._waiting) == ["a0"] and not caplog.records
+            monkeypatch.setattr("unipage.storage.SLOW_READ_BYTES_PER_S", full.nbytes / 2)  # 2 s: past it
+            storage.poll()
+        assert storage._waiting == {} and sum("waited" in r.getMessage() for r in caplog.records) == 1
+        del storage._reads["big"]
+        storage._ring.release(full)
+        assert _poll_reads(storage) == []
+        memory.adapters.load_done("a0")
+        assert_resident_equals_files(memory, storage, "a0")
+
+
 @pytest.mark.parametrize("full", [False, True])
 def test_a_drop_applied_before_a_load_is_of_an_older_copy(tmp_path, full):
     """The engine submits a step's reads before it performs its effects: a drop of the adapter's old host

@@ -24,7 +24,7 @@ memory (under `SHM_DIR`): a host copy is a tensor or such a file, and a load fro
 one reads it into the ring on a thread.  A load the ring has no room for now
 waits for some, first in, first out, and a ``poll()`` starts it, so the step
 loop neither reads nor stages it (unless the whole ring is too small for it, or
-the ring stays held, no read in it finishing, for `RING_WAIT_S`).
+the ring stays held, no read in it finishing, for `RING_WAIT_S`; longer for large reads).
 On CPU a load completes inside ``apply``.
 """
 
@@ -68,6 +68,10 @@ HOST_READ_THREADS = 2  # threads that copy host copies (files, or buffers of thi
 # long as the ring keeps moving.  Longer than a read of a large adapter (640 MiB: about 7 s, eight at once,
 # H200 host).
 RING_WAIT_S = 10.0
+# ... or longer while a read in flight fills a slice its bytes would take longer to fill at this rate: a read is
+# not presumed stuck before that (setup b's warm-up: four 640 MiB reads at once, about 10 s each, held the ring
+# still for 10.2 s and sent 6 loads the step loop's way at 8558c15; at this rate they may take 20 s).
+SLOW_READ_BYTES_PER_S = 32 << 20
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
 
@@ -413,14 +417,14 @@ class PoolStorage:
 
     def _start_waiting(self, result: ApplyResult) -> None:
         """Start the loads waiting for ring room, oldest first, while it has room (or the ring has not moved
-        for `RING_WAIT_S` of their wait): a host copy's on a thread, a file read in a reader process (also a
+        for `_wait_limit` of their wait): a host copy's on a thread, a file read in a reader process (also a
         host-copy load's whose copy was dropped meanwhile)."""
-        now = time.monotonic()
+        now, limit = time.monotonic(), self._wait_limit()
         while self._waiting:
             name, wait = next(iter(self._waiting.items()))
             piece = self._ring.reserve(self._packed_bytes(wait.effect))
             still = now - max(wait.since, self._ring_moved)  # of its wait, the time the ring stood still
-            if piece is None and still < RING_WAIT_S:
+            if piece is None and still < limit:
                 return
             del self._waiting[name]
             if piece is not None:
@@ -433,6 +437,12 @@ class PoolStorage:
                 self._submit(wait.effect, wait.unkept, piece, wait=False)
             elif piece is None or not self._begin_host_read(wait.effect, host_copy, piece):
                 self._load_here(wait.effect, host_copy, result)
+
+    def _wait_limit(self) -> float:
+        """How long the ring may stand still before a waiting load goes the step loop's way: `RING_WAIT_S`, or
+        the time the largest slice a read in flight fills would take at `SLOW_READ_BYTES_PER_S`."""
+        held = max((piece.nbytes for _, _, piece in self._reads.values() if piece is not None), default=0)
+        return max(RING_WAIT_S, held / SLOW_READ_BYTES_PER_S)
 
     def _keep_what_it_reads(self, name: str) -> None:
         """The file read submitted for ``name`` keeps its host copy after all (a drop of the host copy was
