@@ -224,7 +224,13 @@ def _num_tiles(num_blocks_ptr, num_pairs, BLOCK_M: tl.constexpr):
 
 
 def _slots_pad(plan: MoeLoraPlan) -> int:
-    """`_slot_row`'s S_PAD: in pair mode the table's rows padded to a power of two; 0 (the row read
-    through the slot) in group mode and above `GATHER_SLOTS` rows."""
+    """`_slot_row`'s S_PAD: in pair mode the table's rows padded (`table_pad`); 0 (the row read through
+    the slot) in group mode."""
+    return table_pad(plan) if plan.config["block_m"] == 1 else 0
+
+
+def table_pad(plan: MoeLoraPlan) -> int:
+    """`_slot_row`'s S_PAD for a program that serves one slot: the metadata table's rows padded to a power
+    of two, or 0 (the row read through the slot) above `GATHER_SLOTS` rows."""
     slots = plan.lora.meta.table.shape[0]
-    return next_pow2(slots) if plan.config["block_m"] == 1 and slots <= GATHER_SLOTS else 0
+    return next_pow2(slots) if slots <= GATHER_SLOTS else 0

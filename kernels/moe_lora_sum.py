@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 from unipage.kernels.common import cdiv, gdc_launch_dependents, gdc_wait, load_runs, next_pow2
 from unipage.kernels.fused_moe_lora import _col_mask, _launch_opts, _use_pdl, check_weights, moe_lora_down_ref
-from unipage.kernels.moe_lora_plan import (GATHER_SLOTS, MoeLoraPlan, _field, _skip, _slot_row, lora_pads,
-                                           tile_ranks)
+from unipage.kernels.moe_lora_plan import MoeLoraPlan, _field, _skip, _slot_row, lora_pads, table_pad, tile_ranks
 from unipage.kernels.launch import launch
 from unipage.kernels.moe_align import F_BASE, F_DOWN_B, F_DOWN_RANK, F_STRIDE
 
@@ -92,13 +91,6 @@ def sums_down(plan: MoeLoraPlan) -> bool:
     return bool(down.get("sum")) and (limit is None or plan.topk_ids.shape[0] <= limit)
 
 
-def _table_pad(plan: MoeLoraPlan) -> int:
-    """`_slot_row`'s S_PAD for this kernel: a program serves one slot (its token's), as a pair-mode one
-    does, so it gathers the whole metadata table in any mode (up to `GATHER_SLOTS` rows)."""
-    slots = plan.lora.meta.table.shape[0]
-    return next_pow2(slots) if slots <= GATHER_SLOTS else 0
-
-
 def _check(plan: MoeLoraPlan, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
     meta, ids = plan.lora.meta, plan.topk_ids
     pool = plan.lora.pool
@@ -129,7 +121,7 @@ def moe_lora_down_sum(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor,
         meta.slot_flags, plan.topk_ids, num_tokens, top_k, meta.table.shape[0], meta.hidden, out.stride(0),
         y.stride(0), lora.page_table.stride(0), K_PAD=next_pow2(top_k), RD_PAD=lora_pads(meta)[2],
         RD_T=tile_ranks(meta, 1)[1], BLOCK_N=block_n, RUN=64, PAGE_SHIFT=lora.pool.shape[1].bit_length() - 1,
-        EVEN_N=meta.hidden % block_n == 0, S_PAD=_table_pad(plan), USE_PDL=pdl, **_launch_opts(cfg),
+        EVEN_N=meta.hidden % block_n == 0, S_PAD=table_pad(plan), USE_PDL=pdl, **_launch_opts(cfg),
         **({"launch_pdl": True} if pdl else {}))
     return out
 

@@ -299,11 +299,9 @@ class PoolStorage:
         if piece is not None and not shared:  # (a waiting host-copy load whose copy was dropped)
             self._ring.release(piece)
             piece = None
-        nbytes = self._packed_bytes(effect)
-        if piece is None and wait and shared and nbytes <= self._ring.capacity:
-            piece = None if self._waiting else self._ring.reserve(nbytes)
+        if piece is None and wait and shared and self._packed_bytes(effect) <= self._ring.capacity:
+            piece = self._room_or_wait(effect, unkept)
             if piece is None:
-                self._waiting[effect.name] = Waiting(effect, unkept)
                 return
         target = None
         if piece is not None:
@@ -395,11 +393,16 @@ class PoolStorage:
         be started: then it is read (`_read_host_file`) or staged (`_copy_pages`) on this thread."""
         if self._reader is None or self._ring is None or self._packed_bytes(effect) > self._ring.capacity:
             return False
+        piece = self._room_or_wait(effect, False)
+        return piece is None or self._begin_host_read(effect, host_copy, piece)
+
+    def _room_or_wait(self, effect: LoadAdapter, unkept: bool) -> RingSlice | None:
+        """A ring slice for ``effect``'s load, or None with the load queued (`Waiting`) behind those already
+        waiting (none starts ahead of them, even if the ring has room now)."""
         piece = None if self._waiting else self._ring.reserve(self._packed_bytes(effect))
         if piece is None:
-            self._waiting[effect.name] = Waiting(effect, False)
-            return True
-        return self._begin_host_read(effect, host_copy, piece)
+            self._waiting[effect.name] = Waiting(effect, unkept)
+        return piece
 
     def _begin_host_read(self, effect: LoadAdapter, host_copy: str | torch.Tensor, piece: RingSlice) -> bool:
         """`HostRead` of ``host_copy`` into ``piece`` on a thread; False (``piece`` given back) if no thread
