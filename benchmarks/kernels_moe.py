@@ -175,7 +175,7 @@ def floor_bytes(s: dict, b: dict) -> int:
 
 PATHS = {False: "separate", True: "fused", "down": "fused_down"}  # lora config "fused" -> the path's name
 MODE_PATHS = {"": "separate", "all": "fused", "down": "fused_down"}  # `config_mode` -> the path's name
-FUSED_KEYS = ("fused", "lora_k", "lora_steps", "down_shrink", "fused_min_tokens")  # the fused path's config keys
+FUSED_KEYS = ("fused", "lora_k", "lora_steps", "down_shrink", "fused_min_tokens", "fused_base")  # the fused keys
 
 
 def on_path(cfg: dict, fused) -> dict:
@@ -397,13 +397,13 @@ def with_path(entry: dict, path: str, value) -> dict:
     new = copy.deepcopy(entry)
     if not path:
         for key, field in value.items():
-            new[key] = {**new[key], **field} if isinstance(field, dict) else field
+            new[key] = {**new.get(key, {}), **field} if isinstance(field, dict) else field
         return new
     *parents, leaf = path.split(".")
     node = new
     for key in parents:
         node = node[key]
-    node[leaf] = {**node[leaf], **value} if isinstance(value, dict) else value
+    node[leaf] = {**node.get(leaf, {}), **value} if isinstance(value, dict) else value
     return new
 
 

@@ -315,7 +315,13 @@ def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, 
         ACT=activation.code,
         EVEN_K=k_dim % cfg["block_k"] == 0, USE_TMA=tma, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **lora_consts)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg), **lora_consts)
+
+
+def _maxnreg(cfg: dict) -> dict:
+    """A stage's optional ``"maxnreg"``: a cap on its registers per thread (a fused LoRA epilogue's extra
+    registers would otherwise halve the programs an SM holds)."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,8 +511,12 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
         align = ops.align(topk_ids, num_experts, cfg["block_m"])
         act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
         mode = lora_fused.fused_mode(plan) if ops.fused else ""
+        cfg = lora_fused.fused_base(cfg, plan) if mode else cfg
         if plan is None or mode == "all":
-            if mode:
+            if shrunk:  # the fused GEMM reads z in its epilogue: the side stream's plan and shrink end first
+                side.join(x.device)
+                shrunk = False
+            elif mode:
                 lora_ops.moe_lora_shrink(plan, x)
             ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation,
                         lora_plan=plan if mode else None)

@@ -240,6 +240,31 @@ def test_fused_min_tokens_bounds_the_steps_that_fuse(monkeypatch):
         lt._run(fused_experts, c, {**FUSED_GROUP, "fused_min_tokens": -1})
 
 
+def test_fused_base_settings_reach_the_fused_gemms(monkeypatch):
+    """``"fused_base"``: launch settings merged into the base config's stages for the fused GEMMs only (the
+    gate/up GEMM's ``"maxnreg"`` reaches its launch; the output is unchanged); bad values are refused."""
+    fused_moe = importlib.import_module("unipage.kernels.fused_moe")
+    seen, real = [], fused_moe.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel.fn.__name__ == "_moe_gemm_kernel":
+            seen.append((kwargs["GATED"], kwargs["BLOCK_N"], kwargs.get("maxnreg")))
+        real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "launch", spy)
+    c = lt._case(7, torch.float32, "uniform", seed=6)
+    want = lt._run(fused_experts_ref, c, lt.GROUP)
+    config = {**FUSED_GROUP, "fused_base": {"gate_up": {"maxnreg": 128}, "down": {"block_n": 32}}}
+    lt._close(lt._run(fused_experts, c, config), want, torch.float32)
+    assert seen == [(True, lt.BASE_CONFIG["gate_up"]["block_n"], 128), (False, 32, None)]
+    seen.clear()
+    lt._run(fused_experts, c, {**config, "fused": False})  # the separate pass: the base config as it is
+    assert seen == [(True, lt.BASE_CONFIG["gate_up"]["block_n"], None), (False, lt.BASE_CONFIG["down"]["block_n"], None)]
+    for bad in ({"gate": {}}, {"gate_up": {"block_m": 32}}, {"down": 4}, [1]):
+        with pytest.raises(ValueError, match="fused_base"):
+            lt._run(fused_experts, c, {**FUSED_GROUP, "fused_base": bad})
+
+
 # --- GPU: real layers in bf16 ---------------------------------------------------------------------
 
 
