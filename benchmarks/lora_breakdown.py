@@ -1,6 +1,7 @@
 """Where a LoRA step's extra time goes: device time per kernel, base model against LoRA (JSON lines).
 
-    python benchmarks/lora_breakdown.py [--shape llama3-8b] [--adapters 16] [--max-adapters N] [--running 252]
+    python benchmarks/lora_breakdown.py [--shape llama3-8b] [--adapters 16] [--max-adapters N] [--resident N]
+                                        [--running 252]
                                         [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
                                         [--stack-ab] [--moe-ab JSON] [--dense-ab JSON] [--skinny-ab]
@@ -9,7 +10,9 @@
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer (``--max-adapters``:
-`max_adapters_per_batch`, by default ``--adapters``; the CUDA graphs' adapter classes follow it), then for
+`max_adapters_per_batch`, by default ``--adapters``; the CUDA graphs' adapter classes follow it;
+``--resident N``: N adapters made and loaded first, all at once, so that the LoRA tables' slot capacity is
+what serving N adapters makes it, and the runs use ``--adapters`` of them spread over the slots), then for
 the base model and for the adapters round-robin: ``--running`` requests with
 ``--prompt``-token prompts reach steady decode and ``--timed-steps`` decode steps
 are timed without the profiler (median wall time per step, synchronised; the
@@ -81,7 +84,7 @@ NAME_CHARS = 60  # kernel names are cut to this many characters (templated names
 def build(args, root: str) -> tuple[Engine, list[str]]:
     model_dir = sm.write_model_dir(root, args.shape, False, args.layers)
     model = ModelConfig.from_hf(read_config(model_dir), "bfloat16")
-    paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.adapters, args.rank, "all")
+    paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.resident, args.rank, "all")
     max_len = max(args.prompt + decode_tokens(args) + 2, args.prefill[1] + 8)
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
                     lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.max_adapters),
@@ -91,7 +94,24 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     names = [f"a{i}" for i in range(len(paths))]
     for name, path in zip(names, paths):
         engine.add_adapter(name, path)
-    return engine, names
+    if args.resident > args.adapters:
+        load_all(engine, names)
+    return engine, spread(names, args.adapters)
+
+
+def spread(names: list[str], count: int) -> list[str]:
+    """``count`` of ``names`` evenly spaced (loaded in order, their slots too)."""
+    return [names[i * len(names) // count] for i in range(count)]
+
+
+def load_all(engine: Engine, names: list[str]) -> None:
+    """One one-token request per adapter, all at once, run to the end: every adapter loaded into its own
+    slot (`max_adapters_per_batch` permitting: else in turns, each still in its own slot while the pool
+    has room)."""
+    for name in names:
+        engine.add_request(Request(f"load-{name}", [1, 2, 3, 4], name, GREEDY, max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def decode_tokens(args) -> int:
@@ -446,6 +466,9 @@ def main(argv=None) -> None:
     p.add_argument("--adapters", type=int, default=16)
     p.add_argument("--max-adapters", type=int, default=None,
                    help="max_adapters_per_batch (default: --adapters); setup b serves 16 at about 4 a step")
+    p.add_argument("--resident", type=int, default=None,
+                   help="adapters made and loaded before the runs (default: --adapters); the runs use --adapters "
+                        "of them, spread over the slots")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--running", type=int, default=252, help="requests decoding")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of the decoding requests")
@@ -485,6 +508,9 @@ def main(argv=None) -> None:
     args.max_adapters = args.adapters if args.max_adapters is None else args.max_adapters
     if args.max_adapters < args.adapters:
         p.error(f"--max-adapters must be >= --adapters ({args.adapters}), got {args.max_adapters}")
+    args.resident = args.adapters if args.resident is None else args.resident
+    if args.resident < args.adapters:
+        p.error(f"--resident must be >= --adapters ({args.adapters}), got {args.resident}")
     if args.no_early:  # the default config of every path, which the tuned entries overlay
         for path in lora_meta._load_json()["default"].values():
             path["early"] = False
@@ -519,7 +545,8 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
     extra = dict(sorted(((k, v) for k, v in extra.items() if abs(v) >= 0.05), key=lambda kv: -abs(kv[1])))
     row = {"bench": "lora_breakdown", "model": sm.model_key(args.shape, False, args.layers), "window": window,
            "running": args.running, "prefill": args.prefill if window == "mixed" else None,
-           "adapters": args.adapters, "max_adapters": args.max_adapters, "rank": args.rank,
+           "adapters": args.adapters, "max_adapters": args.max_adapters, "resident": args.resident,
+           "lora_slots": engine.runner.lora.num_slots, "rank": args.rank,
            "early_shrink": not args.no_early,
            "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR),
            "shrink_stack": engine.runner.stack is not None}

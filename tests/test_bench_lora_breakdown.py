@@ -40,6 +40,15 @@ def test_max_adapters_below_the_adapters_served_is_refused(capsys):
     assert exc.value.code == 2 and "--max-adapters must be >= --adapters (4), got 2" in capsys.readouterr().err
 
 
+def test_resident_adapters_spread_and_bounded(capsys):
+    """``--resident``: the runs use ``--adapters`` of them, spread over their slots; fewer is refused."""
+    assert lb.spread([f"a{i}" for i in range(16)], 4) == ["a0", "a4", "a8", "a12"]
+    assert lb.spread(["a0", "a1"], 2) == ["a0", "a1"]
+    with pytest.raises(SystemExit) as exc:
+        lb.main(["--adapters", "4", "--resident", "3"])
+    assert exc.value.code == 2 and "--resident must be >= --adapters (4), got 3" in capsys.readouterr().err
+
+
 def test_dense_ab_overlays_every_dense_config_and_restores_the_lookup(monkeypatch):
     """`dense_ab` sets its keys over every config the dense LoRA kernels look up (a tuned entry's too), then
     puts the lookup back; the A-B-A timing itself is stood in for (it needs a GPU engine)."""
