@@ -59,7 +59,9 @@ alignment pass (decode: groups hold about one pair) and weight tiles as tall as
 the ranks' power of two (`tile_ranks`: broadcast-reduce math, no tensor-core
 minimum; registers bound how many of these latency-bound programs run at once);
 *group mode* (``block_m`` >= 16) aligns pairs by group ``slot·E + expert``
-(`moe_align`) and runs tensor-core tiles that share the group's A/B; *small tiles*
+(`moe_align`; by the slot's rank among the step's, so the tiles follow the step's adapters, not
+the slots, when `MoeLora.active_slots` bounds them) and runs tensor-core tiles that share the
+group's A/B; *small tiles*
 (``block_m`` 2-8) align the same way but do pair mode's broadcast-reduce math on
 weight tiles as tall as the ranks' power of two, for loads of a few pairs a group
 (setup (b)'s decode under the affinity policy: about 4), where a 16-row dot's tile is

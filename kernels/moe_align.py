@@ -17,9 +17,17 @@ Alignment lists each group's pairs contiguously, padded to a multiple of BM::
 Pairs without a group (LoRA: token without adapter, or an adapter without
 expert targets in this layer) appear nowhere.  The order of pairs inside a
 group is unspecified.  Sizes are bounded without looking at the data: at most
-``n = min(G, TK)`` groups are non-empty, each wastes at most BM-1 padding
-entries, so ``max_blocks = cdiv(TK + n·(BM-1), BM)`` — the grids are sized
-by it and tiles past ``num_blocks`` exit at once.
+``n = min(G, TK)`` groups are non-empty, each wastes at most BM-1 padding entries, so
+``max_blocks = cdiv(TK + n·(BM-1), BM)`` — the grids are sized by it and tiles past
+``num_blocks`` exit at once.
+
+LoRA grouping given a bound A on the distinct slots among the step's tokens
+(`moe_align`'s ``active_slots``, below the tables' S): a pair's group is its slot's
+*rank* among them times E plus its expert, so G = A·E — the counts, the padded
+groups and the tiles scale with the adapters a step has, not with the adapters
+resident (setup (b) serves 16, so S = 32 table rows, at 4 a step: 4,096 groups and
+a bound of 2,048 tiles at decode without ranks, 512 and 608 with them); the tiles
+still name ``slot·E + expert``.  A slot ranked past A (a wrong bound) has no group.
 
 Expert-LoRA metadata (`moe_lora_meta`) is one int32 row per adapter slot
 (fields `FIELDS`): the slot's expert-group base and stride and, relative to the
@@ -84,7 +92,9 @@ def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
     return cdiv(num_pairs + min(num_groups, num_pairs) * (block_m - 1), block_m)
 
 
-def _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags) -> None:
+def _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots=None) -> None:
+    if active_slots is not None and (type(active_slots) is not int or active_slots < 0):
+        raise ValueError(f"active_slots must be an int >= 0 or None, got {active_slots!r}")
     if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be a contiguous [T, K] int32 tensor, got "
                          f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
@@ -105,19 +115,41 @@ def _num_groups(num_experts: int, slot_flags: torch.Tensor | None) -> int:
 
 
 @triton.jit
-def _pair_groups(offs, topk_ids_ptr, slots_ptr, flags_ptr, num_pairs, top_k, num_experts,
-                 LORA: tl.constexpr):
-    """Group of each pair in ``offs`` and whether it has one."""
+def _pair_groups(offs, topk_ids_ptr, slots_ptr, flags_ptr, ranks_ptr, num_pairs, top_k, num_experts, num_ranks,
+                 LORA: tl.constexpr, RANKED: tl.constexpr):
+    """Group of each pair in ``offs`` and whether it has one (RANKED: by its slot's rank among the step's
+    slots; a rank past ``num_ranks`` has none)."""
     valid = offs < num_pairs
     expert = tl.load(topk_ids_ptr + offs, mask=valid, other=0)
     if LORA:
         slot = tl.load(slots_ptr + offs // top_k, mask=valid, other=-1)
         flag = tl.load(flags_ptr + tl.maximum(slot, 0), mask=valid & (slot >= 0), other=0)
         valid = valid & (flag != 0)
+        if RANKED:
+            slot = tl.load(ranks_ptr + tl.maximum(slot, 0), mask=valid, other=num_ranks)
+            valid = valid & (slot < num_ranks)
         group = tl.where(valid, slot * num_experts + expert, 0)
     else:
         group = expert
     return group, valid
+
+
+@triton.jit
+def _slot_ranks_kernel(slots_ptr, ranks_ptr, inverse_ptr, num_tokens, S_PAD: tl.constexpr, A_PAD: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """``ranks[s]``: how many of the tokens' distinct slots are below slot ``s``; ``inverse[r]``: the slot of
+    rank ``r`` (0 past the last).  BLOCK tokens at a time against every slot (BLOCK·S_PAD compares)."""
+    present = tl.zeros([S_PAD], tl.int32)
+    ids = tl.arange(0, S_PAD)
+    for start in range(0, num_tokens, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        slot = tl.load(slots_ptr + offs, mask=offs < num_tokens, other=-1)
+        present = tl.maximum(present, tl.max((slot[:, None] == ids[None, :]).to(tl.int32), 0))
+    rank = tl.cumsum(present, 0) - present
+    tl.store(ranks_ptr + tl.arange(0, S_PAD), rank)
+    r = tl.arange(0, A_PAD)
+    hit = (rank[None, :] == r[:, None]) & (present[None, :] > 0)
+    tl.store(inverse_ptr + r, tl.sum(tl.where(hit, tl.arange(0, S_PAD)[None, :], 0), 1))
 
 
 @triton.jit
@@ -136,11 +168,15 @@ def _plan_groups(counts, num_blocks_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-                       CHUNK: tl.constexpr):
+def _write_tile_groups(block_group_ptr, starts, padded, max_blocks, inverse_ptr, num_experts, BLOCK_M: tl.constexpr,
+                       G_PAD: tl.constexpr, CHUNK: tl.constexpr, RANKED: tl.constexpr):
     """Group g owns tiles ``starts[g] / BM`` .. ``+ padded[g] / BM``: each group writes its own
-    (one vector store per tile of the largest group); tiles past the last group get -1."""
+    (one vector store per tile of the largest group); tiles past the last group get -1.  RANKED: a tile's
+    group is written as its slot's, ``inverse[rank]·E + expert``."""
     groups = tl.arange(0, G_PAD)
+    if RANKED:
+        rank = groups // num_experts
+        groups = tl.load(inverse_ptr + rank, mask=padded > 0, other=0) * num_experts + groups % num_experts
     first, tiles = starts // BLOCK_M, padded // BLOCK_M
     for j in range(tl.max(tiles, 0)):
         tl.store(block_group_ptr + first + j, groups, mask=j < tiles)
@@ -151,10 +187,11 @@ def _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M: tl.
 
 
 @triton.jit
-def _scatter_chunk(offs, cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_ptr, num_pairs, top_k,
-                   num_experts, LORA: tl.constexpr):
+def _scatter_chunk(offs, cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_ptr, ranks_ptr, num_pairs, top_k,
+                   num_experts, num_ranks, LORA: tl.constexpr, RANKED: tl.constexpr):
     """Each pair of the chunk takes the next free slot of its group."""
-    group, valid = _pair_groups(offs, topk_ids_ptr, slots_ptr, flags_ptr, num_pairs, top_k, num_experts, LORA)
+    group, valid = _pair_groups(offs, topk_ids_ptr, slots_ptr, flags_ptr, ranks_ptr, num_pairs, top_k, num_experts,
+                                num_ranks, LORA, RANKED)
     pos = tl.atomic_add(cursor_ptr + group, 1, mask=valid, sem="relaxed")
     tl.store(sorted_ptr + pos, offs, mask=valid)
 
@@ -163,10 +200,11 @@ def _scatter_chunk(offs, cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_
 def _align_kernel(
     topk_ids_ptr,  # [TK] int32 expert of each pair
     slots_ptr, flags_ptr,  # LORA: [T] int32 token slots (-1 none), [S] int32 slot has expert LoRA
+    ranks_ptr, inverse_ptr,  # RANKED: [S] int32 rank of each slot, [A] int32 slot of each rank (`_slot_ranks_kernel`)
     counts_ptr, cursor_ptr,  # [G_PAD] int32 scratch each
     sorted_ptr, block_group_ptr, num_blocks_ptr,  # outputs: see `Alignment`
-    num_pairs, max_blocks, top_k, num_experts,
-    LORA: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+    num_pairs, max_blocks, top_k, num_experts, num_ranks,
+    LORA: tl.constexpr, RANKED: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     # Small TK, one program: histogram -> padded prefix sums -> tile groups -> scatter.
@@ -176,17 +214,18 @@ def _align_kernel(
     _fill_padding(sorted_ptr, num_pairs, max_blocks, BLOCK_M, CHUNK)
     tl.debug_barrier()
     for start in range(0, num_pairs, CHUNK):
-        group, valid = _pair_groups(start + tl.arange(0, CHUNK), topk_ids_ptr, slots_ptr, flags_ptr,
-                                    num_pairs, top_k, num_experts, LORA)
+        group, valid = _pair_groups(start + tl.arange(0, CHUNK), topk_ids_ptr, slots_ptr, flags_ptr, ranks_ptr,
+                                    num_pairs, top_k, num_experts, num_ranks, LORA, RANKED)
         tl.atomic_add(counts_ptr + group, 1, mask=valid, sem="relaxed")
     tl.debug_barrier()
     starts, padded = _plan_groups(tl.load(counts_ptr + offs_g, volatile=True), num_blocks_ptr, BLOCK_M)
     tl.store(cursor_ptr + offs_g, starts)
     tl.debug_barrier()
-    _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M, G_PAD, CHUNK)
+    _write_tile_groups(block_group_ptr, starts, padded, max_blocks, inverse_ptr, num_experts, BLOCK_M, G_PAD, CHUNK,
+                       RANKED)
     for start in range(0, num_pairs, CHUNK):
         _scatter_chunk(start + tl.arange(0, CHUNK), cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_ptr,
-                       num_pairs, top_k, num_experts, LORA)
+                       ranks_ptr, num_pairs, top_k, num_experts, num_ranks, LORA, RANKED)
 
 
 # Large TK: the same phases over three launches, one program per chunk for the atomics and the
@@ -201,9 +240,9 @@ def _chunk_end(chunk, per_chunk, num_pairs):
 
 
 @triton.jit(do_not_specialize=["num_pairs", "fill_total", "fill_per"])
-def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, counts_ptr, sorted_ptr, num_pairs, per_chunk,
-                        fill_total, fill_per, top_k, num_experts, LORA: tl.constexpr, G_PAD: tl.constexpr,
-                        VEC: tl.constexpr):
+def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, ranks_ptr, counts_ptr, sorted_ptr, num_pairs, per_chunk,
+                        fill_total, fill_per, top_k, num_experts, num_ranks, LORA: tl.constexpr, RANKED: tl.constexpr,
+                        G_PAD: tl.constexpr, VEC: tl.constexpr):
     chunk = tl.program_id(0)
     row = counts_ptr + chunk * G_PAD
     tl.store(row + tl.arange(0, G_PAD), tl.zeros([G_PAD], tl.int32))
@@ -214,8 +253,8 @@ def _align_count_kernel(topk_ids_ptr, slots_ptr, flags_ptr, counts_ptr, sorted_p
         tl.store(sorted_ptr + offs, tl.zeros([VEC], tl.int32) + num_pairs, mask=offs < last)
     tl.debug_barrier()
     first, end = _chunk_end(chunk, per_chunk, num_pairs)
-    group, valid = _pair_groups(first + tl.arange(0, VEC), topk_ids_ptr, slots_ptr, flags_ptr, end, top_k,
-                                num_experts, LORA)
+    group, valid = _pair_groups(first + tl.arange(0, VEC), topk_ids_ptr, slots_ptr, flags_ptr, ranks_ptr, end, top_k,
+                                num_experts, num_ranks, LORA, RANKED)
     tl.atomic_add(row + group, 1, mask=valid, sem="relaxed")
 
 
@@ -229,8 +268,9 @@ def _chunk_rows(counts_ptr, c0, num_chunks, CB: tl.constexpr, G_PAD: tl.constexp
 
 
 @triton.jit(do_not_specialize=["max_blocks", "num_chunks"])
-def _align_plan_kernel(counts_ptr, cursor_ptr, block_group_ptr, num_blocks_ptr, max_blocks, num_chunks,
-                       BLOCK_M: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
+def _align_plan_kernel(counts_ptr, cursor_ptr, block_group_ptr, num_blocks_ptr, inverse_ptr, max_blocks, num_chunks,
+                       num_experts, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
+                       RANKED: tl.constexpr):
     # CB chunks' counts at a time: a few loads in flight, not one dependent loop step per chunk
     totals = tl.zeros([G_PAD], tl.int32)
     for c0 in range(0, num_chunks, CB):
@@ -242,16 +282,18 @@ def _align_plan_kernel(counts_ptr, cursor_ptr, block_group_ptr, num_blocks_ptr, 
         block, offs, ok = _chunk_rows(counts_ptr, c0, num_chunks, CB, G_PAD)
         tl.store(cursor_ptr + offs, running[None, :] + tl.cumsum(block, 0) - block, mask=ok)
         running += tl.sum(block, 0)
-    _write_tile_groups(block_group_ptr, starts, padded, max_blocks, BLOCK_M, G_PAD, CHUNK)
+    _write_tile_groups(block_group_ptr, starts, padded, max_blocks, inverse_ptr, num_experts, BLOCK_M, G_PAD, CHUNK,
+                       RANKED)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _align_scatter_kernel(topk_ids_ptr, slots_ptr, flags_ptr, cursor_ptr, sorted_ptr, num_pairs, per_chunk, top_k,
-                          num_experts, LORA: tl.constexpr, G_PAD: tl.constexpr, VEC: tl.constexpr):
+def _align_scatter_kernel(topk_ids_ptr, slots_ptr, flags_ptr, ranks_ptr, cursor_ptr, sorted_ptr, num_pairs, per_chunk,
+                          top_k, num_experts, num_ranks, LORA: tl.constexpr, RANKED: tl.constexpr,
+                          G_PAD: tl.constexpr, VEC: tl.constexpr):
     chunk = tl.program_id(0)
     first, end = _chunk_end(chunk, per_chunk, num_pairs)
     _scatter_chunk(first + tl.arange(0, VEC), cursor_ptr + chunk * G_PAD, sorted_ptr, topk_ids_ptr, slots_ptr,
-                   flags_ptr, end, top_k, num_experts, LORA)
+                   flags_ptr, ranks_ptr, end, top_k, num_experts, num_ranks, LORA, RANKED)
 
 
 ONE_PROGRAM_WORK = 2560  # pairs + padded groups up to which one program beats three launches
@@ -282,57 +324,87 @@ def _launch_split(num_pairs: int, g_pad: int, chunk: int | None, one_program_max
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               token_slots: torch.Tensor | None = None, slot_flags: torch.Tensor | None = None, *,
-              chunk: int | None = None, one_program_max: int | None = None) -> Alignment:
+              chunk: int | None = None, one_program_max: int | None = None,
+              active_slots: int | None = None) -> Alignment:
     """Group the routed pairs into tiles of ``block_m`` (see the module docstring).
 
     ``topk_ids``    [T, K] int32  expert of each pair.
     ``token_slots`` [T] int32     adapter slot of each token, -1 = none (LoRA grouping only).
     ``slot_flags``  [S] int32     non-zero where the slot has expert LoRA in this layer.
     Without ``token_slots`` the group is the expert; with it, ``slot·E + expert``.
+    ``active_slots`` (LoRA): at most this many distinct slots among the tokens.  Below S, pairs are grouped
+    by their slot's rank among them (`_slot_ranks_kernel`, one more launch), so the groups, the counts
+    and the tiles scale with it, not with S; ``block_group`` still names ``slot·E + expert``.  The pairs of
+    a slot ranked past it are dropped (see the module docstring).
     One launch walks the pairs ``chunk`` (a power of two) at a time; three launches run one program
     per ``chunk`` pairs.  ``one_program_max`` pairs at most take one launch; by default
     `_launch_split` chooses both (one launch while pairs + padded groups <= `ONE_PROGRAM_WORK`).
     """
-    _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags)
+    _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots)
     num_pairs, top_k, device = topk_ids.numel(), topk_ids.shape[1], topk_ids.device
-    groups = _num_groups(num_experts, slot_flags)
+    lora, ranks = token_slots is not None, _ranks(token_slots, slot_flags, active_slots)
+    groups = _num_groups(num_experts, slot_flags) if ranks is None else active_slots * num_experts
     blocks = max_blocks(num_pairs, groups, block_m)
     g_pad = next_pow2(groups)
     one, chunk = _launch_split(num_pairs, g_pad, chunk, one_program_max)
     out = Alignment(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
                     torch.empty(blocks, dtype=torch.int32, device=device),
                     torch.empty(1, dtype=torch.int32, device=device), block_m, blocks, num_pairs)
-    lora = token_slots is not None
-    routing = (topk_ids, token_slots if lora else topk_ids, slot_flags if lora else topk_ids)
+    rank_of, slot_of = ranks if ranks is not None else (topk_ids, topk_ids)
+    routing = (topk_ids, token_slots if lora else topk_ids, slot_flags if lora else topk_ids, rank_of)
+    ranked = {"LORA": lora, "RANKED": ranks is not None}
     if one:
         scratch = torch.empty(2, g_pad, dtype=torch.int32, device=device)
-        launch(_align_kernel, (1,), *routing, scratch[0], scratch[1], out.sorted_pairs, out.block_group,
-               out.num_blocks, num_pairs, blocks, top_k, num_experts, LORA=lora, BLOCK_M=block_m, G_PAD=g_pad,
-               CHUNK=chunk, num_warps=8)
+        launch(_align_kernel, (1,), *routing, slot_of, scratch[0], scratch[1], out.sorted_pairs, out.block_group,
+               out.num_blocks, num_pairs, blocks, top_k, num_experts, active_slots or 0, **ranked, BLOCK_M=block_m,
+               G_PAD=g_pad, CHUNK=chunk, num_warps=8)
         return out
     chunks, vec = cdiv(num_pairs, chunk), VEC if 256 <= chunk <= VEC else next_pow2(chunk)  # tests' tiny chunks
     counts, cursor = torch.empty(2, chunks, g_pad, dtype=torch.int32, device=device)
     fill_total = blocks * block_m
     launch(_align_count_kernel, (chunks,), *routing, counts, out.sorted_pairs, num_pairs, chunk, fill_total,
-           cdiv(fill_total, chunks), top_k, num_experts, LORA=lora, G_PAD=g_pad, VEC=vec, num_warps=4)
-    launch(_align_plan_kernel, (1,), counts, cursor, out.block_group, out.num_blocks, blocks, chunks,
-           BLOCK_M=block_m, G_PAD=g_pad, CHUNK=1024, CB=_plan_rows(g_pad), num_warps=8)
+           cdiv(fill_total, chunks), top_k, num_experts, active_slots or 0, **ranked, G_PAD=g_pad, VEC=vec,
+           num_warps=4)
+    launch(_align_plan_kernel, (1,), counts, cursor, out.block_group, out.num_blocks, slot_of, blocks, chunks,
+           num_experts, BLOCK_M=block_m, G_PAD=g_pad, CHUNK=1024, CB=_plan_rows(g_pad), RANKED=ranked["RANKED"],
+           num_warps=8)
     launch(_align_scatter_kernel, (chunks,), *routing, cursor, out.sorted_pairs, num_pairs, chunk, top_k,
-           num_experts, LORA=lora, G_PAD=g_pad, VEC=vec, num_warps=4)
+           num_experts, active_slots or 0, **ranked, G_PAD=g_pad, VEC=vec, num_warps=4)
     return out
 
 
+RANK_COMPARES = 4096  # token-slot compares `_slot_ranks_kernel` holds at once
+
+
+def _ranks(token_slots, slot_flags, active_slots) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rank of each slot [S_PAD], slot of each rank [A_PAD])`` int32 by `_slot_ranks_kernel`, where
+    ``active_slots`` bounds the groups below the slots' S; else None."""
+    if token_slots is None or not active_slots or active_slots >= slot_flags.shape[0]:
+        return None
+    s_pad, a_pad = next_pow2(slot_flags.shape[0]), next_pow2(active_slots)
+    out = torch.empty(s_pad + a_pad, dtype=torch.int32, device=token_slots.device)
+    launch(_slot_ranks_kernel, (1,), token_slots, out, out[s_pad:], token_slots.shape[0], S_PAD=s_pad, A_PAD=a_pad,
+           BLOCK=max(16, RANK_COMPARES // s_pad), num_warps=4)
+    return out[:s_pad], out[s_pad:]
+
+
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                  token_slots: torch.Tensor | None = None, slot_flags: torch.Tensor | None = None) -> Alignment:
+                  token_slots: torch.Tensor | None = None, slot_flags: torch.Tensor | None = None, *,
+                  active_slots: int | None = None) -> Alignment:
     """Torch version of `moe_align` (pairs in ascending order inside each group); no host sync."""
-    _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags)
+    _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots)
     num_pairs, device = topk_ids.numel(), topk_ids.device
-    groups = _num_groups(num_experts, slot_flags)
+    ranked = token_slots is not None and bool(active_slots) and active_slots < slot_flags.shape[0]
+    groups = active_slots * num_experts if ranked else _num_groups(num_experts, slot_flags)
     blocks = max_blocks(num_pairs, groups, block_m)
     group = topk_ids.reshape(-1).long()
     if token_slots is not None:
         slot = token_slots.long().repeat_interleave(topk_ids.shape[1])
         has = (slot >= 0) & (slot_flags.long()[slot.clamp(min=0)] != 0)
+        if ranked:
+            rank, inverse = _ranks_ref(token_slots, slot_flags.shape[0], active_slots)
+            slot = rank[slot.clamp(min=0)]
+            has &= slot < active_slots
         group = torch.where(has, slot * num_experts + group, groups)
     counts = torch.zeros(groups + 1, dtype=torch.long, device=device).scatter_add_(
         0, group, torch.ones_like(group))
@@ -348,8 +420,22 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     sorted_pairs[dest] = order.int()
     starts = torch.arange(blocks, device=device) * block_m
     block_group = torch.searchsorted(ends[:groups], starts, right=True)
+    if ranked:  # named by the slot, as the kernels read it
+        block_group = inverse[(block_group // num_experts).clamp(max=active_slots - 1)] * num_experts \
+            + block_group % num_experts
     block_group = torch.where(starts < ends[-1], block_group, -1).int()
     return Alignment(sorted_pairs[:-1], block_group, (ends[-1:] // block_m).int(), block_m, blocks, num_pairs)
+
+
+def _ranks_ref(token_slots: torch.Tensor, num_slots: int, active_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rank of each slot [S], slot of each rank [A])`` (long), as `_slot_ranks_kernel`."""
+    present = torch.zeros(num_slots + 1, dtype=torch.long, device=token_slots.device)
+    present[token_slots.long().clamp(min=-1)] = 1  # -1 (no adapter) lands in the extra last entry
+    present = present[:num_slots]
+    rank = torch.cumsum(present, 0) - present
+    hit = (rank[None, :] == torch.arange(active_slots, device=rank.device)[:, None]) & (present[None, :] > 0)
+    inverse = (hit.long() * torch.arange(num_slots, device=rank.device)[None, :]).sum(1)
+    return rank, inverse
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,10 @@ class MoeLora:
     page_table: torch.Tensor  # [S, max_pages] int32: page ids of each slot's buffer
     token_slots: torch.Tensor  # [T] int32: adapter slot of each token, -1 = none
     meta: MoeLoraMeta  # this layer's offsets and ranks (`moe_lora_meta`)
-    active_slots: int | None = None  # distinct adapters among the tokens (tile-height hint)
+    # at least the distinct adapter slots among the tokens (None: no bound): it picks the tuned config, and
+    # group mode's alignment groups pairs by their slot's rank among that many (`moe_align`); a bound the
+    # tokens break drops the LoRA of the slots ranked past it (on CPU tensors it is checked)
+    active_slots: int | None = None
     activation: GatedActivation = SILU  # the experts' gated activation (set by `fused_experts`)
 
 
@@ -70,6 +73,19 @@ def _check_lora(lora: MoeLora, topk_ids: torch.Tensor) -> None:
     devices = {t.device for t in (pool, pt, lora.token_slots, topk_ids, meta.table, meta.slot_flags)}
     if len(devices) != 1:
         raise ValueError(f"LoRA tensors must share one device, got {sorted(map(str, devices))}")
+    _check_active(lora)
+
+
+def _check_active(lora: MoeLora) -> None:
+    """``active_slots``: None or an int >= 0 (0: no bound); on CPU, at least the distinct slots of the tokens
+    (on a GPU that count would cost a host sync: the engine's own count is exact or a graph's class bound)."""
+    bound = lora.active_slots
+    if bound is not None and (type(bound) is not int or bound < 0):
+        raise ValueError(f"active_slots must be None or an int >= 0, got {bound!r}")
+    if bound and lora.token_slots.device.type == "cpu":
+        distinct = torch.unique(lora.token_slots[lora.token_slots >= 0]).numel()
+        if distinct > bound:
+            raise ValueError(f"active_slots={bound} but the tokens have {distinct} distinct adapter slots")
 
 
 def lora_config(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> dict:
@@ -112,7 +128,8 @@ def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) 
         raise ValueError(f'lora config "block_m" must be a power of two >= 1, got {block_m!r}')
     align = None
     if block_m > 1:
-        align = align_fn(topk_ids, meta.num_experts, block_m, lora.token_slots, meta.slot_flags)
+        align = align_fn(topk_ids, meta.num_experts, block_m, lora.token_slots, meta.slot_flags,
+                         active_slots=lora.active_slots)
     r_pad, _, rd_pad = lora_pads(meta)
     splits, _ = _split_k(meta.hidden, cfg["split_k"])
     num_pairs, device = topk_ids.numel(), topk_ids.device

@@ -13,7 +13,7 @@ import triton.language as tl
 from unipage.kernels.fused_moe import (_round_to, fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
                                        moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
 from unipage.kernels import moe_align as moe_align_module
-from unipage.kernels.moe_align import Alignment, _launch_split, launch_config, moe_align, moe_align_ref
+from unipage.kernels.moe_align import Alignment, _launch_split, launch_config, max_blocks, moe_align, moe_align_ref
 
 H, I, E, K = 64, 32, 8, 2
 TOKENS = (1, 7, 40)
@@ -186,6 +186,30 @@ def test_align_matches_reference(num_tokens, block_m, lora, launches):
         if not lora or (slot >= 0 and int(extra["slot_flags"][slot])):
             expected.setdefault(slot * E + e if lora else e, []).append(p)
     assert groups == expected
+
+
+@pytest.mark.parametrize("launches", [{"one_program_max": 1 << 30}, {"chunk": 64, "one_program_max": 0}])
+def test_align_groups_by_slot_rank(launches):
+    """``active_slots``: tokens of slots 1 and 6 of 8, bound 2, are grouped by their slots' ranks (2·E groups,
+    fewer tiles than 8·E would give) and the tiles still name ``slot·E + expert``; bound 1 keeps slot 1's pairs
+    alone (slot 6 ranks past it); a bound at S or above changes nothing."""
+    g = torch.Generator().manual_seed(21)
+    num_tokens = 300
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(num_tokens)]).int()
+    slots = {"token_slots": torch.tensor([6, 1, -1], dtype=torch.int32)[torch.arange(num_tokens) % 3],
+             "slot_flags": torch.ones(8, dtype=torch.int32)}
+    free = _groups_of(moe_align_ref(ids, E, 16, **slots))
+    for bound in (2, 8, 0):
+        got = moe_align(ids, E, 16, **slots, **launches, active_slots=bound)
+        want = moe_align_ref(ids, E, 16, **slots, active_slots=bound)
+        assert _groups_of(got) == _groups_of(want) == free and got.max_blocks == want.max_blocks
+        assert torch.equal(got.block_group, want.block_group) and torch.equal(got.num_blocks, want.num_blocks)
+        assert got.max_blocks == max_blocks(ids.numel(), (2 if bound == 2 else 8) * E, 16)
+    for align in (moe_align(ids, E, 16, **slots, **launches, active_slots=1),
+                  moe_align_ref(ids, E, 16, **slots, active_slots=1)):
+        assert _groups_of(align) == {group: pairs for group, pairs in free.items() if group // E == 1}
+    with pytest.raises(ValueError, match="active_slots"):
+        moe_align(ids, E, 16, **slots, active_slots=-1)
 
 
 def test_align_defaults_to_three_launches_for_many_pairs():

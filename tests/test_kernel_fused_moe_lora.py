@@ -5,6 +5,7 @@ pool whose other pages hold noise.  CPU runs the Triton kernels under the
 interpreter at tiny shapes; `-m gpu` runs GPT-OSS-20B and Qwen3-30B-A3B layers.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from unipage.adapter_pack import pack_adapter, random_lora_weights
 from unipage.config import ModelConfig
 from unipage.kernels.fused_moe import fused_experts, fused_experts_ref, moe_gate_up_ref, route_topk_ref
+from unipage.kernels.fused_moe_lora import lora_config as tuned_config
 from unipage.kernels.fused_moe_lora import (MoeLora, lora_pairs, moe_lora_down, moe_lora_down_ref,
                                             moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, moe_lora_shrink,
                                             plan_moe_lora, plan_moe_lora_ref)
@@ -313,6 +315,26 @@ def test_stage_register_cap(monkeypatch):
     assert seen == {"_moe_shrink_kernel": None, "_expand_gate_up_kernel": 128, "_expand_down_kernel": 96}
 
 
+def test_active_slots_rank_the_groups():
+    """``active_slots``: tokens of slots 0 and 4 of 6 under a bound of 2 are aligned by their slots' ranks (same
+    output, fewer tiles); a bound at or above the slots, or none, changes nothing; on CPU a bound the tokens
+    break is refused."""
+    c = _case(40, torch.float32, "uniform", seed=12)
+    lora = dataclasses.replace(c["lora"], token_slots=torch.tensor([0, 4, -1], dtype=torch.int32)[torch.arange(40) % 3])
+    c = {**c, "lora": lora}
+    want = _run(fused_experts_ref, c, GROUP)
+    for bound in (2, 5, 0, None):
+        bounded = {**c, "lora": dataclasses.replace(lora, active_slots=bound)}
+        _close(_run(fused_experts, bounded, GROUP), want, torch.float32)
+        _close(_run(fused_experts_ref, bounded, GROUP), want, torch.float32)
+    tiles = {b: plan_moe_lora(dataclasses.replace(lora, active_slots=b), c["topk_ids"], GROUP).align.max_blocks
+             for b in (2, None)}
+    assert tiles[2] < tiles[None]
+    for bad, match in ((1, "2 distinct adapter slots"), (-1, "active_slots"), (2.0, "active_slots")):
+        with pytest.raises(ValueError, match=match):
+            plan_moe_lora(dataclasses.replace(lora, active_slots=bad), c["topk_ids"], GROUP)
+
+
 def test_without_lora_tokens_or_layers_equals_base():
     c = _case(7, torch.float32, "none")
     base = fused_experts(c["x"], c["w_gate_up"], c["w_down"], c["topk_weights"], c["topk_ids"], None, BASE_CONFIG)
@@ -499,6 +521,19 @@ def _check_gpu(x, w_gate_up, w_down, topk_weights, topk_ids, lora, lora_config=N
     base = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids)
     assert ((want - base).norm() / base.norm()).item() > 0.1  # the LoRA delta is not negligible
     assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [256, 4096])
+def test_gpu_slot_ranks_of_a_step(num_tokens):
+    """Setup (b)'s mix: 4 adapters a step out of 16 resident slots, bound 4 (the alignment by slot rank, in
+    group mode, the side stream as tuned) against the unbounded reference."""
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case("qwen3-30b-a3b", num_tokens, adapters=16)
+    lora = dataclasses.replace(lora, token_slots=(lora.token_slots % 4) * 4 + 1, active_slots=4)
+    _check_gpu(x, w_gate_up, w_down, topk_weights, topk_ids, lora)
+    config = tuned_config(lora, topk_ids)  # the bound's (group mode); unbounded, 16 slots would pick pair mode
+    assert plan_moe_lora(lora, topk_ids).align.max_blocks < plan_moe_lora(
+        dataclasses.replace(lora, active_slots=None), topk_ids, config).align.max_blocks
 
 
 def _compiled(kernel) -> int:
