@@ -511,7 +511,7 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
         align = ops.align(topk_ids, num_experts, cfg["block_m"])
         act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
         mode = lora_fused.fused_mode(plan) if ops.fused else ""
-        cfg = lora_fused.fused_base(cfg, plan) if mode else cfg
+        cfg = lora_fused.fused_base(cfg, plan, mode) if mode else cfg
         if plan is None or mode == "all":
             if shrunk:  # the fused GEMM reads z in its epilogue: the side stream's plan and shrink end first
                 side.join(x.device)

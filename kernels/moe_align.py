@@ -92,9 +92,18 @@ def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
     return cdiv(num_pairs + min(num_groups, num_pairs) * (block_m - 1), block_m)
 
 
-def _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots=None) -> None:
+def check_active_slots(active_slots) -> None:
     if active_slots is not None and (type(active_slots) is not int or active_slots < 0):
         raise ValueError(f"active_slots must be an int >= 0 or None, got {active_slots!r}")
+
+
+def _ranked(token_slots, slot_flags, active_slots) -> bool:
+    """Whether LoRA pairs group by their slot's rank: a bound (> 0) below the slots' count."""
+    return token_slots is not None and bool(active_slots) and active_slots < slot_flags.shape[0]
+
+
+def _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots=None) -> None:
+    check_active_slots(active_slots)
     if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be a contiguous [T, K] int32 tensor, got "
                          f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
@@ -146,10 +155,10 @@ def _slot_ranks_kernel(slots_ptr, ranks_ptr, inverse_ptr, num_tokens, S_PAD: tl.
         slot = tl.load(slots_ptr + offs, mask=offs < num_tokens, other=-1)
         present = tl.maximum(present, tl.max((slot[:, None] == ids[None, :]).to(tl.int32), 0))
     rank = tl.cumsum(present, 0) - present
-    tl.store(ranks_ptr + tl.arange(0, S_PAD), rank)
-    r = tl.arange(0, A_PAD)
+    tl.store(ranks_ptr + ids, rank)
+    r = tl.arange(0, A_PAD)  # (an A_PAD x S_PAD match: an MoE model's tables hold tens of slots, not thousands)
     hit = (rank[None, :] == r[:, None]) & (present[None, :] > 0)
-    tl.store(inverse_ptr + r, tl.sum(tl.where(hit, tl.arange(0, S_PAD)[None, :], 0), 1))
+    tl.store(inverse_ptr + r, tl.sum(tl.where(hit, ids[None, :], 0), 1))
 
 
 @triton.jit
@@ -373,13 +382,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return out
 
 
-RANK_COMPARES = 4096  # token-slot compares `_slot_ranks_kernel` holds at once
+RANK_COMPARES = 4096  # token-slot compares `_slot_ranks_kernel` holds at once (16 tokens at least)
 
 
 def _ranks(token_slots, slot_flags, active_slots) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(rank of each slot [S_PAD], slot of each rank [A_PAD])`` int32 by `_slot_ranks_kernel`, where
-    ``active_slots`` bounds the groups below the slots' S; else None."""
-    if token_slots is None or not active_slots or active_slots >= slot_flags.shape[0]:
+    """``(rank of each slot [S_PAD], slot of each rank [A_PAD])`` int32 by `_slot_ranks_kernel` where the
+    pairs group by rank (`_ranked`); else None."""
+    if not _ranked(token_slots, slot_flags, active_slots):
         return None
     s_pad, a_pad = next_pow2(slot_flags.shape[0]), next_pow2(active_slots)
     out = torch.empty(s_pad + a_pad, dtype=torch.int32, device=token_slots.device)
@@ -394,7 +403,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     """Torch version of `moe_align` (pairs in ascending order inside each group); no host sync."""
     _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots)
     num_pairs, device = topk_ids.numel(), topk_ids.device
-    ranked = token_slots is not None and bool(active_slots) and active_slots < slot_flags.shape[0]
+    ranked = _ranked(token_slots, slot_flags, active_slots)
     groups = active_slots * num_experts if ranked else _num_groups(num_experts, slot_flags)
     blocks = max_blocks(num_pairs, groups, block_m)
     group = topk_ids.reshape(-1).long()

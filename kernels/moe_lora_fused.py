@@ -342,9 +342,11 @@ def config_mode(config: dict, num_tokens: int) -> str:
 BASE_STAGE_KEYS = ("block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "maxnreg")
 
 
-def fused_base(base: dict, plan) -> dict:
+def fused_base(base: dict, plan, mode: str) -> dict:
     """The base launch config ``base`` with the fused path's own GEMM settings (config ``"fused_base"``:
-    ``{"gate_up": {...}, "down": {...}}``, launch settings of `BASE_STAGE_KEYS` merged into that stage).
+    ``{"gate_up": {...}, "down": {...}}``, launch settings of `BASE_STAGE_KEYS` merged into that stage) for
+    the GEMMs `fused_mode` ``mode`` fuses: both ("all"), or the down GEMM alone ("down", whose gate/up GEMM
+    runs for the separate pass).
     E.g. ``{"gate_up": {"maxnreg": 128}}``: the LoRA epilogue would take the gate/up GEMM from 128 to 186
     registers a thread (Qwen3-30B-A3B's decode tile on sm_90), one program an SM instead of two; capped (no
     spills), the decode mix (256 tokens, 4 adapters, H200) took 409.5 against 452.4 us, still behind the
@@ -356,7 +358,8 @@ def fused_base(base: dict, plan) -> dict:
     for stage, settings in extra.items():
         if not isinstance(settings, dict) or not set(settings) <= set(BASE_STAGE_KEYS):
             raise ValueError(f'lora config "fused_base.{stage}" takes keys of {BASE_STAGE_KEYS}, got {settings!r}')
-        out[stage] = {**base[stage], **settings}
+        if mode == "all" or stage == "down":
+            out[stage] = {**base[stage], **settings}
     return out
 
 

@@ -20,6 +20,7 @@ from unipage.kernels.moe_align import (
     NUM_FIELDS,
     Alignment,
     MoeLoraMeta,
+    check_active_slots,
     expected_load,
     launch_config,
     moe_align,
@@ -80,8 +81,7 @@ def _check_active(lora: MoeLora) -> None:
     """``active_slots``: None or an int >= 0 (0: no bound); on CPU, at least the distinct slots of the tokens
     (on a GPU that count would cost a host sync: the engine's own count is exact or a graph's class bound)."""
     bound = lora.active_slots
-    if bound is not None and (type(bound) is not int or bound < 0):
-        raise ValueError(f"active_slots must be None or an int >= 0, got {bound!r}")
+    check_active_slots(bound)
     if bound and lora.token_slots.device.type == "cpu":
         distinct = torch.unique(lora.token_slots[lora.token_slots >= 0]).numel()
         if distinct > bound:

@@ -212,6 +212,23 @@ def test_align_groups_by_slot_rank(launches):
         moe_align(ids, E, 16, **slots, active_slots=-1)
 
 
+@pytest.mark.parametrize("experts, slots, block_m", [(6, 5, 16), (5, 7, 4), (3, 3, 16)])
+@pytest.mark.parametrize("launches", [{"one_program_max": 1 << 30}, {"chunk": 16, "one_program_max": 0}])
+def test_align_by_slot_rank_at_any_shape(experts, slots, block_m, launches):
+    """Slot ranks with experts and slots that are no powers of two, every bound from a broken one up to S:
+    the kernel agrees with the reference (a broken bound drops the same slots' pairs in both)."""
+    g = torch.Generator().manual_seed(experts * 10 + slots)
+    num_tokens = 70
+    ids = torch.stack([torch.randperm(experts, generator=g)[:K] for _ in range(num_tokens)]).int()
+    token_slots = torch.randint(-1, slots, (num_tokens,), generator=g, dtype=torch.int32)
+    flags = (torch.arange(slots) != 1).int()  # slot 1 has no expert LoRA: ranked, but no group
+    for bound in range(1, slots + 1):
+        got = moe_align(ids, experts, block_m, token_slots, flags, **launches, active_slots=bound)
+        want = moe_align_ref(ids, experts, block_m, token_slots, flags, active_slots=bound)
+        assert _groups_of(got) == _groups_of(want)
+        assert torch.equal(got.block_group, want.block_group) and torch.equal(got.num_blocks, want.num_blocks)
+
+
 def test_align_defaults_to_three_launches_for_many_pairs():
     num_tokens = 1300  # 2600 pairs + 8 groups > ONE_PROGRAM_WORK: three launches, 256 pairs per program
     g = torch.Generator().manual_seed(5)

@@ -316,14 +316,14 @@ def test_stage_register_cap(monkeypatch):
 
 
 def test_active_slots_rank_the_groups():
-    """``active_slots``: tokens of slots 0 and 4 of 6 under a bound of 2 are aligned by their slots' ranks (same
-    output, fewer tiles); a bound at or above the slots, or none, changes nothing; on CPU a bound the tokens
-    break is refused."""
+    """``active_slots``: tokens of slots 0 and 4 of 6 under a bound of 2 (or 5) are aligned by their slots'
+    ranks (same output, fewer tiles); a bound at the slots (6), 0 or none changes nothing; on CPU a bound the
+    tokens break is refused."""
     c = _case(40, torch.float32, "uniform", seed=12)
     lora = dataclasses.replace(c["lora"], token_slots=torch.tensor([0, 4, -1], dtype=torch.int32)[torch.arange(40) % 3])
     c = {**c, "lora": lora}
     want = _run(fused_experts_ref, c, GROUP)
-    for bound in (2, 5, 0, None):
+    for bound in (2, 5, 6, 0, None):
         bounded = {**c, "lora": dataclasses.replace(lora, active_slots=bound)}
         _close(_run(fused_experts, bounded, GROUP), want, torch.float32)
         _close(_run(fused_experts_ref, bounded, GROUP), want, torch.float32)

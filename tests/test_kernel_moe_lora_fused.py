@@ -242,7 +242,8 @@ def test_fused_min_tokens_bounds_the_steps_that_fuse(monkeypatch):
 
 def test_fused_base_settings_reach_the_fused_gemms(monkeypatch):
     """``"fused_base"``: launch settings merged into the base config's stages for the fused GEMMs only (the
-    gate/up GEMM's ``"maxnreg"`` reaches its launch; the output is unchanged); bad values are refused."""
+    gate/up GEMM's ``"maxnreg"`` reaches its launch, not under ``"fused": "down"``; the output is unchanged);
+    bad values are refused."""
     fused_moe = importlib.import_module("unipage.kernels.fused_moe")
     seen, real = [], fused_moe.launch
 
@@ -257,6 +258,9 @@ def test_fused_base_settings_reach_the_fused_gemms(monkeypatch):
     config = {**FUSED_GROUP, "fused_base": {"gate_up": {"maxnreg": 128}, "down": {"block_n": 32}}}
     lt._close(lt._run(fused_experts, c, config), want, torch.float32)
     assert seen == [(True, lt.BASE_CONFIG["gate_up"]["block_n"], 128), (False, 32, None)]
+    seen.clear()
+    lt._close(lt._run(fused_experts, c, {**config, "fused": "down"}), want, torch.float32)  # the down GEMM's alone
+    assert seen == [(True, lt.BASE_CONFIG["gate_up"]["block_n"], None), (False, 32, None)]
     seen.clear()
     lt._run(fused_experts, c, {**config, "fused": False})  # the separate pass: the base config as it is
     assert seen == [(True, lt.BASE_CONFIG["gate_up"]["block_n"], None), (False, lt.BASE_CONFIG["down"]["block_n"], None)]
