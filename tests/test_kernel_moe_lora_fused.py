@@ -259,11 +259,12 @@ def test_fused_base_settings_reach_the_fused_gemms(monkeypatch):
     lt._close(lt._run(fused_experts, c, config), want, torch.float32)
     assert seen == [(True, lt.BASE_CONFIG["gate_up"]["block_n"], 128), (False, 32, None)]
     seen.clear()
+    gate_up_n, down_n = lt.BASE_CONFIG["gate_up"]["block_n"], lt.BASE_CONFIG["down"]["block_n"]
     lt._close(lt._run(fused_experts, c, {**config, "fused": "down"}), want, torch.float32)  # the down GEMM's alone
-    assert seen == [(True, lt.BASE_CONFIG["gate_up"]["block_n"], None), (False, 32, None)]
+    assert seen == [(True, gate_up_n, None), (False, 32, None)]
     seen.clear()
     lt._run(fused_experts, c, {**config, "fused": False})  # the separate pass: the base config as it is
-    assert seen == [(True, lt.BASE_CONFIG["gate_up"]["block_n"], None), (False, lt.BASE_CONFIG["down"]["block_n"], None)]
+    assert seen == [(True, gate_up_n, None), (False, down_n, None)]
     for bad in ({"gate": {}}, {"gate_up": {"block_m": 32}}, {"down": 4}, [1]):
         with pytest.raises(ValueError, match="fused_base"):
             lt._run(fused_experts, c, {**FUSED_GROUP, "fused_base": bad})
