@@ -315,13 +315,7 @@ def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, 
         ACT=activation.code,
         EVEN_K=k_dim % cfg["block_k"] == 0, USE_TMA=tma, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=align.block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg), **lora_consts)
-
-
-def _maxnreg(cfg: dict) -> dict:
-    """A stage's optional ``"maxnreg"``: a cap on its registers per thread (a fused LoRA epilogue's extra
-    registers would otherwise halve the programs an SM holds)."""
-    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+        **lora_ops._launch_opts(cfg), **lora_consts)  # ("maxnreg": `moe_lora_fused.fused_base`)
 
 
 # ---------------------------------------------------------------------------------------------
