@@ -60,8 +60,30 @@ def test_pieces_match_transformers(family, budget):
     mixed = llm.engine.runner.mixed
     assert mixed.replays == sum(1 for n in steps if n) >= 6  # every step that ran a batch went through the pieces
     keys = set(mixed.sets)
-    assert any(lora for _, lora, _ in keys) and all(bucket in mixed.buckets for bucket, _, _ in keys)
-    assert len({bucket for bucket, _, _ in keys}) > 1  # steps of several token counts, padded to their buckets
+    assert any(lora for _, lora, *_ in keys) and all(bucket in mixed.buckets for bucket, *_ in keys)
+    assert len({bucket for bucket, *_ in keys}) > 1  # steps of several token counts, padded to their buckets
+
+
+def test_adapter_classes_of_the_pieces(family):
+    """A step's pieces are those of the smallest adapter class (1, 2, 8 under a limit of 8) that holds its
+    distinct adapters, their LoRA grids bounded by it; the logits stay transformers + PEFT's."""
+    llm, oracle = piecewise_llm(family, 300), es.Oracle(family)
+    mixed, names = llm.engine.runner.mixed, list(family.adapters)
+    assert mixed.classes == [1, 2, 8]
+    seen, bounds = [], set()
+    pick, make = mixed._class, mixed._piece_batch
+    mixed._class = lambda bucket, active: seen.append((active, pick(bucket, active))) or seen[-1][1]
+    mixed._piece_batch = lambda *a: bounds.add(a[3]) or make(*a)
+    prompts, _ = mixed_batch(family, seed=5, count=3)
+    for adapters, most in (([names[0]] * 3, 1), ([names[0], names[1], None], 2), (names[:3], 3)):
+        seen.clear()
+        outs = llm.generate(prompts, GREEDY, adapters=adapters, max_tokens=2, return_logits=True)
+        for out in outs:
+            err = es.generated_logits_error(oracle, out)
+            assert err <= TOL, f"{out.adapter}: logits differ by {err}"
+        assert max(active for active, _ in seen) == most, adapters
+        assert all(cls == next(c for c in (1, 2, 8) if c >= active) for active, cls in seen)
+    assert bounds == {1, 2, 8} and {key[3] for key in mixed.sets if key[1]} == {1, 2, 8}
 
 
 def test_a_step_with_more_adapters_than_the_grid_runs_eagerly(family):
@@ -72,7 +94,7 @@ def test_a_step_with_more_adapters_than_the_grid_runs_eagerly(family):
     prompts, names = mixed_batch(family, seed=3, count=6)
     outs = llm.generate(prompts, GREEDY, adapters=names, max_tokens=2)
     assert all(len(out.token_ids) == 2 for out in outs)
-    assert not any(lora for _, lora, _ in mixed.sets)  # the steps with adapters never reached the pieces
+    assert not any(lora for _, lora, *_ in mixed.sets)  # the steps with adapters never reached the pieces
 
 
 @pytest.mark.parametrize("value", ["prefill", 1, 0, "True"])

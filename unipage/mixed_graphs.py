@@ -24,11 +24,15 @@ so they are uploaded as usual.  Rows past the step's tokens (up to the
 bucket) are padding: token 0 at position 0, no KV write, no adapter; the
 attention never reads them and they never mix with real rows.
 
-A set of pieces is captured per ``(bucket, LoRA on, GEMV)``: the dense LoRA
-plan takes the GEMV path when no adapter has more than a couple of tokens in
-the step (as an eager step's plan would, `plan_block_m`), else tiles of the
-bucket's height (an eager step sizes them by its largest adapter group, and
-its launch configs by its token count: only speed and summation order differ).
+A set of pieces is captured per ``(bucket, LoRA on, GEMV, adapter class)``: the
+dense LoRA plan takes the GEMV path when no adapter has more than a couple of
+tokens in the step (as an eager step's plan would, `plan_block_m`), else tiles of
+the bucket's height (an eager step sizes them by its largest adapter group, and
+its launch configs by its token count: only speed and summation order differ);
+the class (`graphs.adapter_classes` of the adapter limit, as the decode graphs'),
+the smallest that holds the step's distinct adapters, bounds the LoRA grids and
+picks the MoE LoRA launch config (its expected pairs per adapter and expert), so a
+step of 4 adapters under a limit of 16 runs the 4-adapter kernels.
 Like the decode graphs, the sets are dropped when the LoRA tables'
 generation changes.  A step runs eagerly instead (`run` returns None) when it
 has more distinct adapters than the graphs' LoRA grid covers, or when its set
@@ -48,7 +52,7 @@ import logging
 
 import torch
 
-from unipage.graphs import warm_up
+from unipage.graphs import adapter_classes, warm_up
 from unipage.kernels import plan_block_m
 from unipage.models.decoder import DecoderLM, StepBatch
 from unipage.models.lora_tables import LoraTables
@@ -84,6 +88,7 @@ class MixedGraphs:
         self.model, self.pool, self.lora, self.block_tokens = model, pool, lora, block_tokens
         self.buckets = token_buckets(min(max_tokens, MAX_TOKENS))
         self.max_adapters, self.device = max_adapters, device
+        self.classes = adapter_classes(max_adapters)
         self.capture = capture
         m, rows, dtype = model.model, self.buckets[-1], model.embed_tokens.dtype
         self.groups = 2 if m.hybrid_kv else 1
@@ -98,7 +103,7 @@ class MixedGraphs:
         self.attended = torch.zeros_like(self.q)  # the attention's output
         self.hidden = torch.zeros_like(self.h)  # the final norm of every row
         self._unused = torch.zeros(1, 1, dtype=torch.int32, device=device)  # attention-only fields of a piece
-        self.sets: dict[tuple[int, bool, bool], _Pieces | None] = {}  # None: could not be captured
+        self.sets: dict[tuple[int, bool, bool, int], _Pieces | None] = {}  # None: could not be captured
         self.generation = -1  # the LoRA tables' generation the sets were made with
         self.replays = self.captures = 0  # counters, for tests and benchmarks
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
@@ -118,7 +123,8 @@ class MixedGraphs:
         tokens = host.num_tokens
         bucket = next(b for b in self.buckets if b >= tokens)
         lora = self.lora.page_table is not None and host.active_slots > 0
-        key = (bucket, lora, lora and plan_block_m(host.group_tokens) == 1)
+        key = (bucket, lora, lora and plan_block_m(host.group_tokens) == 1,
+               self._class(bucket, host.active_slots) if lora else 0)
         if key not in self.sets:
             self.sets[key] = self._make(*key)
         pieces = self.sets[key]
@@ -136,15 +142,15 @@ class MixedGraphs:
 
     def capture_all(self) -> int:
         """Make the sets of every bucket now (largest first): without the LoRA kernels, and where adapters
-        are resident with them on both plan paths; returns how many were made."""
+        are resident with them on both plan paths in every adapter class; returns how many were made."""
         self.lora.refresh()
         if self.lora.generation != self.generation:
             self.drop()
         before = len(self.sets)
         for bucket in reversed(self.buckets):
-            keys = [(bucket, False, False)]
+            keys = [(bucket, False, False, 0)]
             if self.lora.page_table is not None:
-                keys += [(bucket, True, False), (bucket, True, True)]
+                keys += [(bucket, True, gemv, c) for c in self._classes(bucket) for gemv in (False, True)]
             for key in keys:
                 if key not in self.sets:
                     self.sets[key] = self._make(*key)
@@ -157,6 +163,14 @@ class MixedGraphs:
         if self.capture:
             self.mempool = torch.cuda.graph_pool_handle()
         self.generation = self.lora.generation
+
+    def _class(self, bucket: int, active: int) -> int:
+        """The smallest adapter class that holds ``active`` adapters (``run`` sends more to the eager path),
+        at most the bucket (a step has no more adapters than tokens)."""
+        return min(bucket, next(c for c in self.classes if c >= active))
+
+    def _classes(self, bucket: int) -> list[int]:
+        return sorted({min(bucket, c) for c in self.classes}, reverse=True)
 
     # -- inputs ------------------------------------------------------------
     def _fill(self, host: HostBatch, bucket: int) -> None:
@@ -189,28 +203,28 @@ class MixedGraphs:
             window_slot_mapping=self.dev64[3, :n] if self.groups > 1 else None,
             window_block_tables=sent[4] if self.groups > 1 else None, num_decodes=host.num_decodes)
 
-    def _piece_batch(self, bucket: int, lora: bool, gemv: bool) -> StepBatch:
+    def _piece_batch(self, bucket: int, lora: bool, gemv: bool, adapters: int) -> StepBatch:
         """The static inputs of a bucket's pieces (the attention-only fields are placeholders); the LoRA
-        plan's tile height hint is 1 on the GEMV path, else the bucket's."""
+        plan's tile height hint is 1 on the GEMV path, else the bucket's; ``adapters``: the class."""
         hybrid = self.groups > 1
         block_m = 1 if gemv else plan_block_m(bucket)
         return StepBatch(
             input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
             block_tables=self._unused, seq_lens=self._unused[0], cu_seqlens_q=self._unused[0], max_q_len=0,
             token_slots=self.dev32[:bucket], logits_rows=self._unused[0], any_lora=lora, group_tokens=block_m,
-            active_slots=min(bucket, self.max_adapters) if lora else 0,
+            active_slots=adapters if lora else 0,
             window_slot_mapping=self.dev64[3, :bucket] if hybrid else None,
             window_block_tables=self._unused if hybrid else None)
 
     # -- pieces --------------------------------------------------------------
-    def _make(self, bucket: int, lora: bool, gemv: bool) -> _Pieces | None:
+    def _make(self, bucket: int, lora: bool, gemv: bool, adapters: int) -> _Pieces | None:
         """The pieces of one key: captured graphs (warmed up on padding inputs), or the eager pieces;
         None if the device has no memory left for them."""
         if self._copied is not None:
             self._copied.synchronize()
         self._pad(0, bucket)  # a capture reads padding: no KV write, no adapter
         pieces = _Pieces([])
-        batch = self._piece_batch(bucket, lora, gemv)
+        batch = self._piece_batch(bucket, lora, gemv, adapters)
         steps = self._pieces(batch, self.lora if lora else None, pieces.state)
         if not self.capture:
             pieces.runs = steps
@@ -218,8 +232,8 @@ class MixedGraphs:
         try:
             self._capture(steps, pieces)
         except torch.OutOfMemoryError as err:
-            log.warning("mixed steps of %d tokens (LoRA %s) run eagerly: capturing their graphs ran out of "
-                        "device memory (%s)", bucket, lora, err)
+            log.warning("mixed steps of %d tokens (LoRA %s, %d adapters) run eagerly: capturing their graphs ran "
+                        "out of device memory (%s)", bucket, lora, adapters, err)
             return None
         self.captures += 1
         return pieces
