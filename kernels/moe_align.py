@@ -88,6 +88,9 @@ def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (pid % width) % size_m, (pid % width) // size_m
 
 
+SlotRanks = tuple[torch.Tensor, torch.Tensor]  # `slot_ranks`: rank of each slot [S_PAD], slot of each rank [A_PAD]
+
+
 def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
     return cdiv(num_pairs + min(num_groups, num_pairs) * (block_m - 1), block_m)
 
@@ -334,7 +337,7 @@ def _launch_split(num_pairs: int, g_pad: int, chunk: int | None, one_program_max
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               token_slots: torch.Tensor | None = None, slot_flags: torch.Tensor | None = None, *,
               chunk: int | None = None, one_program_max: int | None = None,
-              active_slots: int | None = None) -> Alignment:
+              active_slots: int | None = None, ranks: SlotRanks | None = None) -> Alignment:
     """Group the routed pairs into tiles of ``block_m`` (see the module docstring).
 
     ``topk_ids``    [T, K] int32  expert of each pair.
@@ -344,14 +347,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     ``active_slots`` (LoRA): at most this many distinct slots among the tokens.  Below S, pairs are grouped
     by their slot's rank among them (`_slot_ranks_kernel`, one more launch), so the groups, the counts
     and the tiles scale with it, not with S; ``block_group`` still names ``slot·E + expert``.  The pairs of
-    a slot ranked past it are dropped (see the module docstring).
+    a slot ranked past it are dropped (see the module docstring).  ``ranks``: `slot_ranks` of these tokens,
+    slots and bound, made once for the step's layers (None: this call launches it).
     One launch walks the pairs ``chunk`` (a power of two) at a time; three launches run one program
     per ``chunk`` pairs.  ``one_program_max`` pairs at most take one launch; by default
     `_launch_split` chooses both (one launch while pairs + padded groups <= `ONE_PROGRAM_WORK`).
     """
     _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots)
     num_pairs, top_k, device = topk_ids.numel(), topk_ids.shape[1], topk_ids.device
-    lora, ranks = token_slots is not None, _ranks(token_slots, slot_flags, active_slots)
+    lora, ranks = token_slots is not None, _ranks(token_slots, slot_flags, active_slots, ranks)
     groups = _num_groups(num_experts, slot_flags) if ranks is None else active_slots * num_experts
     blocks = max_blocks(num_pairs, groups, block_m)
     g_pad = next_pow2(groups)
@@ -385,22 +389,40 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 RANK_COMPARES = 4096  # token-slot compares `_slot_ranks_kernel` holds at once (16 tokens at least)
 
 
-def _ranks(token_slots, slot_flags, active_slots) -> tuple[torch.Tensor, torch.Tensor] | None:
+def slot_ranks(token_slots: torch.Tensor, num_slots: int, active_slots: int | None) -> SlotRanks | None:
     """``(rank of each slot [S_PAD], slot of each rank [A_PAD])`` int32 by `_slot_ranks_kernel` where the
-    pairs group by rank (`_ranked`); else None."""
-    if not _ranked(token_slots, slot_flags, active_slots):
+    pairs group by rank (a bound ``active_slots`` > 0 below ``num_slots``); else None.  They depend on the
+    tokens' slots alone, so a step computes them once for all its MoE layers (`moe_align`'s ``ranks``)."""
+    check_active_slots(active_slots)
+    if not active_slots or active_slots >= num_slots:
         return None
-    s_pad, a_pad = next_pow2(slot_flags.shape[0]), next_pow2(active_slots)
+    s_pad, a_pad = next_pow2(num_slots), next_pow2(active_slots)
     out = torch.empty(s_pad + a_pad, dtype=torch.int32, device=token_slots.device)
     launch(_slot_ranks_kernel, (1,), token_slots, out, out[s_pad:], token_slots.shape[0], S_PAD=s_pad, A_PAD=a_pad,
            BLOCK=max(16, RANK_COMPARES // s_pad), num_warps=4)
     return out[:s_pad], out[s_pad:]
 
 
+def _ranks(token_slots, slot_flags, active_slots, ranks: SlotRanks | None) -> SlotRanks | None:
+    """The ranks `moe_align` groups by: None when it does not (`_ranked`), else ``ranks`` (checked) or
+    `slot_ranks` of the tokens."""
+    if not _ranked(token_slots, slot_flags, active_slots):
+        return None
+    if ranks is None:
+        return slot_ranks(token_slots, slot_flags.shape[0], active_slots)
+    want = (next_pow2(slot_flags.shape[0]), next_pow2(active_slots))
+    if len(ranks) != 2 or tuple(r.shape for r in ranks) != tuple((n,) for n in want) \
+            or any(r.dtype != torch.int32 or r.device != token_slots.device for r in ranks):
+        raise ValueError(f"ranks must be slot_ranks' two int32 tensors of {want[0]} and {want[1]} entries on "
+                         f"{token_slots.device}")
+    return ranks
+
+
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                   token_slots: torch.Tensor | None = None, slot_flags: torch.Tensor | None = None, *,
-                  active_slots: int | None = None) -> Alignment:
-    """Torch version of `moe_align` (pairs in ascending order inside each group); no host sync."""
+                  active_slots: int | None = None, ranks: SlotRanks | None = None) -> Alignment:
+    """Torch version of `moe_align` (pairs in ascending order inside each group); no host sync.  It ranks
+    the slots itself (``ranks`` is accepted and not read)."""
     _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots)
     num_pairs, device = topk_ids.numel(), topk_ids.device
     ranked = _ranked(token_slots, slot_flags, active_slots)

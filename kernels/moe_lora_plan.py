@@ -20,6 +20,7 @@ from unipage.kernels.moe_align import (
     NUM_FIELDS,
     Alignment,
     MoeLoraMeta,
+    SlotRanks,
     check_active_slots,
     expected_load,
     launch_config,
@@ -41,6 +42,7 @@ class MoeLora:
     # group mode's alignment groups pairs by their slot's rank among that many (`moe_align`); a bound the
     # tokens break drops the LoRA of the slots ranked past it (on CPU tensors it is checked)
     active_slots: int | None = None
+    ranks: SlotRanks | None = None  # `slot_ranks` of the step's tokens (made once for its layers), else None
     activation: GatedActivation = SILU  # the experts' gated activation (set by `fused_experts`)
 
 
@@ -129,7 +131,7 @@ def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) 
     align = None
     if block_m > 1:
         align = align_fn(topk_ids, meta.num_experts, block_m, lora.token_slots, meta.slot_flags,
-                         active_slots=lora.active_slots)
+                         active_slots=lora.active_slots, ranks=lora.ranks)
     r_pad, _, rd_pad = lora_pads(meta)
     splits, _ = _split_k(meta.hidden, cfg["split_k"])
     num_pairs, device = topk_ids.numel(), topk_ids.device

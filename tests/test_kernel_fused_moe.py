@@ -13,7 +13,8 @@ import triton.language as tl
 from unipage.kernels.fused_moe import (_round_to, fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
                                        moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
 from unipage.kernels import moe_align as moe_align_module
-from unipage.kernels.moe_align import Alignment, _launch_split, launch_config, max_blocks, moe_align, moe_align_ref
+from unipage.kernels.moe_align import (Alignment, _launch_split, _ranks_ref, launch_config, max_blocks, moe_align,
+                                      moe_align_ref, slot_ranks)
 
 H, I, E, K = 64, 32, 8, 2
 TOKENS = (1, 7, 40)
@@ -223,10 +224,40 @@ def test_align_by_slot_rank_at_any_shape(experts, slots, block_m, launches):
     token_slots = torch.randint(-1, slots, (num_tokens,), generator=g, dtype=torch.int32)
     flags = (torch.arange(slots) != 1).int()  # slot 1 has no expert LoRA: ranked, but no group
     for bound in range(1, slots + 1):
-        got = moe_align(ids, experts, block_m, token_slots, flags, **launches, active_slots=bound)
         want = moe_align_ref(ids, experts, block_m, token_slots, flags, active_slots=bound)
-        assert _groups_of(got) == _groups_of(want)
-        assert torch.equal(got.block_group, want.block_group) and torch.equal(got.num_blocks, want.num_blocks)
+        ranks = slot_ranks(token_slots, slots, bound)  # made once, as a step does for its layers
+        for given in (None, ranks):
+            got = moe_align(ids, experts, block_m, token_slots, flags, **launches, active_slots=bound, ranks=given)
+            assert _groups_of(got) == _groups_of(want)
+            assert torch.equal(got.block_group, want.block_group) and torch.equal(got.num_blocks, want.num_blocks)
+
+
+@pytest.mark.parametrize("slots, bound", [(8, 2), (5, 3), (32, 4), (3, 1)])
+def test_slot_ranks_of_the_tokens(slots, bound):
+    """`slot_ranks` against `_ranks_ref` on random slots (with -1 tokens); none at a bound of 0 or >= S."""
+    g = torch.Generator().manual_seed(slots * 7 + bound)
+    chosen = torch.randperm(slots, generator=g)[:bound]
+    token_slots = torch.cat([chosen, torch.tensor([-1])])[torch.randint(0, bound + 1, (90,), generator=g)].int()
+    rank, inverse = slot_ranks(token_slots, slots, bound)
+    want_rank, want_inverse = _ranks_ref(token_slots, slots, bound)
+    present = sorted(set(token_slots.tolist()) - {-1})
+    assert rank.dtype == inverse.dtype == torch.int32 and rank.shape == (triton.next_power_of_2(slots),)
+    assert torch.equal(rank[:slots].long(), want_rank) and inverse[:len(present)].tolist() == present
+    assert torch.equal(inverse[:bound].long(), want_inverse)
+    assert slot_ranks(token_slots, slots, 0) is None and slot_ranks(token_slots, slots, slots) is None
+
+
+def test_align_refuses_ranks_of_another_shape():
+    ids = torch.zeros(6, K, dtype=torch.int32)
+    token_slots, flags = torch.tensor([0, 3, -1, 0, 3, 3], dtype=torch.int32), torch.ones(8, dtype=torch.int32)
+    ranks = slot_ranks(token_slots, 8, 2)
+    for bad in (slot_ranks(token_slots, 8, 4), slot_ranks(token_slots, 16, 2), (ranks[0].long(), ranks[1]),
+                ranks[:1]):
+        with pytest.raises(ValueError, match="ranks must be"):
+            moe_align(ids, E, 16, token_slots, flags, active_slots=2, ranks=bad)
+    foreign = slot_ranks(token_slots[1:2], 8, 2)  # slot 3 alone: slot 0 shares its rank, so the tiles change
+    assert not torch.equal(moe_align(ids, E, 16, token_slots, flags, active_slots=2, ranks=foreign).block_group,
+                           moe_align_ref(ids, E, 16, token_slots, flags, active_slots=2).block_group)
 
 
 def test_align_defaults_to_three_launches_for_many_pairs():

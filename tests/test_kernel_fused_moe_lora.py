@@ -20,7 +20,7 @@ from unipage.kernels.fused_moe_lora import lora_config as tuned_config
 from unipage.kernels.fused_moe_lora import (MoeLora, lora_pairs, moe_lora_down, moe_lora_down_ref,
                                             moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, moe_lora_shrink,
                                             plan_moe_lora, plan_moe_lora_ref)
-from unipage.kernels.moe_align import moe_align_ref
+from unipage.kernels.moe_align import moe_align_ref, slot_ranks
 from unipage.lora_layout import TargetSpec, build_layout
 
 H, I, E, K, LAYER = 64, 32, 8, 2, 1
@@ -327,6 +327,10 @@ def test_active_slots_rank_the_groups():
         bounded = {**c, "lora": dataclasses.replace(lora, active_slots=bound)}
         _close(_run(fused_experts, bounded, GROUP), want, torch.float32)
         _close(_run(fused_experts_ref, bounded, GROUP), want, torch.float32)
+        if bound in (2, 5):  # the ranks made once for a step's layers
+            ranks = slot_ranks(lora.token_slots, 6, bound)
+            _close(_run(fused_experts, {**c, "lora": dataclasses.replace(lora, active_slots=bound, ranks=ranks)},
+                        GROUP), want, torch.float32)
     tiles = {b: plan_moe_lora(dataclasses.replace(lora, active_slots=b), c["topk_ids"], GROUP).align.max_blocks
              for b in (2, None)}
     assert tiles[2] < tiles[None]
@@ -531,6 +535,8 @@ def test_gpu_slot_ranks_of_a_step(num_tokens):
     x, w_gate_up, w_down, topk_weights, topk_ids, lora = _gpu_case("qwen3-30b-a3b", num_tokens, adapters=16)
     lora = dataclasses.replace(lora, token_slots=(lora.token_slots % 4) * 4 + 1, active_slots=4)
     _check_gpu(x, w_gate_up, w_down, topk_weights, topk_ids, lora)
+    ranks = slot_ranks(lora.token_slots, lora.meta.slot_flags.shape[0], 4)  # once for a step's layers
+    _check_gpu(x, w_gate_up, w_down, topk_weights, topk_ids, dataclasses.replace(lora, ranks=ranks))
     config = tuned_config(lora, topk_ids)  # the bound's (group mode); unbounded, 16 slots would pick pair mode
     assert plan_moe_lora(lora, topk_ids).align.max_blocks < plan_moe_lora(
         dataclasses.replace(lora, active_slots=None), topk_ids, config).align.max_blocks

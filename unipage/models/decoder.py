@@ -31,6 +31,7 @@ import torch
 from unipage.config import ModelConfig
 from unipage.errors import CheckpointError
 from unipage.kernels import MoeLora, plan_lora_batch
+from unipage.kernels.moe_align import SlotRanks, slot_ranks
 from unipage.kernels.moe_act import SILU, GatedActivation
 from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
@@ -220,7 +221,10 @@ class DecoderLM:
                                    max_groups=batch.active_slots)
         stack = self.stack if lora_on and self.stack is not None and self.stack.covers(batch.input_ids.shape[0]) \
             else None
-        return _Context(batch, cos, sin, lora if lora_on else None, plan, stack)
+        ranks = None
+        if lora_on and self.ops.plans_lora and self.model.num_experts:  # one launch for every MoE layer
+            ranks = slot_ranks(batch.token_slots, lora.num_slots, batch.active_slots)
+        return _Context(batch, cos, sin, lora if lora_on else None, plan, stack, ranks)
 
     def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, x)``: the token embeddings ``[T, H]`` and the first layer's input norm of them."""
@@ -327,7 +331,7 @@ class DecoderLM:
         moe_lora = None
         if ctx.lora is not None and layer_lora.moe.any_lora:
             moe_lora = MoeLora(pool_l, ctx.lora.page_table, ctx.batch.token_slots, layer_lora.moe,
-                               ctx.batch.active_slots)
+                               ctx.batch.active_slots, ctx.ranks)
         return self.ops.experts(x, layer.experts_gate_up, layer.experts_down, weights, ids, moe_lora,
                                 gate_up_bias=layer.experts_gate_up_bias, down_bias=layer.experts_down_bias,
                                 activation=self.activation)
@@ -348,3 +352,4 @@ class _Context:
     lora: LoraTables | None  # None: no token of the step has an adapter
     plan: object  # LoraBatch of the dense LoRA kernels, or None
     stack: ShrinkStack | None = None  # the model's shrink stack when this step uses it (`_project`)
+    ranks: SlotRanks | None = None  # the step's `slot_ranks` for the MoE LoRA alignment, or None
