@@ -65,11 +65,11 @@ def test_pieces_match_transformers(family, budget):
 
 
 def test_adapter_classes_of_the_pieces(family):
-    """A step's pieces are those of the smallest adapter class (1, 2, 4, 8 under a limit of 8) that holds its
+    """A step's pieces are those of the smallest adapter class (1, 2, 8 under a limit of 8) that holds its
     distinct adapters, their LoRA grids bounded by it; the logits stay transformers + PEFT's."""
     llm, oracle = piecewise_llm(family, 300), es.Oracle(family)
     mixed, names = llm.engine.runner.mixed, list(family.adapters)
-    assert mixed.classes == [1, 2, 4, 8]
+    assert mixed.classes == [1, 2, 8]
     seen, bounds = [], set()
     pick, make = mixed._class, mixed._piece_batch
     mixed._class = lambda bucket, active: seen.append((active, pick(bucket, active))) or seen[-1][1]
@@ -82,8 +82,8 @@ def test_adapter_classes_of_the_pieces(family):
             err = es.generated_logits_error(oracle, out)
             assert err <= TOL, f"{out.adapter}: logits differ by {err}"
         assert max(active for active, _ in seen) == most, adapters
-        assert all(cls == next(c for c in (1, 2, 4, 8) if c >= active) for active, cls in seen)
-    assert bounds == {1, 2, 4} and {key[3] for key in mixed.sets if key[1]} == {1, 2, 4}
+        assert all(cls == next(c for c in (1, 2, 8) if c >= active) for active, cls in seen)
+    assert bounds == {1, 2, 8} and {key[3] for key in mixed.sets if key[1]} == {1, 2, 8}
 
 
 def test_a_step_with_more_adapters_than_the_grid_runs_eagerly(family):

@@ -75,12 +75,12 @@ PIECE_LAYERS = 0  # layers per decode graph after the first (0: one graph for th
 CLASS_STEP = 4  # adapter classes: max_adapters, then a quarter of it, and so on down to 1
 
 
-def adapter_classes(max_adapters: int, step: int = CLASS_STEP) -> list[int]:
-    """The adapter counts graphs are captured for, ascending: ``max_adapters``, then each a ``step``-th of
-    the one before, down to 1 (16 -> [1, 4, 16]; 8 -> [1, 2, 8]; with step 2, 16 -> [1, 2, 4, 8, 16])."""
+def adapter_classes(max_adapters: int) -> list[int]:
+    """The adapter counts decode graphs are captured for, ascending: ``max_adapters``, then each a
+    `CLASS_STEP`-th of the one before, down to 1 (16 -> [1, 4, 16]; 8 -> [1, 2, 8])."""
     classes = [max(1, max_adapters)]
     while classes[-1] > 1:
-        classes.append(max(1, classes[-1] // step))
+        classes.append(max(1, classes[-1] // CLASS_STEP))
     return classes[::-1]
 
 

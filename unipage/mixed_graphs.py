@@ -29,13 +29,10 @@ dense LoRA plan takes the GEMV path when no adapter has more than a couple of
 tokens in the step (as an eager step's plan would, `plan_block_m`), else tiles of
 the bucket's height (an eager step sizes them by its largest adapter group, and
 its launch configs by its token count: only speed and summation order differ);
-the class (`graphs.adapter_classes` of the adapter limit, halving at each step:
-1, 2, 4, 8, 16 under a limit of 16), the smallest that holds the step's distinct
-adapters, bounds the LoRA grids and picks the MoE LoRA launch config (its expected
-pairs per adapter and expert), so a step of 4 adapters under a limit of 16 runs the
-4-adapter kernels.  The classes are finer than the decode graphs' quarters: a
-mixed step holds the running batch's adapters and often a prefill's own (setup
-(b): 4 + 1, which quarters would send to the 16-adapter set).
+the class (`graphs.adapter_classes` of the adapter limit, as the decode graphs'),
+the smallest that holds the step's distinct adapters, bounds the LoRA grids and
+picks the MoE LoRA launch config (its expected pairs per adapter and expert), so a
+step of 4 adapters under a limit of 16 runs the 4-adapter kernels.
 Like the decode graphs, the sets are dropped when the LoRA tables'
 generation changes.  A step runs eagerly instead (`run` returns None) when it
 has more distinct adapters than the graphs' LoRA grid covers, or when its set
@@ -65,7 +62,6 @@ from unipage.step_inputs import HostBatch
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 4096  # the largest step graphed (a budget above it leaves the larger steps eager)
-CLASS_STEP = 2  # adapter classes: the limit, then half of it, and so on down to 1
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -92,7 +88,7 @@ class MixedGraphs:
         self.model, self.pool, self.lora, self.block_tokens = model, pool, lora, block_tokens
         self.buckets = token_buckets(min(max_tokens, MAX_TOKENS))
         self.max_adapters, self.device = max_adapters, device
-        self.classes = adapter_classes(max_adapters, CLASS_STEP)
+        self.classes = adapter_classes(max_adapters)
         self.capture = capture
         m, rows, dtype = model.model, self.buckets[-1], model.embed_tokens.dtype
         self.groups = 2 if m.hybrid_kv else 1
