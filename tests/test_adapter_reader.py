@@ -2,7 +2,9 @@
 buffer as packing in-process (through a file or straight into a shared ring), failures reported as
 `AdapterError`, and a dead worker replaced."""
 
+import dataclasses
 import os
+import shutil
 import signal
 import time
 
@@ -116,6 +118,31 @@ def test_a_worker_dying_mid_read_fails_that_read_alone(tmp_path):
         assert readers.in_flight == 0
     finally:
         readers.shutdown()
+
+
+def test_a_read_without_a_reply_past_the_timeout_fails_and_its_worker_is_replaced(tmp_path):
+    """A read that never ends (its weights file a FIFO no one writes: a hung mount) fails once the pool's
+    timeout has passed, its worker is killed and replaced, and the read queued behind it is served."""
+    memory, _ = setup(tmp_path)
+    hung = tmp_path / "hung"
+    shutil.copytree(memory.adapters.get("a0").info.path, hung)
+    os.remove(hung / "adapter_model.safetensors")
+    os.mkfifo(hung / "adapter_model.safetensors")
+    info, *rest = _args(memory, "a0", torch.float32)
+    readers = ReaderPool(1, timeout=1.0)
+    try:
+        first = readers.workers[0].proc
+        stuck = readers.submit(dataclasses.replace(info, path=str(hung)), *rest)
+        behind = readers.submit(*_args(memory, "a1", torch.float32))
+        for read in (stuck, behind):
+            readers.wait(read, 120)
+        assert isinstance(stuck.error, AdapterError) and "no reply in 1 s" in str(stuck.error)
+        assert torch.equal(behind.result()[0], read_and_pack(*_args(memory, "a1", torch.float32)))
+        assert first.poll() is not None and readers.workers[0].proc is not first and readers.in_flight == 0
+    finally:
+        readers.shutdown()
+    with pytest.raises(ValueError, match="timeout"):
+        ReaderPool(1, timeout=0)
 
 
 def test_a_reply_left_by_a_dead_worker_counts(tmp_path):

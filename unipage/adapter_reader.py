@@ -16,7 +16,9 @@ to the least busy worker with room (at most `PIPELINE` requests each; a worker
 serves its pipe in order), writing only what the non-blocking pipe takes, so
 it never waits for a busy worker; `ReaderPool.poll`, called by the step loop,
 writes the rest, picks up the replies that are there (``poll``, no waiting)
-and hands queued requests to the workers that have room again.  The packed buffer does not come back through
+and hands queued requests to the workers that have room again; a worker
+silent on one read past `READ_TIMEOUT_S` is killed and replaced, and that
+read fails.  The packed buffer does not come back through
 the pipe: the worker writes it straight into a `SharedTarget` — a slice of the
 caller's pinned ring, a file in shared memory that the worker maps — so the
 step loop copies nothing; or, given no target, into a file of the pool's
@@ -62,6 +64,11 @@ _LENGTH = struct.Struct("<Q")
 PICKLE_CACHE = 64  # layouts and models kept pickled (parent) and unpickled (worker)
 PIPELINE = 2  # requests a worker holds at once: the one it works on and the next, already in its pipe
 MAX_RESENDS = 3  # dead workers a read may go through unstarted before it fails
+# A worker that has not replied this long to the read it works on is taken for stuck (a hung mount, a file
+# that never ends) and killed: that read fails, the ones behind it go to the others.  A 640 MiB adapter
+# takes about 7 s (eight at once, H200 host); at 32 MiB/s, 20 s.
+READ_TIMEOUT_S = 300.0
+KILL_WAIT_S = 1.0  # how long a killed worker is waited for before it is left to the OS to reap
 
 
 def read_and_pack(info, layout, model, page_elems: int, dtype: torch.dtype) -> torch.Tensor:
@@ -184,11 +191,24 @@ class _Worker:
         os.set_blocking(self.stdin, False)
         self.sent: deque[_Request] = deque()
         self.outgoing = bytearray()
+        self.head_since = 0.0  # monotonic time the oldest request in ``sent`` became the one it works on
 
     def give(self, request: _Request) -> None:
         """Queue ``request`` to this worker; `flush` writes it."""
+        if not self.sent:
+            self.head_since = time.monotonic()
         self.sent.append(request)
         self.outgoing += request.data
+
+    def take_head(self) -> _Request:
+        """The oldest request, replied to: the next one's clock starts."""
+        request = self.sent.popleft()
+        self.head_since = time.monotonic()
+        return request
+
+    def stuck(self, timeout: float) -> bool:
+        """Whether the request it works on went whole into the pipe more than ``timeout`` s ago, unanswered."""
+        return self.oldest_written() and time.monotonic() - self.head_since > timeout
 
     def flush(self) -> None:
         """Write what the pipe takes now, never waiting (`OSError`, e.g. a broken pipe, if the process died)."""
@@ -223,14 +243,19 @@ class _Worker:
             at += _LENGTH.size + length
         return replies
 
-    def kill(self) -> None:
-        """End the process now (its reads are abandoned or given to another) and reap it."""
+    def kill(self, wait: float | None = None) -> None:
+        """End the process now (its reads are abandoned or given to another) and reap it, waiting at most
+        ``wait`` seconds (None: until it has exited; a process in an uninterruptible read exits only when the
+        read returns, and is then reaped by `subprocess` later)."""
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait()
+        try:
+            self.proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass
 
-    def close(self) -> None:
-        self.kill()
+    def close(self, wait: float | None = None) -> None:
+        self.kill(wait)
         self.proc.stdin.close()
         self.proc.stdout.close()
 
@@ -241,13 +266,16 @@ class ReaderPool:
     has room (at most `PIPELINE` requests each: the one it works on and the next), so `submit` never
     waits for a busy worker.  Replies are taken by `poll` (or `wait`), on the caller's thread.  A dead
     worker is replaced: its replies still in the pipe count, the read it was working on fails and the
-    ones it never started go to the others.  The workers exit when the pool is shut down or collected;
+    ones it never started go to the others; so is one that has not replied to the read it works on for
+    ``timeout`` seconds (`READ_TIMEOUT_S`: stuck), killed first.  The workers exit when the pool is shut down or collected;
     after that a read fails with `AdapterError`."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, timeout: float = READ_TIMEOUT_S) -> None:
         if workers < 1:
             raise ValueError(f"a reader pool needs at least 1 worker, got {workers}")
-        self.max_workers = workers
+        if not timeout > 0:
+            raise ValueError(f"a reader pool's read timeout must be > 0 seconds, got {timeout}")
+        self.max_workers, self.timeout = workers, timeout
         self.workers: list[_Worker] = [_Worker()]
         self._closed = False
         self._queue: deque[_Request] = deque()  # submitted, not yet given to a worker
@@ -287,6 +315,11 @@ class ReaderPool:
                 break
             for fd in ready:
                 self._finished.extend(self._take_reply(busy[fd]))
+            self._dispatch()
+        for worker in [w for w in self.workers if w.sent and w.stuck(self.timeout)]:
+            self._finished.extend(self._replace(worker, TimeoutError(
+                f"no reply in {self.timeout:g} s to the read it worked on; the process was killed"), stuck=True))
+        if self._queue:
             self._dispatch()
         finished, self._finished = self._finished, []
         return finished
@@ -363,16 +396,17 @@ class ReaderPool:
             reply = worker.receive()
         except (EOFError, OSError, pickle.UnpicklingError) as err:
             return self._replace(worker, err)
-        read = worker.sent.popleft().read
+        read = worker.take_head().read
         _finish(read, reply)
         return [read]
 
-    def _replace(self, worker: _Worker, err: Exception) -> list[Read]:
-        """``worker`` died: take the replies it left, fail the read it was working on, queue the ones it
-        never started again (first, in order), and start a new process in its place unless shut down."""
-        worker.kill()
+    def _replace(self, worker: _Worker, err: Exception, stuck: bool = False) -> list[Read]:
+        """``worker`` died (or is ``stuck``: killed now, its replies all taken): take the replies it left,
+        fail the read it was working on, queue the ones it never started again (first, in order), and start
+        a new process in its place unless shut down."""
+        worker.kill(KILL_WAIT_S if stuck else None)
         done = []
-        for reply in worker.leftover_replies()[:len(worker.sent)]:
+        for reply in [] if stuck else worker.leftover_replies()[:len(worker.sent)]:
             read = worker.sent.popleft().read
             _finish(read, reply)
             done.append(read)
@@ -389,7 +423,7 @@ class ReaderPool:
                 self._queue.appendleft(request)
         worker.sent.clear()
         worker.outgoing.clear()
-        worker.close()
+        worker.close(KILL_WAIT_S if stuck else None)
         if not self._closed:
             self.workers.remove(worker)
             try:
