@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 import test_kernel_fused_moe_lora as lt
+import test_kernel_fused_moe_lora_gpu as gpu
 import torch
 from test_kernel_moe_gptoss import OAI, _biases
 from unipage.kernels import moe_lora_fused
@@ -275,11 +276,11 @@ def test_fused_base_settings_reach_the_fused_gemms(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
-@pytest.mark.parametrize("shape", sorted(lt.GPU_SHAPES))
+@pytest.mark.parametrize("shape", sorted(gpu.GPU_SHAPES))
 def test_gpu_fused_bf16(shape, num_tokens):
     from unipage.kernels.fused_moe_lora import MoeLora, lora_config
 
-    x, w_gate_up, w_down, topk_weights, topk_ids, lora = lt._gpu_case(shape, num_tokens)
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = gpu._gpu_case(shape, num_tokens)
     lora32 = MoeLora(lora.pool.float(), lora.page_table, lora.token_slots, lora.meta)
     want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
     base = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids)
@@ -298,13 +299,13 @@ def test_gpu_fused_compiles_once_across_token_counts():
     fused_moe = importlib.import_module("unipage.kernels.fused_moe")
 
     config = {**launch_config("lora", "none", 1e9, "cpu"), "fused": True}
-    x, w_gate_up, w_down, topk_weights, topk_ids, lora = lt._gpu_case("qwen3-30b-a3b", 64)
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = gpu._gpu_case("qwen3-30b-a3b", 64)
     counts = []
     for num_tokens in (1, 2, 3, 5, 17, 64):
         part = MoeLora(lora.pool, lora.page_table, lora.token_slots[:num_tokens].contiguous(), lora.meta)
         fused_experts(x[:num_tokens], w_gate_up, w_down, topk_weights[:num_tokens].contiguous(),
                       topk_ids[:num_tokens].contiguous(), part, lt.BASE_CONFIG, config)
-        counts.append(lt._compiled(fused_moe._moe_gemm_kernel))
+        counts.append(gpu._compiled(fused_moe._moe_gemm_kernel))
     assert counts[-1] == counts[0]
 
 
@@ -315,8 +316,8 @@ def test_gpu_tuned_entry_at_the_prefill_mix():
     shrink in the epilogue)."""
     from unipage.kernels.fused_moe_lora import lora_config
 
-    case = lt._gpu_case("qwen3-30b-a3b", 2048, adapters=4)
+    case = gpu._gpu_case("qwen3-30b-a3b", 2048, adapters=4)
     config = lora_config(case[-1], case[4])
     if torch.cuda.get_device_name() == "NVIDIA H200":
         assert moe_lora_fused.config_mode(config, 2048) == "all" and config["down_shrink"] == "epilogue"
-    lt._check_gpu(*case)
+    gpu._check_gpu(*case)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import test_kernel_fused_moe_lora as base
+import test_kernel_fused_moe_lora_gpu as gpu
 from unipage.kernels.fused_moe_lora import moe_lora_down, moe_lora_gate_up, plan_moe_lora
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, moe_lora_down_sum_ref, sums_down
 
@@ -122,22 +123,22 @@ def test_gpu_tuned_entry_at_four_adapters():
     with the whole-K shrink on the side stream and the down delta in the sum, one warp)."""
     from unipage.kernels.fused_moe_lora import lora_config
 
-    case = base._gpu_case("qwen3-30b-a3b", 256, adapters=4)
+    case = gpu._gpu_case("qwen3-30b-a3b", 256, adapters=4)
     config = lora_config(case[-1], case[4])
     if torch.cuda.get_device_name() == "NVIDIA H200":
         assert config["block_m"] == 16 and config["down"].get("sum") and config.get("overlap")
-    base._check_gpu(*case)
+    gpu._check_gpu(*case)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 16, 256])
-@pytest.mark.parametrize("shape", sorted(base.GPU_SHAPES))
+@pytest.mark.parametrize("shape", sorted(gpu.GPU_SHAPES))
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("block_m", [1, 16])
 def test_gpu_down_sum_bf16(shape, num_tokens, pdl, block_m):
     from unipage.kernels.fused_moe_lora import MoeLora, lora_config
 
-    x, w_gate_up, w_down, topk_weights, topk_ids, lora = base._gpu_case(shape, num_tokens)
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = gpu._gpu_case(shape, num_tokens)
     config = dict(lora_config(lora, topk_ids), block_m=block_m, pdl=pdl)
     if block_m > 1:  # (a pair-mode entry's one-warp, wide gate/up tile would spill in group mode)
         config.update(split_k=1, shrink={"group_m": 8, "num_warps": 4, "num_stages": 2},
