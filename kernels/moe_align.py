@@ -394,6 +394,11 @@ def slot_ranks(token_slots: torch.Tensor, num_slots: int, active_slots: int | No
     pairs group by rank (a bound ``active_slots`` > 0 below ``num_slots``); else None.  They depend on the
     tokens' slots alone, so a step computes them once for all its MoE layers (`moe_align`'s ``ranks``)."""
     check_active_slots(active_slots)
+    if token_slots.dim() != 1 or token_slots.dtype != torch.int32 or not token_slots.is_contiguous():
+        raise ValueError(f"token_slots must be a contiguous [T] int32 tensor, got {tuple(token_slots.shape)} "
+                         f"{token_slots.dtype}")
+    if type(num_slots) is not int or num_slots < 1:
+        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
     if not active_slots or active_slots >= num_slots:
         return None
     s_pad, a_pad = next_pow2(num_slots), next_pow2(active_slots)
@@ -410,22 +415,35 @@ def _ranks(token_slots, slot_flags, active_slots, ranks: SlotRanks | None) -> Sl
         return None
     if ranks is None:
         return slot_ranks(token_slots, slot_flags.shape[0], active_slots)
-    want = (next_pow2(slot_flags.shape[0]), next_pow2(active_slots))
+    _check_ranks(ranks, token_slots, slot_flags.shape[0], active_slots)
+    return ranks
+
+
+def _check_ranks(ranks: SlotRanks, token_slots: torch.Tensor, num_slots: int, active_slots: int) -> None:
+    """Given ranks: `slot_ranks`' shapes, dtype and device; on CPU tensors also its values for these tokens
+    (on a GPU that check would cost a host sync: the engine makes them from the step's own tokens)."""
+    want = (next_pow2(num_slots), next_pow2(active_slots))
     if len(ranks) != 2 or tuple(r.shape for r in ranks) != tuple((n,) for n in want) \
             or any(r.dtype != torch.int32 or r.device != token_slots.device for r in ranks):
         raise ValueError(f"ranks must be slot_ranks' two int32 tensors of {want[0]} and {want[1]} entries on "
                          f"{token_slots.device}")
-    return ranks
+    if token_slots.device.type == "cpu":
+        rank, inverse = _ranks_ref(token_slots, num_slots, active_slots)
+        if not (torch.equal(ranks[0][:num_slots].long(), rank) and torch.equal(ranks[1][:active_slots].long(),
+                                                                              inverse)):
+            raise ValueError("ranks are not slot_ranks of these tokens")
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                   token_slots: torch.Tensor | None = None, slot_flags: torch.Tensor | None = None, *,
                   active_slots: int | None = None, ranks: SlotRanks | None = None) -> Alignment:
     """Torch version of `moe_align` (pairs in ascending order inside each group); no host sync.  It ranks
-    the slots itself (``ranks`` is accepted and not read)."""
+    the slots itself (``ranks``, checked as `moe_align` checks them, is not read)."""
     _check_align_args(topk_ids, num_experts, block_m, token_slots, slot_flags, active_slots)
     num_pairs, device = topk_ids.numel(), topk_ids.device
     ranked = _ranked(token_slots, slot_flags, active_slots)
+    if ranked and ranks is not None:
+        _check_ranks(ranks, token_slots, slot_flags.shape[0], active_slots)
     groups = active_slots * num_experts if ranked else _num_groups(num_experts, slot_flags)
     blocks = max_blocks(num_pairs, groups, block_m)
     group = topk_ids.reshape(-1).long()

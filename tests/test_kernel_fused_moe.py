@@ -232,12 +232,13 @@ def test_align_by_slot_rank_at_any_shape(experts, slots, block_m, launches):
             assert torch.equal(got.block_group, want.block_group) and torch.equal(got.num_blocks, want.num_blocks)
 
 
-@pytest.mark.parametrize("slots, bound", [(8, 2), (5, 3), (32, 4), (3, 1)])
+@pytest.mark.parametrize("slots, bound", [(8, 2), (5, 3), (32, 4), (3, 1), (64, 5)])
 def test_slot_ranks_of_the_tokens(slots, bound):
-    """`slot_ranks` against `_ranks_ref` on random slots (with -1 tokens); none at a bound of 0 or >= S."""
+    """`slot_ranks` against `_ranks_ref` on random slots (with -1 tokens; at 32 and 64 slots the kernel
+    walks the 300 tokens in several blocks); none at a bound of 0 or >= S; bad input refused."""
     g = torch.Generator().manual_seed(slots * 7 + bound)
     chosen = torch.randperm(slots, generator=g)[:bound]
-    token_slots = torch.cat([chosen, torch.tensor([-1])])[torch.randint(0, bound + 1, (90,), generator=g)].int()
+    token_slots = torch.cat([chosen, torch.tensor([-1])])[torch.randint(0, bound + 1, (300,), generator=g)].int()
     rank, inverse = slot_ranks(token_slots, slots, bound)
     want_rank, want_inverse = _ranks_ref(token_slots, slots, bound)
     present = sorted(set(token_slots.tolist()) - {-1})
@@ -245,19 +246,29 @@ def test_slot_ranks_of_the_tokens(slots, bound):
     assert torch.equal(rank[:slots].long(), want_rank) and inverse[:len(present)].tolist() == present
     assert torch.equal(inverse[:bound].long(), want_inverse)
     assert slot_ranks(token_slots, slots, 0) is None and slot_ranks(token_slots, slots, slots) is None
+    for bad, match in (((token_slots.long(), slots, bound), "token_slots"), ((token_slots[::2], slots, bound),
+                       "token_slots"), ((token_slots, 0, bound), "num_slots"), ((token_slots, slots, -1), "active")):
+        with pytest.raises(ValueError, match=match):
+            slot_ranks(*bad)
 
 
-def test_align_refuses_ranks_of_another_shape():
+def test_align_takes_given_ranks_and_refuses_bad_ones(monkeypatch):
+    """Given ranks are used (no rank launch); ranks of another shape, or on CPU of other tokens, are refused
+    by the kernel path and the reference alike."""
     ids = torch.zeros(6, K, dtype=torch.int32)
     token_slots, flags = torch.tensor([0, 3, -1, 0, 3, 3], dtype=torch.int32), torch.ones(8, dtype=torch.int32)
     ranks = slot_ranks(token_slots, 8, 2)
-    for bad in (slot_ranks(token_slots, 8, 4), slot_ranks(token_slots, 16, 2), (ranks[0].long(), ranks[1]),
-                ranks[:1]):
-        with pytest.raises(ValueError, match="ranks must be"):
-            moe_align(ids, E, 16, token_slots, flags, active_slots=2, ranks=bad)
-    foreign = slot_ranks(token_slots[1:2], 8, 2)  # slot 3 alone: slot 0 shares its rank, so the tiles change
-    assert not torch.equal(moe_align(ids, E, 16, token_slots, flags, active_slots=2, ranks=foreign).block_group,
-                           moe_align_ref(ids, E, 16, token_slots, flags, active_slots=2).block_group)
+    want = moe_align_ref(ids, E, 16, token_slots, flags, active_slots=2)
+    foreign = slot_ranks(token_slots[1:2], 8, 2)  # slot 3 alone: slot 0 would share its rank
+    for align in (moe_align, moe_align_ref):
+        for bad, match in ((slot_ranks(token_slots, 8, 4), "ranks must be"), ((ranks[0].long(), ranks[1]),
+                           "ranks must be"), (slot_ranks(token_slots, 16, 2), "ranks must be"),
+                           (ranks[:1], "ranks must be"), (foreign, "not slot_ranks of these tokens")):
+            with pytest.raises(ValueError, match=match):
+                align(ids, E, 16, token_slots, flags, active_slots=2, ranks=bad)
+    monkeypatch.setattr(moe_align_module, "slot_ranks", lambda *a: pytest.fail("ranked again"))
+    got = moe_align(ids, E, 16, token_slots, flags, active_slots=2, ranks=ranks)
+    assert torch.equal(got.block_group, want.block_group) and _groups_of(got) == _groups_of(want)
 
 
 def test_align_defaults_to_three_launches_for_many_pairs():

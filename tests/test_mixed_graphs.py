@@ -8,6 +8,8 @@ sequence's adapter, under chunked prefill that mixes prompt chunks and decodes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import engine_support as es
 import pytest
 import torch
@@ -73,7 +75,7 @@ def test_adapter_classes_of_the_pieces(family):
     seen, bounds = [], set()
     pick, make = mixed._class, mixed._piece_batch
     mixed._class = lambda bucket, active: seen.append((active, pick(bucket, active))) or seen[-1][1]
-    mixed._piece_batch = lambda *a: bounds.add(a[3]) or make(*a)
+    mixed._piece_batch = lambda *a: (batch := make(*a), bounds.add(batch.active_slots))[0]  # the pieces' bound
     prompts, _ = mixed_batch(family, seed=5, count=3)
     for adapters, most in (([names[0]] * 3, 1), ([names[0], names[1], None], 2), (names[:3], 3)):
         seen.clear()
@@ -82,15 +84,51 @@ def test_adapter_classes_of_the_pieces(family):
             err = es.generated_logits_error(oracle, out)
             assert err <= TOL, f"{out.adapter}: logits differ by {err}"
         assert max(active for active, _ in seen) == most, adapters
-        assert all(cls == next(c for c in (1, 2, 8) if c >= active) for active, cls in seen)
+        assert set(seen) <= {(1, 1), (2, 2), (3, 8)}, seen
     assert bounds == {1, 2, 8} and {key[3] for key in mixed.sets if key[1]} == {1, 2, 8}
 
 
+@pytest.mark.parametrize("pieces", [True, False])
+def test_moe_lora_slot_ranks_once_a_step(family, pieces, monkeypatch):
+    """With the Triton MoE kernels (under the interpreter; the rest torch), a step's MoE layers align by slot
+    rank with the ranks its context made once (pieces or an eager step), and the logits stay transformers
+    + PEFT's."""
+    from unipage import kernels as K
+    from unipage.kernels import moe_align
+    from unipage.models import decoder
+    from unipage.models.ops import TORCH
+
+    llm, oracle = piecewise_llm(family, 300), es.Oracle(family)
+    runner = llm.engine.runner
+    if not runner.model.model.num_experts:
+        pytest.skip("a dense model: no MoE LoRA")
+    runner.model.ops = dataclasses.replace(TORCH, experts=K.fused_experts, plans_lora=True)
+    if pieces:
+        runner.mixed.classes = [1, 2, 4]  # a class of 4 below the tables' 8 rows: the pieces rank too
+    else:
+        runner.mixed = None
+    made, given, contexts = [], [], []
+    make, take, context = decoder.slot_ranks, moe_align._ranks, runner.model.context
+    monkeypatch.setattr(decoder, "slot_ranks", lambda *a: made.append(a[1:]) or make(*a))
+    monkeypatch.setattr(moe_align, "_ranks",
+                        lambda *a: (moe_align._ranked(*a[:3]) and given.append(a[3] is not None)) or take(*a))
+    monkeypatch.setattr(runner.model, "context", lambda *a: contexts.append(a[0].active_slots) or context(*a))
+    prompts, _ = mixed_batch(family, seed=5, count=3)
+    outs = llm.generate(prompts, GREEDY, adapters=list(family.adapters)[:3], max_tokens=2, return_logits=True)
+    for out in outs:
+        err = es.generated_logits_error(oracle, out)
+        assert err <= TOL, f"{out.adapter}: logits differ by {err}"
+    slots = runner.lora.page_table.shape[0]
+    assert made == [(slots, active) for active in contexts]  # once a step (eager: 3 adapters; pieces: class 4)
+    assert all(given) and len(given) >= len(made)  # every ranked alignment took the context's ranks
+
+
 def test_a_step_with_more_adapters_than_the_grid_runs_eagerly(family):
-    """The pieces' LoRA grid covers `max_adapters_per_batch` adapters; a step with more runs eagerly."""
+    """The pieces' LoRA grid covers their largest adapter class (`max_adapters_per_batch`); a step with more
+    runs eagerly."""
     llm = piecewise_llm(family, 300)
     mixed = llm.engine.runner.mixed
-    mixed.max_adapters = 1
+    mixed.classes = [1]
     prompts, names = mixed_batch(family, seed=3, count=6)
     outs = llm.generate(prompts, GREEDY, adapters=names, max_tokens=2)
     assert all(len(out.token_ids) == 2 for out in outs)

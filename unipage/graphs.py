@@ -29,7 +29,7 @@ an A/B in one process (`serve.py --piece-layers 0 4 0 4`) says otherwise
 (`benchmarks/results/lora-breakdown-h200.jsonl`, `serve-h200.jsonl`).
 `DecodeGraphs.set_piece_layers` changes it on a running engine.  The pieces
 pass the residual stream, the next layer's input and the step's context (rope
-tables, the LoRA plan) as tensors of the graphs' memory pool: all of them
+tables, the LoRA plan, the MoE LoRA's slot ranks) as tensors of the graphs' memory pool: all of them
 live within one step, so the pieces of other buckets may reuse that memory —
 safe because the pieces of one key are replayed back to back, never
 interleaved with another key's, all on one stream, and the step consumes
@@ -82,6 +82,19 @@ def adapter_classes(max_adapters: int) -> list[int]:
     while classes[-1] > 1:
         classes.append(max(1, classes[-1] // CLASS_STEP))
     return classes[::-1]
+
+
+def adapter_class(classes: list[int], bucket: int, active: int) -> int:
+    """The smallest of ``classes`` that holds ``active`` (>= 1) adapters, at most ``bucket`` (a step has no
+    more adapters than rows); a `ValueError` past the largest (its graphs' LoRA grids are too small)."""
+    if active > classes[-1]:
+        raise ValueError(f"a step of {active} adapters: the graphs cover at most {classes[-1]}")
+    return min(bucket, next(c for c in classes if c >= active))
+
+
+def bucket_classes(classes: list[int], bucket: int) -> list[int]:
+    """The adapter classes a bucket's graphs are made for, ascending, each at most the bucket."""
+    return sorted({min(bucket, c) for c in classes})
 
 
 def warm_up(run: Callable[[], object], device: torch.device) -> None:
@@ -307,18 +320,15 @@ class DecodeGraphs:
         if self.lora.page_table is None:
             return bucket, 0
         active = len({seq.slot for seq in seqs if seq.slot >= 0})
-        if active == 0:
-            return bucket, 0
-        if active > self.classes[-1]:  # (`accepts` refuses such a step: its graphs' LoRA grids are too small)
-            raise ValueError(f"a decode step of {active} adapters: the graphs cover at most {self.classes[-1]}")
-        return bucket, min(bucket, next(c for c in self.classes if c >= active))
+        # (`accepts` refuses a step of more adapters than the largest class)
+        return bucket, adapter_class(self.classes, bucket, active) if active else 0
 
     def _classes(self, bucket: int) -> list[int]:
         """A bucket's adapter classes (0 first; the others only where adapters are resident), each at most
         the bucket (a step has no more adapters than requests)."""
         if self.lora.page_table is None:
             return [0]
-        return [0, *sorted({min(bucket, c) for c in self.classes})]
+        return [0, *bucket_classes(self.classes, bucket)]
 
     def _replay(self, key: tuple[int, int]) -> None:
         for graph in self.graphs[key][0]:

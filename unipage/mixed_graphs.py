@@ -52,7 +52,7 @@ import logging
 
 import torch
 
-from unipage.graphs import adapter_classes, warm_up
+from unipage.graphs import adapter_class, adapter_classes, bucket_classes, warm_up
 from unipage.kernels import plan_block_m
 from unipage.models.decoder import DecoderLM, StepBatch
 from unipage.models.lora_tables import LoraTables
@@ -87,7 +87,7 @@ class MixedGraphs:
                  max_tokens: int, max_adapters: int, device: torch.device, capture: bool = True) -> None:
         self.model, self.pool, self.lora, self.block_tokens = model, pool, lora, block_tokens
         self.buckets = token_buckets(min(max_tokens, MAX_TOKENS))
-        self.max_adapters, self.device = max_adapters, device
+        self.device = device
         self.classes = adapter_classes(max_adapters)
         self.capture = capture
         m, rows, dtype = model.model, self.buckets[-1], model.embed_tokens.dtype
@@ -118,7 +118,7 @@ class MixedGraphs:
         step must run eagerly (more adapters than the LoRA grid covers, or its set could not be captured)."""
         if self.lora.generation != self.generation:
             self.drop()
-        if host.active_slots > self.max_adapters:
+        if host.active_slots > self.classes[-1]:
             return None
         tokens = host.num_tokens
         bucket = next(b for b in self.buckets if b >= tokens)
@@ -167,10 +167,10 @@ class MixedGraphs:
     def _class(self, bucket: int, active: int) -> int:
         """The smallest adapter class that holds ``active`` adapters (``run`` sends more to the eager path),
         at most the bucket (a step has no more adapters than tokens)."""
-        return min(bucket, next(c for c in self.classes if c >= active))
+        return adapter_class(self.classes, bucket, active)
 
     def _classes(self, bucket: int) -> list[int]:
-        return sorted({min(bucket, c) for c in self.classes}, reverse=True)
+        return bucket_classes(self.classes, bucket)[::-1]
 
     # -- inputs ------------------------------------------------------------
     def _fill(self, host: HostBatch, bucket: int) -> None:
@@ -203,28 +203,28 @@ class MixedGraphs:
             window_slot_mapping=self.dev64[3, :n] if self.groups > 1 else None,
             window_block_tables=sent[4] if self.groups > 1 else None, num_decodes=host.num_decodes)
 
-    def _piece_batch(self, bucket: int, lora: bool, gemv: bool, adapters: int) -> StepBatch:
+    def _piece_batch(self, bucket: int, lora: bool, gemv: bool, adapter_class: int) -> StepBatch:
         """The static inputs of a bucket's pieces (the attention-only fields are placeholders); the LoRA
-        plan's tile height hint is 1 on the GEMV path, else the bucket's; ``adapters``: the class."""
+        plan's tile height hint is 1 on the GEMV path, else the bucket's; its LoRA bound is the class."""
         hybrid = self.groups > 1
         block_m = 1 if gemv else plan_block_m(bucket)
         return StepBatch(
             input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
             block_tables=self._unused, seq_lens=self._unused[0], cu_seqlens_q=self._unused[0], max_q_len=0,
             token_slots=self.dev32[:bucket], logits_rows=self._unused[0], any_lora=lora, group_tokens=block_m,
-            active_slots=adapters if lora else 0,
+            active_slots=adapter_class if lora else 0,
             window_slot_mapping=self.dev64[3, :bucket] if hybrid else None,
             window_block_tables=self._unused if hybrid else None)
 
     # -- pieces --------------------------------------------------------------
-    def _make(self, bucket: int, lora: bool, gemv: bool, adapters: int) -> _Pieces | None:
+    def _make(self, bucket: int, lora: bool, gemv: bool, adapter_class: int) -> _Pieces | None:
         """The pieces of one key: captured graphs (warmed up on padding inputs), or the eager pieces;
         None if the device has no memory left for them."""
         if self._copied is not None:
             self._copied.synchronize()
         self._pad(0, bucket)  # a capture reads padding: no KV write, no adapter
         pieces = _Pieces([])
-        batch = self._piece_batch(bucket, lora, gemv, adapters)
+        batch = self._piece_batch(bucket, lora, gemv, adapter_class)
         steps = self._pieces(batch, self.lora if lora else None, pieces.state)
         if not self.capture:
             pieces.runs = steps
@@ -233,7 +233,7 @@ class MixedGraphs:
             self._capture(steps, pieces)
         except torch.OutOfMemoryError as err:
             log.warning("mixed steps of %d tokens (LoRA %s, %d adapters) run eagerly: capturing their graphs ran "
-                        "out of device memory (%s)", bucket, lora, adapters, err)
+                        "out of device memory (%s)", bucket, lora, adapter_class, err)
             return None
         self.captures += 1
         return pieces

@@ -210,7 +210,7 @@ class DecoderLM:
 
     def context(self, batch: StepBatch, lora: LoraTables | None) -> _Context:
         """What every layer of the step shares: rope tables, the LoRA tables if a token has an adapter,
-        the dense LoRA plan."""
+        the dense LoRA plan, the shrink stack, the slot ranks of the MoE LoRA alignment (`slot_ranks`)."""
         if self.model.hybrid_kv and batch.window_block_tables is None:
             raise ValueError("this model mixes full and sliding-window layers: the batch needs window tables")
         cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.embed_tokens.dtype, self.rope_scale)
@@ -222,8 +222,8 @@ class DecoderLM:
         stack = self.stack if lora_on and self.stack is not None and self.stack.covers(batch.input_ids.shape[0]) \
             else None
         ranks = None
-        if lora_on and self.ops.plans_lora and self.model.num_experts:  # one launch for every MoE layer
-            ranks = slot_ranks(batch.token_slots, lora.num_slots, batch.active_slots)
+        if lora_on and self.ops.plans_lora and lora.any_moe_lora:  # one launch for every MoE layer
+            ranks = slot_ranks(batch.token_slots, lora.page_table.shape[0], batch.active_slots)
         return _Context(batch, cos, sin, lora if lora_on else None, plan, stack, ranks)
 
     def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,6 +131,11 @@ class LoraTables:
             self._write(slot)
 
     @property
+    def any_moe_lora(self) -> bool:
+        """Whether some MoE layer's tables hold expert LoRA (as of `refresh`)."""
+        return any(layer.moe is not None and layer.moe.any_lora for layer in self.layers)
+
+    @property
     def num_slots(self) -> int:
         """Rows of the tables (after `refresh`): the slot capacity."""
         return self._capacity
