@@ -267,8 +267,8 @@ class ReaderPool:
     waits for a busy worker.  Replies are taken by `poll` (or `wait`), on the caller's thread.  A dead
     worker is replaced: its replies still in the pipe count, the read it was working on fails and the
     ones it never started go to the others; so is one that has not replied to the read it works on for
-    ``timeout`` seconds (`READ_TIMEOUT_S`: stuck), killed first.  The workers exit when the pool is shut down or collected;
-    after that a read fails with `AdapterError`."""
+    ``timeout`` seconds (`READ_TIMEOUT_S`: stuck), killed first.  The workers exit when the pool is shut
+    down or collected; after that a read fails with `AdapterError`."""
 
     def __init__(self, workers: int, timeout: float = READ_TIMEOUT_S) -> None:
         if workers < 1:

@@ -203,28 +203,28 @@ class MixedGraphs:
             window_slot_mapping=self.dev64[3, :n] if self.groups > 1 else None,
             window_block_tables=sent[4] if self.groups > 1 else None, num_decodes=host.num_decodes)
 
-    def _piece_batch(self, bucket: int, lora: bool, gemv: bool, adapter_class: int) -> StepBatch:
+    def _piece_batch(self, bucket: int, lora: bool, gemv: bool, bound: int) -> StepBatch:
         """The static inputs of a bucket's pieces (the attention-only fields are placeholders); the LoRA
-        plan's tile height hint is 1 on the GEMV path, else the bucket's; its LoRA bound is the class."""
+        plan's tile height hint is 1 on the GEMV path, else the bucket's; ``bound``: the adapter class."""
         hybrid = self.groups > 1
         block_m = 1 if gemv else plan_block_m(bucket)
         return StepBatch(
             input_ids=self.dev64[0, :bucket], positions=self.dev64[1, :bucket], slot_mapping=self.dev64[2, :bucket],
             block_tables=self._unused, seq_lens=self._unused[0], cu_seqlens_q=self._unused[0], max_q_len=0,
             token_slots=self.dev32[:bucket], logits_rows=self._unused[0], any_lora=lora, group_tokens=block_m,
-            active_slots=adapter_class if lora else 0,
+            active_slots=bound if lora else 0,
             window_slot_mapping=self.dev64[3, :bucket] if hybrid else None,
             window_block_tables=self._unused if hybrid else None)
 
     # -- pieces --------------------------------------------------------------
-    def _make(self, bucket: int, lora: bool, gemv: bool, adapter_class: int) -> _Pieces | None:
+    def _make(self, bucket: int, lora: bool, gemv: bool, bound: int) -> _Pieces | None:
         """The pieces of one key: captured graphs (warmed up on padding inputs), or the eager pieces;
         None if the device has no memory left for them."""
         if self._copied is not None:
             self._copied.synchronize()
         self._pad(0, bucket)  # a capture reads padding: no KV write, no adapter
         pieces = _Pieces([])
-        batch = self._piece_batch(bucket, lora, gemv, adapter_class)
+        batch = self._piece_batch(bucket, lora, gemv, bound)
         steps = self._pieces(batch, self.lora if lora else None, pieces.state)
         if not self.capture:
             pieces.runs = steps
@@ -233,7 +233,7 @@ class MixedGraphs:
             self._capture(steps, pieces)
         except torch.OutOfMemoryError as err:
             log.warning("mixed steps of %d tokens (LoRA %s, %d adapters) run eagerly: capturing their graphs ran "
-                        "out of device memory (%s)", bucket, lora, adapter_class, err)
+                        "out of device memory (%s)", bucket, lora, bound, err)
             return None
         self.captures += 1
         return pieces

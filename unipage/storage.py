@@ -64,9 +64,9 @@ HOST_READ_THREADS = 2  # threads that copy host copies (files, or buffers of thi
 # A load that has waited this long for ring room while no read holding a slice of the ring finished (or gave
 # its slice back) and no waiting load took room goes the step loop's way (staged there, or read through a
 # file), so none waits without bound behind reads that hold the ring and are stuck (a hung mount: a reader's
-# read fails only after `adapter_reader.READ_TIMEOUT_S`).  A load queued behind many (setup b's warm-up: 16 adapters of 640 MiB, 4 at a time) waits as
-# long as the ring keeps moving.  Longer than a read of a large adapter (640 MiB: about 7 s, eight at once,
-# H200 host).
+# read fails only after `adapter_reader.READ_TIMEOUT_S`).  A load queued behind many (setup b's warm-up: 16
+# adapters of 640 MiB, 4 at a time) waits as long as the ring keeps moving.  Longer than a read of a large
+# adapter (640 MiB: about 7 s, eight at once, H200 host).
 RING_WAIT_S = 10.0
 # ... or longer while a read in flight fills a slice its bytes would take longer to fill at this rate: a read is
 # not presumed stuck before that (setup b's warm-up: four 640 MiB reads at once, about 10 s each, held the ring
