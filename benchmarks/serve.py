@@ -195,7 +195,8 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "prefill_coalesce_steps": engine.scheduler.config.prefill_coalesce_steps,
               "policy": engine.scheduler.config.policy,
               "affinity_max_wait_s": engine.scheduler.config.affinity_max_wait_s,
-              "staging_ring_bytes": engine.config.lora.staging_ring_bytes,
+              "staging_ring_bytes": engine.config.lora.staging_ring_bytes,  # None: grown as needed
+              "staging_ring_end_bytes": engine.storage.ring_bytes,
               "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_graph_pieces(engine),
               "run_ahead": engine.runner.run_ahead, **ahead_counts(engine, ahead),
               "linear": dict(lora_linear.LINEAR),
@@ -477,8 +478,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "CUDA graphs only); several values: a, b run each workload once per value, in one process")
     p.add_argument("--host-cache-gib", type=float, default=8.0, help="host tier (CPU memory) for adapters")
     p.add_argument("--staging-ring-mib", type=int, default=None,
-                   help="LoRAConfig.staging_ring_bytes in MiB: the pinned ring adapter loads pass through (default 256; "
-                        "an adapter larger than it is staged on the step loop's thread)")
+                   help="LoRAConfig.staging_ring_bytes in MiB: the pinned ring adapter loads pass through (default: "
+                        "256, grown to hold two of the largest adapter; a fixed ring: an adapter larger than it is "
+                        "staged on the step loop's thread)")
     p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
                    help="b: model shapes")
     p.add_argument("--b-runs", nargs="+", default=["base", "lora"], choices=["base", "lora"],

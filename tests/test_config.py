@@ -47,7 +47,7 @@ def test_pool_config_errors(kwargs, message):
     (dict(max_rank=0), r"max_rank must be an integer in \[1, 1024\]"),
     (dict(max_adapters_per_batch=0), "max_adapters_per_batch"),
     (dict(host_cache_bytes=-1), "host_cache_bytes"),
-    (dict(staging_ring_bytes=(1 << 20) - 1), r"staging_ring_bytes must be an integer >= 1 MiB"),
+    (dict(staging_ring_bytes=(1 << 20) - 1), r"staging_ring_bytes must be None or an integer >= 1 MiB"),
     (dict(staging_ring_bytes=2.0 * (1 << 30)), "staging_ring_bytes"),
     (dict(eviction_policy="random"), "eviction_policy must be one of"),
     (dict(h2d_bytes_per_s=0), "h2d_bytes_per_s must be > 0"),

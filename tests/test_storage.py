@@ -199,20 +199,22 @@ def test_reads_started_before_apply_are_not_submitted_twice(tmp_path):
     assert len(submitted) == 2
 
 
-def with_shared_reads(storage, ring_bytes=1 << 20):
-    """A CPU storage that reads like the CUDA one: reader processes packing into a shared ring."""
+def with_shared_reads(storage, ring_bytes=1 << 20, auto=False):
+    """A CPU storage that reads like the CUDA one: reader processes packing into a shared ring (of a fixed
+    size, or one that grows as `LoRAConfig.staging_ring_bytes` None's does: ``auto``)."""
     from unipage.adapter_reader import ReaderPool
 
     storage._reader = ReaderPool(2)
     storage._ring = PinnedRing(ring_bytes, pin=False, shared=True)
+    storage._ring_auto = auto
     return storage
 
 
 @contextlib.contextmanager
-def shared_reads(tmp_path, ring_bytes=1 << 20):
+def shared_reads(tmp_path, ring_bytes=1 << 20, auto=False):
     """``(memory, storage)`` of `setup`, the storage reading as the CUDA one does; closed afterwards."""
     memory, storage = setup(tmp_path)
-    with_shared_reads(storage, ring_bytes)
+    with_shared_reads(storage, ring_bytes, auto)
     try:
         yield memory, storage
     finally:

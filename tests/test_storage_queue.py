@@ -222,3 +222,27 @@ def test_the_wait_limit_counts_only_time_the_ring_stood_still(tmp_path, monkeypa
         for name in ("a0", "a1", "a2"):
             memory.adapters.load_done(name)
             assert_resident_equals_files(memory, storage, name)
+
+
+def test_an_auto_sized_ring_grows_to_hold_two_of_an_adapter_too_large_for_it(tmp_path, caplog):
+    """`LoRAConfig.staging_ring_bytes` None: a load of an adapter larger than the ring, while no load uses
+    the ring, first replaces it with one that holds two of it (whole MiB) and passes through it; its old
+    file goes.  While a slice is held the ring stays (that load is staged on the step loop's thread, warned
+    of) and a later load grows it."""
+    with shared_reads(tmp_path, ring_bytes=ALIGN, auto=True) as (memory, storage):
+        held, first = storage._ring.reserve(ALIGN), storage._ring
+        with caplog.at_level("WARNING", logger="unipage.storage"):
+            sync_load(memory, storage, "a0")
+        assert storage._ring is first and any("staging ring" in r.getMessage() for r in caplog.records)
+        assert _poll_reads(storage) == []
+        first.release(held)
+        sync_load(memory, storage, "a1")
+        _, effect, piece = storage._reads["a1"]
+        nbytes = storage._packed_bytes(effect)
+        assert first.capacity < nbytes and storage._ring is not first and not os.path.exists(first.path)
+        assert storage._ring.capacity == -(-2 * nbytes // (1 << 20)) << 20
+        assert piece is not None  # the read packs into a slice of the new ring
+        assert _poll_reads(storage) == []
+        for name in ("a0", "a1"):
+            memory.adapters.load_done(name)
+            assert_resident_equals_files(memory, storage, name)

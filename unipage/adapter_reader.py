@@ -512,9 +512,10 @@ def _unpickled(data: bytes):
     return pickle.loads(data)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=1)
 def _mapped(path: str) -> mmap.mmap:
-    """A shared-memory file of the parent's, mapped once."""
+    """A shared-memory file of the parent's, mapped once: its one ring (a ring grown in its place has a new
+    file, whose mapping ends the old one's, so the old memory goes)."""
     with open(path, "r+b") as f:
         return mmap.mmap(f.fileno(), 0)
 

@@ -221,7 +221,9 @@ class LoRAConfig:
     max_rank: int = 64  # largest LoRA rank accepted, 1..1024
     max_adapters_per_batch: int = 8  # distinct adapters in one step (a kernel grid dimension), >= 1
     host_cache_bytes: int = 8 << 30  # byte budget of the host tier (CPU memory), >= 0
-    staging_ring_bytes: int = 256 << 20  # pinned ring adapter loads pass through (CUDA), >= 1 MiB
+    # pinned ring adapter loads pass through (CUDA), >= 1 MiB; None: 256 MiB, grown while no load uses it to
+    # hold two of the largest adapter loaded, up to 4 GiB (`unipage.storage`)
+    staging_ring_bytes: int | None = None
     adapter_roots: tuple[str, ...] = ()  # directories adapters may be loaded from; empty = anywhere
     eviction_policy: str = "lru"  # lru, lfu, fifo, size, cost or idle (see unipage.eviction)
     h2d_bytes_per_s: float = 20e9  # host-to-device bandwidth, for the cost-aware policy
@@ -235,8 +237,8 @@ class LoRAConfig:
                  "max_adapters_per_batch", "an integer >= 1", self.max_adapters_per_batch)
         require(isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 0,
                  "host_cache_bytes", "an integer >= 0", self.host_cache_bytes)
-        require(isinstance(self.staging_ring_bytes, int) and self.staging_ring_bytes >= 1 << 20,
-                 "staging_ring_bytes", "an integer >= 1 MiB (1048576)", self.staging_ring_bytes)
+        require(self.staging_ring_bytes is None or int_at_least(self.staging_ring_bytes, 1 << 20),
+                 "staging_ring_bytes", "None or an integer >= 1 MiB (1048576)", self.staging_ring_bytes)
         for name in ("h2d_bytes_per_s", "disk_bytes_per_s", "recompute_s_per_token"):
             require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
         roots = tuple(os.path.realpath(os.fspath(r)) for r in self.adapter_roots)

@@ -141,10 +141,15 @@ class PinnedRing:
         """Slices still held (their copies not known to be complete)."""
         return len(self._live)
 
-    def _room(self, size: int) -> int | None:
-        """Start of ``size`` free bytes at the head, or at 0 after a wrap; None if they are not free."""
+    def idle(self) -> bool:
+        """Whether no slice is held any more (the copies of the released ones complete)."""
         while self._live and self._live[0].done():
             self._live.popleft()
+        return not self._live and not self._staged
+
+    def _room(self, size: int) -> int | None:
+        """Start of ``size`` free bytes at the head, or at 0 after a wrap; None if they are not free."""
+        self.idle()  # (drops the finished slices at the tail)
         if size > self.capacity:
             return None
         if not self._live:

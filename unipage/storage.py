@@ -25,6 +25,8 @@ one reads it into the ring on a thread.  A load the ring has no room for now
 waits for some, first in, first out, and a ``poll()`` starts it, so the step
 loop neither reads nor stages it (unless the whole ring is too small for it, or
 the ring stays held, no read in it finishing, for `RING_WAIT_S`; longer for large reads).
+A ring of the default size (`LoRAConfig.staging_ring_bytes` None) grows, while no
+load uses it, to hold two of an adapter too large for it (`_fit_ring`).
 On CPU a load completes inside ``apply``.
 """
 
@@ -72,6 +74,11 @@ RING_WAIT_S = 10.0
 # not presumed stuck before that (setup b's warm-up: four 640 MiB reads at once, about 10 s each, held the ring
 # still for 10.2 s and sent 6 loads the step loop's way at 8558c15; at this rate they may take 20 s).
 SLOW_READ_BYTES_PER_S = 32 << 20
+# The ring of `LoRAConfig.staging_ring_bytes` None: this size at first, grown (while no load uses it) to hold two
+# of the largest adapter loaded, up to RING_MAX_BYTES: a Qwen3-30B-A3B adapter of rank 8 on every linear layer
+# packs to about 640 MiB, more than the first ring, and would be staged on the step loop's thread.
+RING_START_BYTES = 256 << 20
+RING_MAX_BYTES = 4 << 30
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
 
 
@@ -131,7 +138,8 @@ class PoolStorage:
         self._waiting: dict[str, Waiting] = {}  # loads waiting for ring room, oldest first (CUDA)
         self._ring_moved = time.monotonic()  # when a read holding the ring last finished or a load took room
         self._reader = ReaderPool(READ_WORKERS) if self._cuda else None
-        self._ring = _pinned_ring(config.lora.staging_ring_bytes) if self._cuda else None
+        self._ring_auto = config.lora.staging_ring_bytes is None  # the ring grows (`_fit_ring`)
+        self._ring = _pinned_ring(config.lora.staging_ring_bytes or RING_START_BYTES) if self._cuda else None
         self._host_reads: ThreadPoolExecutor | None = None  # `_start_host_read`'s threads, made on first use
         self._oversized: set[str] = set()  # adapters warned of as larger than the ring
         self._host_dir: str | None = None  # the readers' host copies (`_keep_path`)
@@ -220,6 +228,11 @@ class PoolStorage:
         return result
 
     @property
+    def ring_bytes(self) -> int:
+        """The staging ring's size now (CUDA; 0: none)."""
+        return self._ring.capacity if self._ring is not None else 0
+
+    @property
     def read_workers(self) -> int:
         """Reader processes adapter files may be read in at once (CUDA; 0: read in this process)."""
         return self._reader.max_workers if self._reader is not None else 0
@@ -277,6 +290,7 @@ class PoolStorage:
         evicted = {e.name for e in effects if isinstance(e, EvictAdapter)}
         for effect in effects:
             if isinstance(effect, LoadAdapter) and effect.name not in evicted and self._needs_read(effect):
+                self._fit_ring(effect)
                 self._submit(effect)
 
     def _needs_read(self, effect: LoadAdapter) -> bool:
@@ -350,6 +364,7 @@ class PoolStorage:
         return os.path.join(self._host_dir, f"{next(self._host_names)}.bin")
 
     def _load(self, effect: LoadAdapter, result: ApplyResult) -> None:
+        self._fit_ring(effect)
         self._warn_oversized(effect)
         buf = self._host.get(effect.name) if effect.from_host else None
         if buf is not None and self._start_host_read(effect, buf):  # copied into the ring on a thread
@@ -462,6 +477,33 @@ class PoolStorage:
         if same_copy(self._host.get(effect.name), read.host_copy):
             remove_file(self._host.pop(effect.name))
         self._submit(effect, not cache, piece)  # into the slice the copy was to fill
+
+    def _fit_ring(self, effect: LoadAdapter) -> None:
+        """An auto-sized ring (`RING_START_BYTES`) too small for ``effect``'s adapter is replaced by one that
+        holds two of it (at most `RING_MAX_BYTES`) if no load uses the ring now; else it stays as it is
+        (that load goes the step loop's way, `_warn_oversized`) and a later load tries again.  The readers
+        map the new ring's file; the old one's goes."""
+        if self._ring is None or not self._ring_auto:
+            return
+        nbytes = self._packed_bytes(effect)
+        if nbytes <= self._ring.capacity or self._ring.capacity >= RING_MAX_BYTES or not self._ring_idle():
+            return
+        size = min(RING_MAX_BYTES, -(-2 * nbytes // (1 << 20)) << 20)
+        try:
+            ring = _pinned_ring(size, pin=self._cuda)
+        except (OSError, RuntimeError) as err:  # no pinned memory for it: the ring stays, and stops growing
+            log.warning("the staging ring stays at %.1f MiB: a ring of %.1f MiB could not be made (%s)",
+                        self._ring.capacity / (1 << 20), size / (1 << 20), err)
+            self._ring_auto = False
+            return
+        self._ring.close()
+        self._ring, self._ring_moved = ring, time.monotonic()
+        log.info("staging ring grown to %.1f MiB for adapter %r (%.1f MiB packed)", ring.capacity / (1 << 20),
+                 effect.name, nbytes / (1 << 20))
+
+    def _ring_idle(self) -> bool:
+        """Whether nothing reads into or copies out of the ring now, and no load waits for it."""
+        return not (self._reads or self._orphans or self._waiting) and self._ring.idle()
 
     def _warn_oversized(self, effect: LoadAdapter) -> None:
         """Once per adapter: one larger than the ring cannot pass through it (CUDA), so its loads are
@@ -589,14 +631,14 @@ class PoolStorage:
         return gather_adapter(self.pool, record.pages, record.layout)
 
 
-def _pinned_ring(nbytes: int) -> PinnedRing:
+def _pinned_ring(nbytes: int, pin: bool = True) -> PinnedRing:
     """The ring page copies pass through: in shared memory, so reader processes can pack into it, unless
-    the system has no room for that."""
+    the system has no room for that.  ``pin``: registered with CUDA (not in CPU tests)."""
     try:
-        return PinnedRing(nbytes, shared=True)
+        return PinnedRing(nbytes, pin=pin, shared=True)
     except OSError as err:
         log.warning("no shared pinned ring (%s): packed adapters are staged on the step loop's thread", err)
-        return PinnedRing(nbytes)
+        return PinnedRing(nbytes, pin=pin)
 
 
 def _remove_dir(path: str, lock: int) -> None:
