@@ -159,6 +159,24 @@ def test_cuda_loads_pass_through_the_pinned_ring(tmp_path, ring_bytes):
     assert storage._ring.in_use == 1
 
 
+@pytest.mark.gpu
+def test_cuda_auto_ring_grows_for_an_adapter_too_large_for_it(tmp_path):
+    """The default ring (`staging_ring_bytes` None), here started tiny: the first load replaces it with a
+    registered shared ring that holds two of the adapter, and both loads pass through it."""
+    memory, storage = setup(tmp_path, "bfloat16", device="cuda")
+    assert storage._ring_auto and storage.ring_bytes == 256 << 20
+    storage._ring.close()
+    storage._ring = PinnedRing(ALIGN, shared=True)
+    for name in ("a0", "a1"):
+        sync_load(memory, storage, name)
+    assert _wait_loads(storage, ["a0", "a1"]) == {"a0", "a1"}
+    assert ALIGN < storage.ring_bytes <= 4 << 20 and storage._ring.path is not None
+    for name in ("a0", "a1"):
+        memory.adapters.load_done(name)
+        assert_resident_equals_files(memory, storage, name)
+    storage.close()
+
+
 def test_bad_adapter_directories_leave_the_registry_unchanged(tmp_path):
     memory, _ = setup(tmp_path / "ok")
     outside = write_random_adapter(tmp_path / "outside", memory.config.model, rank=4, alpha=4)
