@@ -478,9 +478,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "CUDA graphs only); several values: a, b run each workload once per value, in one process")
     p.add_argument("--host-cache-gib", type=float, default=8.0, help="host tier (CPU memory) for adapters")
     p.add_argument("--staging-ring-mib", type=int, default=None,
-                   help="LoRAConfig.staging_ring_bytes in MiB: the pinned ring adapter loads pass through (default: "
-                        "256, grown to hold two of the largest adapter; a fixed ring: an adapter larger than it is "
-                        "staged on the step loop's thread)")
+                   help="LoRAConfig.staging_ring_bytes in MiB, fixed: the pinned ring adapter loads pass through (an "
+                        "adapter larger than it is staged on the step loop's thread); default: 256, replaced by one "
+                        "that holds two of an adapter too large for it")
     p.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"], choices=sorted(sm.SHAPES),
                    help="b: model shapes")
     p.add_argument("--b-runs", nargs="+", default=["base", "lora"], choices=["base", "lora"],

@@ -211,3 +211,21 @@ def test_sweep_removes_old_entries_no_process_holds_a_lock_on(tmp_path):
                                                               "unipage-ring-3-young"]
     finally:
         os.close(live)
+
+
+def test_idle_once_no_slice_is_held_and_their_copies_are_complete():
+    """`idle`: a staged slice not yet held, a reserved one not released, or a held one whose event has not
+    completed keeps the ring busy."""
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    assert ring.idle()
+    ring.stage(_src(ALIGN, 0))
+    assert not ring.idle()  # staged, its copy not issued yet
+    event = Event()
+    ring.hold(event)
+    assert not ring.idle()
+    event.done = True
+    assert ring.idle()
+    piece = ring.reserve(ALIGN)
+    assert not ring.idle()
+    ring.release(piece)
+    assert ring.idle() and ring.in_use == 0

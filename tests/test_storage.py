@@ -15,7 +15,7 @@ from unipage.memory import UnifiedMemory
 from unipage.peft_io import load_adapter_weights
 from unipage.peft_write import write_random_adapter
 from unipage.pinned import ALIGN, PinnedRing
-from unipage.storage import PoolStorage
+from unipage.storage import RING_START_BYTES, PoolStorage
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4,
                     top_k=2, expert_intermediate_size=32, dtype="float32")  # page_elems = 4*2*32 = 256
@@ -143,7 +143,7 @@ def _wait_loads(storage, names, seconds=60):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ring_bytes", [LoRAConfig().staging_ring_bytes, ALIGN])
+@pytest.mark.parametrize("ring_bytes", [RING_START_BYTES, ALIGN])
 def test_cuda_loads_pass_through_the_pinned_ring(tmp_path, ring_bytes):
     """Both adapters staged in one ring (or, in a ring too small for them, pinned on their own)."""
     memory, storage = setup(tmp_path, "bfloat16", device="cuda")

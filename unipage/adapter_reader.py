@@ -66,9 +66,11 @@ PIPELINE = 2  # requests a worker holds at once: the one it works on and the nex
 MAX_RESENDS = 3  # dead workers a read may go through unstarted before it fails
 # A worker that has not replied this long to the read it works on is taken for stuck (a hung mount, a file
 # that never ends) and killed: that read fails, the ones behind it go to the others.  A 640 MiB adapter
-# takes about 7 s (eight at once, H200 host); at 32 MiB/s, 20 s.
+# takes about 7 s (eight at once, H200 host); at 32 MiB/s, 20 s.  A read of more than
+# READ_TIMEOUT_S x SLOWEST_READ_BYTES_PER_S bytes of files gets longer, at that rate.
 READ_TIMEOUT_S = 300.0
-KILL_WAIT_S = 1.0  # how long a killed worker is waited for before it is left to the OS to reap
+SLOWEST_READ_BYTES_PER_S = 8 << 20
+KILL_WAIT_S = 0.2  # how long a killed worker is waited for (at most) before it is left to be reaped later
 
 
 def read_and_pack(info, layout, model, page_elems: int, dtype: torch.dtype) -> torch.Tensor:
@@ -167,12 +169,13 @@ class _Request:
     """A read and its request frame (length and pickle), kept until a reply comes so that a read a dead
     worker never started can go to another; ``resends``: how many dead workers it has been through."""
 
-    __slots__ = ("data", "read", "resends")
+    __slots__ = ("data", "read", "resends", "seconds")
 
-    def __init__(self, read: Read, data: bytes) -> None:
+    def __init__(self, read: Read, data: bytes, seconds: float) -> None:
         self.read = read
         self.data = data
         self.resends = 0
+        self.seconds = seconds  # how long a worker may work on it without a reply (`ReaderPool.poll`)
 
 
 class _Worker:
@@ -206,9 +209,11 @@ class _Worker:
         self.head_since = time.monotonic()
         return request
 
-    def stuck(self, timeout: float) -> bool:
-        """Whether the request it works on went whole into the pipe more than ``timeout`` s ago, unanswered."""
-        return self.oldest_written() and time.monotonic() - self.head_since > timeout
+    def stuck(self) -> bool:
+        """Whether the request it works on went whole into the pipe longer ago than that request may take,
+        and no reply is waiting in the pipe."""
+        return self.oldest_written() and time.monotonic() - self.head_since > self.sent[0].seconds \
+            and not _readable({self.out: self}, 0)
 
     def flush(self) -> None:
         """Write what the pipe takes now, never waiting (`OSError`, e.g. a broken pipe, if the process died)."""
@@ -267,7 +272,8 @@ class ReaderPool:
     waits for a busy worker.  Replies are taken by `poll` (or `wait`), on the caller's thread.  A dead
     worker is replaced: its replies still in the pipe count, the read it was working on fails and the
     ones it never started go to the others; so is one that has not replied to the read it works on for
-    ``timeout`` seconds (`READ_TIMEOUT_S`: stuck), killed first.  The workers exit when the pool is shut
+    ``timeout`` seconds (`READ_TIMEOUT_S`; longer for more than ``timeout`` x `SLOWEST_READ_BYTES_PER_S`
+    bytes of files: stuck), killed first.  The workers exit when the pool is shut
     down or collected; after that a read fails with `AdapterError`."""
 
     def __init__(self, workers: int, timeout: float = READ_TIMEOUT_S) -> None:
@@ -301,7 +307,8 @@ class ReaderPool:
         # The layout and the model are shared by many adapters: each is pickled once.
         request = _frame((info, self._pickled(layout), self._pickled(model), page_elems,
                           str(dtype).removeprefix("torch."), dest))
-        self._queue.append(_Request(read, _LENGTH.pack(len(request)) + request))
+        seconds = max(self.timeout, getattr(info, "file_bytes", 0) / SLOWEST_READ_BYTES_PER_S)
+        self._queue.append(_Request(read, _LENGTH.pack(len(request)) + request, seconds))
         self._dispatch()
         return read
 
@@ -316,9 +323,10 @@ class ReaderPool:
             for fd in ready:
                 self._finished.extend(self._take_reply(busy[fd]))
             self._dispatch()
-        for worker in [w for w in self.workers if w.sent and w.stuck(self.timeout)]:
+        for worker in [w for w in self.workers if w.sent and w.stuck()]:
             self._finished.extend(self._replace(worker, TimeoutError(
-                f"no reply in {self.timeout:g} s to the read it worked on; the process was killed"), stuck=True))
+                f"no reply in {worker.sent[0].seconds:g} s to the read it worked on; the process was killed"),
+                stuck=True))
         if self._queue:
             self._dispatch()
         finished, self._finished = self._finished, []
@@ -401,7 +409,7 @@ class ReaderPool:
         return [read]
 
     def _replace(self, worker: _Worker, err: Exception, stuck: bool = False) -> list[Read]:
-        """``worker`` died (or is ``stuck``: killed now, its replies all taken): take the replies it left,
+        """``worker`` died (or is ``stuck``: killed now, no reply in its pipe): take the replies it left,
         fail the read it was working on, queue the ones it never started again (first, in order), and start
         a new process in its place unless shut down."""
         worker.kill(KILL_WAIT_S if stuck else None)
@@ -423,7 +431,7 @@ class ReaderPool:
                 self._queue.appendleft(request)
         worker.sent.clear()
         worker.outgoing.clear()
-        worker.close(KILL_WAIT_S if stuck else None)
+        worker.close(0 if stuck else None)  # (a stuck one was waited for above)
         if not self._closed:
             self.workers.remove(worker)
             try:
@@ -501,7 +509,7 @@ def _collect(read: Read, shape: tuple, dtype: torch.dtype) -> None:
 
 def _close(workers: list[_Worker], directory: str) -> None:
     for worker in workers:
-        worker.close()
+        worker.close(KILL_WAIT_S)  # (one stuck in an uninterruptible read does not hold the shutdown up)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -221,9 +221,9 @@ class LoRAConfig:
     max_rank: int = 64  # largest LoRA rank accepted, 1..1024
     max_adapters_per_batch: int = 8  # distinct adapters in one step (a kernel grid dimension), >= 1
     host_cache_bytes: int = 8 << 30  # byte budget of the host tier (CPU memory), >= 0
-    # pinned ring adapter loads pass through (CUDA), >= 1 MiB; None: 256 MiB, grown while no load uses it to
-    # hold two of the largest adapter loaded, up to 4 GiB (`unipage.storage`)
-    staging_ring_bytes: int | None = None
+    staging_ring_bytes: int | None = None  # pinned ring adapter loads pass through (CUDA), >= 1 MiB; None:
+    #   256 MiB, replaced (while no load holds a slice) by one that holds two of an adapter too large for it,
+    #   up to 4 GiB (`unipage.storage`)
     adapter_roots: tuple[str, ...] = ()  # directories adapters may be loaded from; empty = anywhere
     eviction_policy: str = "lru"  # lru, lfu, fifo, size, cost or idle (see unipage.eviction)
     h2d_bytes_per_s: float = 20e9  # host-to-device bandwidth, for the cost-aware policy

@@ -25,8 +25,8 @@ one reads it into the ring on a thread.  A load the ring has no room for now
 waits for some, first in, first out, and a ``poll()`` starts it, so the step
 loop neither reads nor stages it (unless the whole ring is too small for it, or
 the ring stays held, no read in it finishing, for `RING_WAIT_S`; longer for large reads).
-A ring of the default size (`LoRAConfig.staging_ring_bytes` None) grows, while no
-load uses it, to hold two of an adapter too large for it (`_fit_ring`).
+A ring of the default size (`LoRAConfig.staging_ring_bytes` None) is replaced, while no
+read or copy holds a slice of it, by one that holds two of an adapter too large for it (`_fit_ring`).
 On CPU a load completes inside ``apply``.
 """
 
@@ -74,9 +74,10 @@ RING_WAIT_S = 10.0
 # not presumed stuck before that (setup b's warm-up: four 640 MiB reads at once, about 10 s each, held the ring
 # still for 10.2 s and sent 6 loads the step loop's way at 8558c15; at this rate they may take 20 s).
 SLOW_READ_BYTES_PER_S = 32 << 20
-# The ring of `LoRAConfig.staging_ring_bytes` None: this size at first, grown (while no load uses it) to hold two
-# of the largest adapter loaded, up to RING_MAX_BYTES: a Qwen3-30B-A3B adapter of rank 8 on every linear layer
-# packs to about 640 MiB, more than the first ring, and would be staged on the step loop's thread.
+# The ring of `LoRAConfig.staging_ring_bytes` None: this size at first, replaced (while no read or copy holds a
+# slice of it) by one that holds two of an adapter too large for it, up to RING_MAX_BYTES: a Qwen3-30B-A3B
+# adapter of rank 8 on every linear layer packs to about 640 MiB, more than the first ring, and would be staged
+# on the step loop's thread.
 RING_START_BYTES = 256 << 20
 RING_MAX_BYTES = 4 << 30
 HOST_PREFIX = "unipage-host-"  # the readers' host copies: a directory HOST_PREFIX + pid + "-" + a suffix
@@ -479,31 +480,35 @@ class PoolStorage:
         self._submit(effect, not cache, piece)  # into the slice the copy was to fill
 
     def _fit_ring(self, effect: LoadAdapter) -> None:
-        """An auto-sized ring (`RING_START_BYTES`) too small for ``effect``'s adapter is replaced by one that
-        holds two of it (at most `RING_MAX_BYTES`) if no load uses the ring now; else it stays as it is
-        (that load goes the step loop's way, `_warn_oversized`) and a later load tries again.  The readers
-        map the new ring's file; the old one's goes."""
-        if self._ring is None or not self._ring_auto:
+        """An auto-sized shared ring (`RING_START_BYTES`) too small for ``effect``'s adapter is replaced by
+        one that holds two of it (whole MiB, at most `RING_MAX_BYTES`; none for an adapter larger than that)
+        if no read or copy holds a slice of it now; else it stays (that load goes the step loop's way,
+        `_warn_oversized`) and a later load tries again.  Making the new ring (its file allocated and
+        registered) and closing the old one run on this thread, once per growth.  The readers map the new
+        file; the old one's memory goes once each of them has read into the new one."""
+        if self._ring is None or not self._ring_auto or self._ring.path is None:
             return
         nbytes = self._packed_bytes(effect)
-        if nbytes <= self._ring.capacity or self._ring.capacity >= RING_MAX_BYTES or not self._ring_idle():
+        if not self._ring.capacity < nbytes <= RING_MAX_BYTES or not self._ring_idle():
             return
         size = min(RING_MAX_BYTES, -(-2 * nbytes // (1 << 20)) << 20)
         try:
-            ring = _pinned_ring(size, pin=self._cuda)
-        except (OSError, RuntimeError) as err:  # no pinned memory for it: the ring stays, and stops growing
-            log.warning("the staging ring stays at %.1f MiB: a ring of %.1f MiB could not be made (%s)",
+            ring = PinnedRing(size, pin=self._cuda, shared=True)
+        except OSError as err:  # no room for it in shared memory, or not registered: the ring stays as it is
+            log.warning("the staging ring stays at %.1f MiB: a shared ring of %.1f MiB could not be made (%s)",
                         self._ring.capacity / (1 << 20), size / (1 << 20), err)
             self._ring_auto = False
             return
         self._ring.close()
-        self._ring, self._ring_moved = ring, time.monotonic()
+        self._ring, self._ring_moved = ring, time.monotonic()  # (loads waiting for room find it here)
         log.info("staging ring grown to %.1f MiB for adapter %r (%.1f MiB packed)", ring.capacity / (1 << 20),
                  effect.name, nbytes / (1 << 20))
 
     def _ring_idle(self) -> bool:
-        """Whether nothing reads into or copies out of the ring now, and no load waits for it."""
-        return not (self._reads or self._orphans or self._waiting) and self._ring.idle()
+        """Whether no read in flight (or dropped, still running) holds a slice of the ring and no copy out of
+        it is pending (reads through files and loads waiting for room do not use it yet)."""
+        holders = [piece for _, _, piece in self._reads.values()] + [piece for _, piece in self._orphans]
+        return all(piece is None for piece in holders) and self._ring.idle()
 
     def _warn_oversized(self, effect: LoadAdapter) -> None:
         """Once per adapter: one larger than the ring cannot pass through it (CUDA), so its loads are
@@ -513,9 +518,12 @@ class PoolStorage:
         nbytes = self._packed_bytes(effect)
         if nbytes > self._ring.capacity:
             self._oversized.add(effect.name)
+            then = ("this load is staged on the step loop's thread; the ring grows for it once no read holds a "
+                    "slice of it" if self._ring_auto and self._ring.path is not None and nbytes <= RING_MAX_BYTES
+                    else "its loads are staged on the step loop's thread")
             log.warning("adapter %r packs to %.1f MiB, more than the %.1f MiB staging ring "
-                        "(LoRAConfig.staging_ring_bytes): its loads are staged on the step loop's thread",
-                        effect.name, nbytes / (1 << 20), self._ring.capacity / (1 << 20))
+                        "(LoRAConfig.staging_ring_bytes): %s", effect.name, nbytes / (1 << 20),
+                        self._ring.capacity / (1 << 20), then)
 
     def _read_host_file(self, effect: LoadAdapter, path: str) -> tuple[torch.Tensor | None, RingSlice | None]:
         """A host copy kept in a file, read into a slice of the ring (or, with no room there, into a new
@@ -631,14 +639,14 @@ class PoolStorage:
         return gather_adapter(self.pool, record.pages, record.layout)
 
 
-def _pinned_ring(nbytes: int, pin: bool = True) -> PinnedRing:
+def _pinned_ring(nbytes: int) -> PinnedRing:
     """The ring page copies pass through: in shared memory, so reader processes can pack into it, unless
-    the system has no room for that.  ``pin``: registered with CUDA (not in CPU tests)."""
+    the system has no room for that."""
     try:
-        return PinnedRing(nbytes, pin=pin, shared=True)
+        return PinnedRing(nbytes, shared=True)
     except OSError as err:
         log.warning("no shared pinned ring (%s): packed adapters are staged on the step loop's thread", err)
-        return PinnedRing(nbytes, pin=pin)
+        return PinnedRing(nbytes)
 
 
 def _remove_dir(path: str, lock: int) -> None:
