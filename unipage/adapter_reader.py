@@ -212,7 +212,7 @@ class _Worker:
     def stuck(self) -> bool:
         """Whether the request it works on went whole into the pipe longer ago than that request may take,
         and no reply is waiting in the pipe."""
-        return self.oldest_written() and time.monotonic() - self.head_since > self.sent[0].seconds \
+        return time.monotonic() - self.head_since > self.sent[0].seconds and self.oldest_written() \
             and not _readable({self.out: self}, 0)
 
     def flush(self) -> None:
