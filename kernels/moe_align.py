@@ -27,7 +27,8 @@ LoRA grouping given a bound A on the distinct slots among the step's tokens
 groups and the tiles scale with the adapters a step has, not with the adapters
 resident (setup (b) serves 16, so S = 32 table rows, at 4 a step: 4,096 groups and
 a bound of 2,048 tiles at decode without ranks, 512 and 608 with them); the tiles
-still name ``slot·E + expert``.  A slot ranked past A (a wrong bound) has no group.
+still name ``slot·E + expert``.  A slot ranked past A (a wrong bound) has no group.  The ranks
+come from `moe_ranks` (once a step).
 
 Expert-LoRA metadata (`moe_lora_meta`) is one int32 row per adapter slot
 (fields `FIELDS`): the slot's expert-group base and stride and, relative to the
@@ -57,6 +58,7 @@ import triton.language as tl
 from unipage.kernels.common import cdiv, next_pow2
 from unipage.kernels.common import device_key  # noqa: F401  (re-exported for the tuner)
 from unipage.kernels.launch import launch
+from unipage.kernels.moe_ranks import SlotRanks, check_active_slots, check_ranks, ranks_ref, slot_ranks
 from unipage.lora_layout import AdapterLayout
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -88,16 +90,8 @@ def swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (pid % width) % size_m, (pid % width) // size_m
 
 
-SlotRanks = tuple[torch.Tensor, torch.Tensor]  # `slot_ranks`: rank of each slot [S_PAD], slot of each rank [A_PAD]
-
-
 def max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
     return cdiv(num_pairs + min(num_groups, num_pairs) * (block_m - 1), block_m)
-
-
-def check_active_slots(active_slots) -> None:
-    if active_slots is not None and (type(active_slots) is not int or active_slots < 0):
-        raise ValueError(f"active_slots must be an int >= 0 or None, got {active_slots!r}")
 
 
 def _ranked(token_slots, slot_flags, active_slots) -> bool:
@@ -144,24 +138,6 @@ def _pair_groups(offs, topk_ids_ptr, slots_ptr, flags_ptr, ranks_ptr, num_pairs,
     else:
         group = expert
     return group, valid
-
-
-@triton.jit
-def _slot_ranks_kernel(slots_ptr, ranks_ptr, inverse_ptr, num_tokens, S_PAD: tl.constexpr, A_PAD: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """``ranks[s]``: how many of the tokens' distinct slots are below slot ``s``; ``inverse[r]``: the slot of
-    rank ``r`` (0 past the last).  BLOCK tokens at a time against every slot (BLOCK·S_PAD compares)."""
-    present = tl.zeros([S_PAD], tl.int32)
-    ids = tl.arange(0, S_PAD)
-    for start in range(0, num_tokens, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        slot = tl.load(slots_ptr + offs, mask=offs < num_tokens, other=-1)
-        present = tl.maximum(present, tl.max((slot[:, None] == ids[None, :]).to(tl.int32), 0))
-    rank = tl.cumsum(present, 0) - present
-    tl.store(ranks_ptr + ids, rank)
-    r = tl.arange(0, A_PAD)  # (an A_PAD x S_PAD match: an MoE model's tables hold tens of slots, not thousands)
-    hit = (rank[None, :] == r[:, None]) & (present[None, :] > 0)
-    tl.store(inverse_ptr + r, tl.sum(tl.where(hit, ids[None, :], 0), 1))
 
 
 @triton.jit
@@ -212,7 +188,7 @@ def _scatter_chunk(offs, cursor_ptr, sorted_ptr, topk_ids_ptr, slots_ptr, flags_
 def _align_kernel(
     topk_ids_ptr,  # [TK] int32 expert of each pair
     slots_ptr, flags_ptr,  # LORA: [T] int32 token slots (-1 none), [S] int32 slot has expert LoRA
-    ranks_ptr, inverse_ptr,  # RANKED: [S] int32 rank of each slot, [A] int32 slot of each rank (`_slot_ranks_kernel`)
+    ranks_ptr, inverse_ptr,  # RANKED: [S] int32 rank of each slot, [A] int32 slot of each rank (`moe_ranks.slot_ranks`)
     counts_ptr, cursor_ptr,  # [G_PAD] int32 scratch each
     sorted_ptr, block_group_ptr, num_blocks_ptr,  # outputs: see `Alignment`
     num_pairs, max_blocks, top_k, num_experts, num_ranks,
@@ -345,7 +321,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     ``slot_flags``  [S] int32     non-zero where the slot has expert LoRA in this layer.
     Without ``token_slots`` the group is the expert; with it, ``slot·E + expert``.
     ``active_slots`` (LoRA): at most this many distinct slots among the tokens.  Below S, pairs are grouped
-    by their slot's rank among them (`_slot_ranks_kernel`, one more launch), so the groups, the counts
+    by their slot's rank among them (`moe_ranks.slot_ranks`, one more launch), so the groups, the counts
     and the tiles scale with it, not with S; ``block_group`` still names ``slot·E + expert``.  The pairs of
     a slot ranked past it are dropped (see the module docstring).  ``ranks``: `slot_ranks` of these tokens,
     slots and bound, made once for the step's layers (None: this call launches it).
@@ -386,28 +362,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return out
 
 
-RANK_COMPARES = 4096  # token-slot compares `_slot_ranks_kernel` holds at once (16 tokens at least)
-
-
-def slot_ranks(token_slots: torch.Tensor, num_slots: int, active_slots: int | None) -> SlotRanks | None:
-    """``(rank of each slot [S_PAD], slot of each rank [A_PAD])`` int32 by `_slot_ranks_kernel` where the
-    pairs group by rank (a bound ``active_slots`` > 0 below ``num_slots``); else None.  They depend on the
-    tokens' slots alone, so a step computes them once for all its MoE layers (`moe_align`'s ``ranks``)."""
-    check_active_slots(active_slots)
-    if token_slots.dim() != 1 or token_slots.dtype != torch.int32 or not token_slots.is_contiguous():
-        raise ValueError(f"token_slots must be a contiguous [T] int32 tensor, got {tuple(token_slots.shape)} "
-                         f"{token_slots.dtype}")
-    if type(num_slots) is not int or num_slots < 1:
-        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-    if not active_slots or active_slots >= num_slots:
-        return None
-    s_pad, a_pad = next_pow2(num_slots), next_pow2(active_slots)
-    out = torch.empty(s_pad + a_pad, dtype=torch.int32, device=token_slots.device)
-    launch(_slot_ranks_kernel, (1,), token_slots, out, out[s_pad:], token_slots.shape[0], S_PAD=s_pad, A_PAD=a_pad,
-           BLOCK=max(16, RANK_COMPARES // s_pad), num_warps=4)
-    return out[:s_pad], out[s_pad:]
-
-
 def _ranks(token_slots, slot_flags, active_slots, ranks: SlotRanks | None) -> SlotRanks | None:
     """The ranks `moe_align` groups by: None when it does not (`_ranked`), else ``ranks`` (checked) or
     `slot_ranks` of the tokens."""
@@ -415,23 +369,8 @@ def _ranks(token_slots, slot_flags, active_slots, ranks: SlotRanks | None) -> Sl
         return None
     if ranks is None:
         return slot_ranks(token_slots, slot_flags.shape[0], active_slots)
-    _check_ranks(ranks, token_slots, slot_flags.shape[0], active_slots)
+    check_ranks(ranks, token_slots, slot_flags.shape[0], active_slots)
     return ranks
-
-
-def _check_ranks(ranks: SlotRanks, token_slots: torch.Tensor, num_slots: int, active_slots: int) -> None:
-    """Given ranks: `slot_ranks`' shapes, dtype and device; on CPU tensors also its values for these tokens
-    (on a GPU that check would cost a host sync: the engine makes them from the step's own tokens)."""
-    want = (next_pow2(num_slots), next_pow2(active_slots))
-    if len(ranks) != 2 or tuple(r.shape for r in ranks) != tuple((n,) for n in want) \
-            or any(r.dtype != torch.int32 or r.device != token_slots.device for r in ranks):
-        raise ValueError(f"ranks must be slot_ranks' two int32 tensors of {want[0]} and {want[1]} entries on "
-                         f"{token_slots.device}")
-    if token_slots.device.type == "cpu":
-        rank, inverse = _ranks_ref(token_slots, num_slots, active_slots)
-        if not (torch.equal(ranks[0][:num_slots].long(), rank) and torch.equal(ranks[1][:active_slots].long(),
-                                                                              inverse)):
-            raise ValueError("ranks are not slot_ranks of these tokens")
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -443,7 +382,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     num_pairs, device = topk_ids.numel(), topk_ids.device
     ranked = _ranked(token_slots, slot_flags, active_slots)
     if ranked and ranks is not None:
-        _check_ranks(ranks, token_slots, slot_flags.shape[0], active_slots)
+        check_ranks(ranks, token_slots, slot_flags.shape[0], active_slots)
     groups = active_slots * num_experts if ranked else _num_groups(num_experts, slot_flags)
     blocks = max_blocks(num_pairs, groups, block_m)
     group = topk_ids.reshape(-1).long()
@@ -451,7 +390,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         slot = token_slots.long().repeat_interleave(topk_ids.shape[1])
         has = (slot >= 0) & (slot_flags.long()[slot.clamp(min=0)] != 0)
         if ranked:
-            rank, inverse = _ranks_ref(token_slots, slot_flags.shape[0], active_slots)
+            rank, inverse = ranks_ref(token_slots, slot_flags.shape[0], active_slots)
             slot = rank[slot.clamp(min=0)]
             has &= slot < active_slots
         group = torch.where(has, slot * num_experts + group, groups)
@@ -474,17 +413,6 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             + block_group % num_experts
     block_group = torch.where(starts < ends[-1], block_group, -1).int()
     return Alignment(sorted_pairs[:-1], block_group, (ends[-1:] // block_m).int(), block_m, blocks, num_pairs)
-
-
-def _ranks_ref(token_slots: torch.Tensor, num_slots: int, active_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rank of each slot [S], slot of each rank [A])`` (long), as `_slot_ranks_kernel`."""
-    present = torch.zeros(num_slots + 1, dtype=torch.long, device=token_slots.device)
-    present[token_slots.long().clamp(min=-1)] = 1  # -1 (no adapter) lands in the extra last entry
-    present = present[:num_slots]
-    rank = torch.cumsum(present, 0) - present
-    hit = (rank[None, :] == torch.arange(active_slots, device=rank.device)[:, None]) & (present[None, :] > 0)
-    inverse = (hit.long() * torch.arange(num_slots, device=rank.device)[None, :]).sum(1)
-    return rank, inverse
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,14 +20,13 @@ from unipage.kernels.moe_align import (
     NUM_FIELDS,
     Alignment,
     MoeLoraMeta,
-    SlotRanks,
-    check_active_slots,
     expected_load,
     launch_config,
     moe_align,
     moe_align_ref,
     shape_key,
 )
+from unipage.kernels.moe_ranks import SlotRanks, check_active_slots
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ import triton.language as tl
 from unipage.kernels.fused_moe import (_round_to, fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
                                        moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
 from unipage.kernels import moe_align as moe_align_module
-from unipage.kernels.moe_align import (Alignment, _launch_split, _ranks_ref, launch_config, max_blocks, moe_align,
-                                      moe_align_ref, slot_ranks)
+from unipage.kernels.moe_align import (Alignment, _launch_split, launch_config, max_blocks, moe_align,
+                                      moe_align_ref)
+from unipage.kernels.moe_ranks import ranks_ref, slot_ranks
 
 H, I, E, K = 64, 32, 8, 2
 TOKENS = (1, 7, 40)
@@ -234,13 +235,13 @@ def test_align_by_slot_rank_at_any_shape(experts, slots, block_m, launches):
 
 @pytest.mark.parametrize("slots, bound", [(8, 2), (5, 3), (32, 4), (3, 1), (64, 5)])
 def test_slot_ranks_of_the_tokens(slots, bound):
-    """`slot_ranks` against `_ranks_ref` on random slots (with -1 tokens; at 32 and 64 slots the kernel
+    """`slot_ranks` against `ranks_ref` on random slots (with -1 tokens; at 32 and 64 slots the kernel
     walks the 300 tokens in several blocks); none at a bound of 0 or >= S; bad input refused."""
     g = torch.Generator().manual_seed(slots * 7 + bound)
     chosen = torch.randperm(slots, generator=g)[:bound]
     token_slots = torch.cat([chosen, torch.tensor([-1])])[torch.randint(0, bound + 1, (300,), generator=g)].int()
     rank, inverse = slot_ranks(token_slots, slots, bound)
-    want_rank, want_inverse = _ranks_ref(token_slots, slots, bound)
+    want_rank, want_inverse = ranks_ref(token_slots, slots, bound)
     present = sorted(set(token_slots.tolist()) - {-1})
     assert rank.dtype == inverse.dtype == torch.int32 and rank.shape == (triton.next_power_of_2(slots),)
     assert torch.equal(rank[:slots].long(), want_rank) and inverse[:len(present)].tolist() == present

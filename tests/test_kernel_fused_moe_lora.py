@@ -18,7 +18,8 @@ from unipage.kernels.fused_moe import fused_experts, fused_experts_ref, moe_gate
 from unipage.kernels.fused_moe_lora import (MoeLora, lora_pairs, moe_lora_down, moe_lora_down_ref,
                                             moe_lora_gate_up, moe_lora_gate_up_ref, moe_lora_meta, moe_lora_shrink,
                                             plan_moe_lora, plan_moe_lora_ref)
-from unipage.kernels.moe_align import moe_align_ref, slot_ranks
+from unipage.kernels.moe_align import moe_align_ref
+from unipage.kernels.moe_ranks import slot_ranks
 from unipage.lora_layout import TargetSpec, build_layout
 
 H, I, E, K, LAYER = 64, 32, 8, 2, 1

@@ -14,7 +14,7 @@ from unipage.config import ModelConfig
 from unipage.kernels.fused_moe import fused_experts, fused_experts_ref, route_topk_ref
 from unipage.kernels.fused_moe_lora import lora_config as tuned_config
 from unipage.kernels.fused_moe_lora import MoeLora, moe_lora_meta, plan_moe_lora
-from unipage.kernels.moe_align import slot_ranks
+from unipage.kernels.moe_ranks import slot_ranks
 from unipage.lora_layout import TargetSpec, build_layout
 
 GPU_SHAPES = {"gpt-oss-20b": (2880, 2880, 32, 4, 32), "qwen3-30b-a3b": (2048, 768, 128, 8, 16)}

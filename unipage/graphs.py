@@ -30,8 +30,8 @@ an A/B in one process (`serve.py --piece-layers 0 4 0 4`) says otherwise
 `DecodeGraphs.set_piece_layers` changes it on a running engine.  The pieces
 pass the residual stream, the next layer's input and the step's context (rope
 tables, the LoRA plan, the MoE LoRA's slot ranks) as tensors of the graphs'
-memory pool: all of them live within one step, so the pieces of other buckets may reuse that memory —
-safe because the pieces of one key are replayed back to back, never
+memory pool: all of them live within one step, so the pieces of other buckets
+may reuse that memory — safe because the pieces of one key are replayed back to back, never
 interleaved with another key's, all on one stream, and the step consumes
 ``hidden`` before the next replay (as with one graph a step).
 

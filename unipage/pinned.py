@@ -143,13 +143,17 @@ class PinnedRing:
 
     def idle(self) -> bool:
         """Whether no slice is held any more (the copies of the released ones complete)."""
+        self._drop_done()
+        return not self._live and not self._staged
+
+    def _drop_done(self) -> None:
+        """Forget the slices at the tail that are no longer held."""
         while self._live and self._live[0].done():
             self._live.popleft()
-        return not self._live and not self._staged
 
     def _room(self, size: int) -> int | None:
         """Start of ``size`` free bytes at the head, or at 0 after a wrap; None if they are not free."""
-        self.idle()  # (drops the finished slices at the tail)
+        self._drop_done()
         if size > self.capacity:
             return None
         if not self._live:

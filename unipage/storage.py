@@ -486,10 +486,10 @@ class PoolStorage:
         `_warn_oversized`) and a later load tries again.  Making the new ring (its file allocated and
         registered) and closing the old one run on this thread, once per growth.  The readers map the new
         file; the old one's memory goes once each of them has read into the new one."""
-        if self._ring is None or not self._ring_auto or self._ring.path is None:
+        if self._ring is None:
             return
         nbytes = self._packed_bytes(effect)
-        if not self._ring.capacity < nbytes <= RING_MAX_BYTES or not self._ring_idle():
+        if nbytes <= self._ring.capacity or not self._can_grow(nbytes) or not self._ring_idle():
             return
         size = min(RING_MAX_BYTES, -(-2 * nbytes // (1 << 20)) << 20)
         try:
@@ -503,6 +503,10 @@ class PoolStorage:
         self._ring, self._ring_moved = ring, time.monotonic()  # (loads waiting for room find it here)
         log.info("staging ring grown to %.1f MiB for adapter %r (%.1f MiB packed)", ring.capacity / (1 << 20),
                  effect.name, nbytes / (1 << 20))
+
+    def _can_grow(self, nbytes: int) -> bool:
+        """Whether the ring may be replaced by one that holds ``nbytes``: auto-sized, shared, within the cap."""
+        return self._ring_auto and self._ring.path is not None and nbytes <= RING_MAX_BYTES
 
     def _ring_idle(self) -> bool:
         """Whether no read in flight (or dropped, still running) holds a slice of the ring and no copy out of
@@ -519,8 +523,7 @@ class PoolStorage:
         if nbytes > self._ring.capacity:
             self._oversized.add(effect.name)
             then = ("this load is staged on the step loop's thread; the ring grows for it once no read holds a "
-                    "slice of it" if self._ring_auto and self._ring.path is not None and nbytes <= RING_MAX_BYTES
-                    else "its loads are staged on the step loop's thread")
+                    "slice of it" if self._can_grow(nbytes) else "its loads are staged on the step loop's thread")
             log.warning("adapter %r packs to %.1f MiB, more than the %.1f MiB staging ring "
                         "(LoRAConfig.staging_ring_bytes): %s", effect.name, nbytes / (1 << 20),
                         self._ring.capacity / (1 << 20), then)

@@ -31,7 +31,7 @@ import torch
 from unipage.config import ModelConfig
 from unipage.errors import CheckpointError
 from unipage.kernels import MoeLora, plan_lora_batch
-from unipage.kernels.moe_align import SlotRanks, slot_ranks
+from unipage.kernels.moe_ranks import SlotRanks, slot_ranks
 from unipage.kernels.moe_act import SILU, GatedActivation
 from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
