@@ -159,8 +159,16 @@ def load_runs(pool_ptr, pt_ptr, row_virt, row_ok, cols_left, WIDTH: tl.constexpr
     RUN-aligned and RUN <= 64, so each run lies in one page.  Not PAGED: the buffer is contiguous
     from its first page.
     """
+    base, run_ok = run_bases(pt_ptr, row_virt, row_ok, cols_left, WIDTH, RUN, PAGE_SHIFT, PAGED)
+    return load_bases(pool_ptr, base, run_ok, cols_left, WIDTH, RUN)
+
+
+@triton.jit
+def run_bases(pt_ptr, row_virt, row_ok, cols_left, WIDTH: tl.constexpr, RUN: tl.constexpr,
+              PAGE_SHIFT: tl.constexpr, PAGED: tl.constexpr):
+    """`load_runs`' page lookups alone: ``(pool offset of each run [rows, WIDTH // RUN] int64, run mask)``,
+    so that a kernel can look its pages up early and load the runs later (`load_bases`)."""
     runs = tl.arange(0, WIDTH // RUN)
-    lanes = tl.arange(0, RUN)
     run_ok = row_ok[:, None] & (runs[None, :] * RUN < cols_left)
     virt = row_virt[:, None] + runs[None, :] * RUN
     if PAGED:
@@ -168,8 +176,15 @@ def load_runs(pool_ptr, pt_ptr, row_virt, row_ok, cols_left, WIDTH: tl.constexpr
         base = page.to(tl.int64) * (1 << PAGE_SHIFT) + (virt & ((1 << PAGE_SHIFT) - 1))
     else:
         base = tl.load(pt_ptr).to(tl.int64) * (1 << PAGE_SHIFT) + virt
-    base = tl.multiple_of(base, [RUN, RUN])
+    return tl.multiple_of(base, [RUN, RUN]), run_ok
+
+
+@triton.jit
+def load_bases(pool_ptr, base, run_ok, cols_left, WIDTH: tl.constexpr, RUN: tl.constexpr):
+    """``[rows, WIDTH]``: the runs at pool offsets ``base`` (from `run_bases`), masked as `load_runs`."""
+    runs = tl.arange(0, WIDTH // RUN)
+    lanes = tl.arange(0, RUN)
     col_ok = (runs[:, None] * RUN + lanes[None, :]) < cols_left
     tile = tl.load(pool_ptr + base[:, :, None] + lanes[None, None, :],
                    mask=run_ok[:, :, None] & col_ok[None, :, :], other=0.0)
-    return tl.reshape(tile, (row_virt.shape[0], WIDTH))
+    return tl.reshape(tile, (base.shape[0], WIDTH))

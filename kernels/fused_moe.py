@@ -200,7 +200,8 @@ def _moe_gemm_kernel(
     ACT: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FUSED: tl.constexpr = False, R_PAD: tl.constexpr = 16,
-    RK: tl.constexpr = 16, RD: tl.constexpr = 16, SPLIT_K: tl.constexpr = 1, CHUNK_SLOTS: tl.constexpr = 1,
+    RK: tl.constexpr = 16, RD: tl.constexpr = 16, RD_PAD: tl.constexpr = 16, SPLIT_K: tl.constexpr = 1,
+    CHUNK_SLOTS: tl.constexpr = 1,
     STEPS: tl.constexpr = 2,
     RUN: tl.constexpr = 16, PAGE_SHIFT: tl.constexpr = 6, DOWN_SHRINK: tl.constexpr = True,
 ):
@@ -223,6 +224,19 @@ def _moe_gemm_kernel(
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped: loads need no column mask
         w_ptrs = w_src + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
         up_ptrs = w_ptrs + N * stride_wn
+    n0 = pid_n * BLOCK_N
+    if FUSED:  # the first LoRA step's addressing before the main loop, which hides its chain of loads
+        slot = lora_fused.pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k)
+        first = tl.min(slot, 0)
+        if GATED:
+            prep = lora_fused.gate_up_prep(first, slot, pairs, expert, n0, N, pt_ptr, meta_ptr, stride_pt, R_PAD, RK,
+                                           CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
+            if DOWN_SHRINK:
+                prep_down = lora_fused.down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
+                                                 lora_fused.F_DOWN_A, RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
+        else:
+            prep_down = lora_fused.down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
+                                             lora_fused.F_DOWN_B, RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(tl.cdiv(K_dim, BLOCK_K)):
@@ -240,16 +254,15 @@ def _moe_gemm_kernel(
         if not USE_TMA:
             w_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
-    n0 = pid_n * BLOCK_N
     if FUSED:  # the LoRA deltas as extra K steps into the same accumulators, after the main loop
-        slot = lora_fused.pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k)
         if GATED:
-            acc, acc_up = lora_fused.gate_up_delta(acc, acc_up, slot, pairs, expert, n0, N, num_pairs, z_ptr,
+            acc, acc_up = lora_fused.gate_up_delta(acc, acc_up, prep, slot, pairs, expert, n0, N, num_pairs, z_ptr,
                                                    pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K,
                                                    CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
         else:
-            acc = lora_fused.down_delta(acc, slot, pairs, expert, n0, N, z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                                        stride_pt, RD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+            acc = lora_fused.down_delta(acc, prep_down, slot, pairs, expert, n0, N, z_ptr, pool_ptr, pt_ptr, meta_ptr,
+                                        stride_pt, RD, RD_PAD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT,
+                                        DOT_PRECISION)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & (cols[None, :] < N)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -272,8 +285,8 @@ def _moe_gemm_kernel(
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, out, mask=mask)
     if FUSED and GATED and DOWN_SHRINK:  # the down shrink, from act as stored
-        lora_fused.down_shrink(out, slot, pairs, expert, n0, N, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-                               RD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+        lora_fused.down_shrink(out, prep_down, slot, pairs, expert, n0, N, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
+                               stride_pt, RD, RD_PAD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

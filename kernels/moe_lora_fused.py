@@ -16,13 +16,17 @@ ids from the smallest to the largest of its pairs' slots, C consecutive ids per 
 slot ``c0 + j // RK`` and rank row ``r = j % RK``.  ``S[m, j]`` is pair m's shrink output
 ``z[m, a_row + r]`` when pair m's slot is that slot (and ``r`` < its rank), else 0 —
 block-sparse, built by one masked load; ``B[j]`` is row ``r`` of that slot's B for this
-expert, read from the slot's pool pages (one page lookup per run).  A step depends only on
-the tile's smallest slot id, never on another step, and the first ``lora_steps`` steps are
-unrolled, so the compiler issues their loads together: the chain metadata -> page table ->
-pool is paid about once per tile (a loop of dependent steps cost ~0.8 us each on an H100).
-Further slot ids take a loop, each step from the next id a pair has.  The steps run after the
-main K loop (before it, their shared memory came on top of the loop's, past the limit).  A tile
-without LoRA pairs does no step.  Scaling is folded into B.
+expert, read from the slot's pool pages (one page lookup per run).  RK is the ranks' power of
+two, not padded to 16: the dot's K is the whole step (LK >= 16), so a step of ``lora_k`` 32 holds
+four rank-8 slots.  A step depends only on the tile's smallest slot id, never on another step, and
+the first ``lora_steps`` steps are unrolled, so the compiler issues their loads together (a loop of
+dependent steps cost ~0.8 us each on an H100).  Further slot ids take a loop, each step from the
+next id a pair has.  The steps' dots run after the main K loop (before it, their shared memory came
+on top of the loop's, past the limit), but the first step's addressing (`gate_up_prep`,
+`down_prep`: the pairs' slots -> metadata -> page table, a chain of dependent loads) is done before
+the loop, so that only its weight and z loads are left after it: with one program an SM (the
+prefill tiles), the chain was paid once per tile with the SM idle.  A tile without LoRA pairs
+does no step.  Scaling is folded into B.
 
 - gate/up GEMM: ``acc_gate += S_gate @ B_gate``, ``acc_up += S_up @ B_up`` before
   the activation; then the down shrink ``down_z[m] += act[m] @ A_down[slot, e].T``: a grouped
@@ -51,7 +55,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from unipage.kernels.common import load_runs
+from unipage.kernels.common import load_bases, run_bases
 from unipage.kernels.moe_align import (
     F_BASE,
     F_DOWN_A,
@@ -142,36 +146,43 @@ def _slice_field(meta_ptr, slot, ok, UP: tl.constexpr):
 
 
 @triton.jit
-def _paged_rows(pool_ptr, pt_ptr, stride_pt, slot, virt, ok, cols_left, BLOCK_N: tl.constexpr,
-                RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
-    """``[rows, BLOCK_N]``: row i = slot[i]'s virtual elements ``virt[i] + [0, BLOCK_N)`` (0 where not ok)."""
+def _paged_bases(pt_ptr, stride_pt, slot, virt, ok, cols_left, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                 PAGE_SHIFT: tl.constexpr):
+    """`common.run_bases` of ``[rows, BLOCK_N]``: row i = slot[i]'s virtual elements ``virt[i] + [0, BLOCK_N)``."""
     pt = pt_ptr + _zero_unless(slot, ok).to(tl.int64)[:, None] * stride_pt
-    return load_runs(pool_ptr, pt, virt, ok, cols_left, BLOCK_N, RUN, PAGE_SHIFT, True)
+    return run_bases(pt, virt, ok, cols_left, BLOCK_N, RUN, PAGE_SHIFT, True)
 
 
 @triton.jit
-def _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, UP: tl.constexpr, R_PAD: tl.constexpr,
-             RK: tl.constexpr, SPLIT_K: tl.constexpr, C: tl.constexpr):
-    """``S [BM, C·RK]`` float32: pair m's z entries of its slot's gate (or up) slice in the column block of
-    its chunk position, zeros elsewhere (one masked load per split)."""
+def _z_rows(slot, inside, pairs, meta_ptr, UP: tl.constexpr, R_PAD: tl.constexpr):
+    """Each pair's offset in ``z``'s first split at its slot's gate (or up) slice, and that slice's rank
+    (0 for pairs not in the step)."""
     field = _slice_field(meta_ptr, slot, inside, UP)
     a_row = _field(meta_ptr, slot, field, inside)
-    rank = _field(meta_ptr, slot, field + 1, inside)
+    return _zero_unless(pairs, inside).to(tl.int64) * R_PAD + a_row, _field(meta_ptr, slot, field + 1, inside)
+
+
+@triton.jit
+def _chunk_s(z_ptr, z_rows, pos, num_pairs, R_PAD: tl.constexpr, RK: tl.constexpr, SPLIT_K: tl.constexpr,
+             C: tl.constexpr):
+    """``S [BM, C·RK]`` float32: pair m's z entries (``z_rows`` from `_z_rows`) in the column block of its
+    chunk position ``pos``, zeros elsewhere (one masked load per split)."""
+    rows, rank = z_rows
     j = tl.arange(0, C * RK)
     c, r = j // RK, j % RK
-    mask = inside[:, None] & (pos[:, None] == c[None, :]) & (r[None, :] < rank[:, None])
-    s = tl.zeros((pairs.shape[0], C * RK), tl.float32)
+    mask = (pos[:, None] == c[None, :]) & (r[None, :] < rank[:, None])
+    s = tl.zeros((rows.shape[0], C * RK), tl.float32)
     for split in tl.static_range(SPLIT_K):
-        rows = (split * num_pairs + _zero_unless(pairs, inside)).to(tl.int64) * R_PAD + a_row
-        s += tl.load(z_ptr + rows[:, None] + r[None, :], mask=mask, other=0.0)
+        at = rows + (split * num_pairs).to(tl.int64) * R_PAD
+        s += tl.load(z_ptr + at[:, None] + r[None, :], mask=mask, other=0.0)
     return s
 
 
 @triton.jit
-def _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, UP: tl.constexpr,
-               RK: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr):
-    """``[C·RK, BLOCK_N]``: rows of the chunk's slots' gate (or up) B for this expert and column tile."""
+def _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, UP: tl.constexpr, RK: tl.constexpr,
+                   C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+    """Page-run bases of ``[C·RK, BLOCK_N]``: rows of the chunk's slots' gate (or up) B for this expert and
+    column tile."""
     row_slot, _, r = _rows(chunk, RK, C)
     row_ok = row_slot < NONE
     field = _slice_field(meta_ptr, row_slot, row_ok, UP)
@@ -180,130 +191,167 @@ def _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, 
     virt = _group_off(meta_ptr, row_slot, row_ok, expert) + _field(meta_ptr, row_slot, field + 2, row_ok) + r * stride
     if UP:  # up column n is the slice's local column n + I - col (the fused format's up half starts at I)
         virt += inter - _field(meta_ptr, row_slot, field + 3, row_ok)
-    return _paged_rows(pool_ptr, pt_ptr, stride_pt, row_slot, virt + n0, row_ok & (r < rank), inter - n0,
-                       BLOCK_N, RUN, PAGE_SHIFT)
+    return _paged_bases(pt_ptr, stride_pt, row_slot, virt + n0, row_ok & (r < rank), inter - n0, BLOCK_N, RUN,
+                        PAGE_SHIFT)
 
 
 @triton.jit
-def _gate_up_step(acc, acc_up, c0, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                  stride_pt, R_PAD: tl.constexpr, RK: tl.constexpr, SPLIT_K: tl.constexpr, C: tl.constexpr,
-                  BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """The gate and up deltas of the tile's pairs whose slot is in ``[c0, c0 + C)``."""
-    dtype = pool_ptr.dtype.element_ty
+def gate_up_prep(c0, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, R_PAD: tl.constexpr,
+                 RK: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                 PAGE_SHIFT: tl.constexpr):
+    """The addressing of the gate/up step over slot ids ``[c0, c0 + C)``: each pair's chunk position, the
+    page-run bases of gate B and up B, and the pairs' z rows (`gate_up_apply` does the loads and dots).
+    Everything here follows a chain of dependent loads (slots -> metadata -> page table), so the fused
+    GEMM runs its first step's before the main K loop, which then hides that chain."""
     chunk, pos, inside = _chunk_at(slot, c0, C)
-    b_gate = _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, False, RK, C, BLOCK_N,
-                        RUN, PAGE_SHIFT)
-    b_up = _gate_up_b(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, True, RK, C, BLOCK_N, RUN,
-                      PAGE_SHIFT)
-    s_gate = _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, False, R_PAD, RK, SPLIT_K, C)
-    s_up = _chunk_z(z_ptr, slot, pos, inside, pairs, num_pairs, meta_ptr, True, R_PAD, RK, SPLIT_K, C)
+    return (pos,
+            _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, False, RK, C, BLOCK_N, RUN,
+                           PAGE_SHIFT),
+            _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, True, RK, C, BLOCK_N, RUN,
+                           PAGE_SHIFT),
+            _z_rows(slot, inside, pairs, meta_ptr, False, R_PAD), _z_rows(slot, inside, pairs, meta_ptr, True, R_PAD))
+
+
+@triton.jit
+def gate_up_apply(acc, acc_up, prep, n0, inter, num_pairs, z_ptr, pool_ptr, R_PAD: tl.constexpr, RK: tl.constexpr,
+                  SPLIT_K: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """The gate and up deltas of a step addressed by `gate_up_prep`."""
+    pos, gate, up, z_gate, z_up = prep
+    dtype = pool_ptr.dtype.element_ty
+    b_gate = load_bases(pool_ptr, gate[0], gate[1], inter - n0, BLOCK_N, RUN)
+    b_up = load_bases(pool_ptr, up[0], up[1], inter - n0, BLOCK_N, RUN)
+    s_gate = _chunk_s(z_ptr, z_gate, pos, num_pairs, R_PAD, RK, SPLIT_K, C)
+    s_up = _chunk_s(z_ptr, z_up, pos, num_pairs, R_PAD, RK, SPLIT_K, C)
     acc = tl.dot(s_gate.to(dtype), b_gate, acc, input_precision=DOT_PRECISION)
     acc_up = tl.dot(s_up.to(dtype), b_up, acc_up, input_precision=DOT_PRECISION)
     return acc, acc_up
 
 
 @triton.jit
-def gate_up_delta(acc, acc_up, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr, pt_ptr, meta_ptr,
+def gate_up_delta(acc, acc_up, prep, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr, pt_ptr, meta_ptr,
                   stride_pt, R_PAD: tl.constexpr, RK: tl.constexpr, SPLIT_K: tl.constexpr, C: tl.constexpr,
                   STEPS: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """Add the gate/up LoRA deltas of the tile's pairs (``slot`` from `pair_slots`) to ``acc`` / ``acc_up``:
-    STEPS unrolled steps, then a loop over the slot ids left."""
+    the first step from ``prep`` (`gate_up_prep` at the tile's smallest slot id), STEPS - 1 more unrolled
+    steps, then a loop over the slot ids left."""
     lo, hi = _slot_range(slot)
     if lo <= hi:  # a tile without LoRA pairs skips the unrolled steps
-        for i in tl.static_range(STEPS):
-            acc, acc_up = _gate_up_step(acc, acc_up, lo + i * C, slot, pairs, expert, n0, inter, num_pairs,
-                                        z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K, C, BLOCK_N,
-                                        RUN, PAGE_SHIFT, DOT_PRECISION)
+        acc, acc_up = gate_up_apply(acc, acc_up, prep, n0, inter, num_pairs, z_ptr, pool_ptr, R_PAD, RK, SPLIT_K, C,
+                                    BLOCK_N, RUN, DOT_PRECISION)
+        for i in tl.static_range(1, STEPS):
+            step = gate_up_prep(lo + i * C, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, R_PAD, RK,
+                                C, BLOCK_N, RUN, PAGE_SHIFT)
+            acc, acc_up = gate_up_apply(acc, acc_up, step, n0, inter, num_pairs, z_ptr, pool_ptr, R_PAD, RK,
+                                        SPLIT_K, C, BLOCK_N, RUN, DOT_PRECISION)
     c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
-        acc, acc_up = _gate_up_step(acc, acc_up, c0, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr,
-                                    pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K, C, BLOCK_N, RUN, PAGE_SHIFT,
-                                    DOT_PRECISION)
+        step = gate_up_prep(c0, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, C,
+                            BLOCK_N, RUN, PAGE_SHIFT)
+        acc, acc_up = gate_up_apply(acc, acc_up, step, n0, inter, num_pairs, z_ptr, pool_ptr, R_PAD, RK, SPLIT_K,
+                                    C, BLOCK_N, RUN, DOT_PRECISION)
         c0 = _next_slot(slot, c0 + C)
     return acc, acc_up
 
 
 @triton.jit
-def _down_rows(chunk, expert, n0, width, pool_ptr, pt_ptr, meta_ptr, stride_pt, FIELD: tl.constexpr,
-               RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr):
-    """``[C·RD, BLOCK_N]``: rows of the chunk's slots' down A (``FIELD`` F_DOWN_A, rows of I) or down B
-    (F_DOWN_B, rows of H = ``width``) for this expert and column tile."""
+def _down_bases(chunk, expert, n0, width, pt_ptr, meta_ptr, stride_pt, FIELD: tl.constexpr, RD: tl.constexpr,
+                C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+    """Page-run bases of ``[C·RD, BLOCK_N]``: rows of the chunk's slots' down A (``FIELD`` F_DOWN_A, rows of I)
+    or down B (F_DOWN_B, rows of H = ``width``) for this expert and column tile."""
     row_slot, _, r = _rows(chunk, RD, C)
     row_ok = row_slot < NONE
     rank = _field(meta_ptr, row_slot, F_DOWN_RANK, row_ok)
     virt = _group_off(meta_ptr, row_slot, row_ok, expert) + _field(meta_ptr, row_slot, FIELD, row_ok) \
         + r * ((width + 63) // 64 * 64)
-    return _paged_rows(pool_ptr, pt_ptr, stride_pt, row_slot, virt + n0, row_ok & (r < rank), width - n0,
-                       BLOCK_N, RUN, PAGE_SHIFT)
+    return _paged_bases(pt_ptr, stride_pt, row_slot, virt + n0, row_ok & (r < rank), width - n0, BLOCK_N, RUN,
+                        PAGE_SHIFT)
 
 
 @triton.jit
-def _down_z_block(down_z_ptr, pairs, pos, inside, RD: tl.constexpr, C: tl.constexpr):
-    """Pointers ``[BM, C·RD]`` into ``down_z`` and the mask of each pair's own slot's column block."""
+def down_prep(c0, slot, expert, n0, width, pt_ptr, meta_ptr, stride_pt, FIELD: tl.constexpr, RD: tl.constexpr,
+              C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+    """The addressing of a down step over slot ids ``[c0, c0 + C)`` (down A: `down_shrink`; down B:
+    `down_delta`): each pair's chunk position, whether it is in the step, the weights' page-run bases."""
+    chunk, pos, inside = _chunk_at(slot, c0, C)
+    return pos, inside, _down_bases(chunk, expert, n0, width, pt_ptr, meta_ptr, stride_pt, FIELD, RD, C, BLOCK_N,
+                                    RUN, PAGE_SHIFT)
+
+
+@triton.jit
+def _down_z_block(down_z_ptr, pairs, pos, inside, RD: tl.constexpr, RD_PAD: tl.constexpr, C: tl.constexpr):
+    """Pointers ``[BM, C·RD]`` into ``down_z`` [TK, RD_PAD] and the mask of each pair's own slot's column block."""
     j = tl.arange(0, C * RD)
     mine = inside[:, None] & (pos[:, None] == (j // RD)[None, :])
-    return down_z_ptr + _zero_unless(pairs, inside).to(tl.int64)[:, None] * RD + (j % RD)[None, :], mine
+    return down_z_ptr + _zero_unless(pairs, inside).to(tl.int64)[:, None] * RD_PAD + (j % RD)[None, :], mine
 
 
 @triton.jit
-def _down_shrink_step(act, c0, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-                      RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-                      PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    chunk, pos, inside = _chunk_at(slot, c0, C)
-    a = _down_rows(chunk, expert, n0, inter, pool_ptr, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, C, BLOCK_N, RUN,
-                   PAGE_SHIFT)
+def _down_shrink_apply(act, prep, pairs, n0, inter, down_z_ptr, pool_ptr, RD: tl.constexpr, RD_PAD: tl.constexpr,
+                       C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pos, inside, bases = prep
+    a = load_bases(pool_ptr, bases[0], bases[1], inter - n0, BLOCK_N, RUN)
     part = tl.dot(act, tl.trans(a), input_precision=DOT_PRECISION)  # [BM, C·RD]: every slot of the chunk
-    ptrs, mine = _down_z_block(down_z_ptr, pairs, pos, inside, RD, C)
+    ptrs, mine = _down_z_block(down_z_ptr, pairs, pos, inside, RD, RD_PAD, C)
     tl.atomic_add(ptrs, part, mask=mine, sem="relaxed")
 
 
 @triton.jit
-def down_shrink(act, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-                RD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-                PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def down_shrink(act, prep, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
+                RD: tl.constexpr, RD_PAD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``down_z[m] += act[m, cols] @ A_down[slot_m, e][:, cols].T`` for this column tile (``act`` [BM, BN]
-    in the model dtype, as stored)."""
+    in the model dtype, as stored); the first step from ``prep`` (`down_prep` of down A)."""
     lo, hi = _slot_range(slot)
     if lo <= hi:
-        for i in tl.static_range(STEPS):
-            _down_shrink_step(act, lo + i * C, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr,
-                              meta_ptr, stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+        _down_shrink_apply(act, prep, pairs, n0, inter, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
+                           DOT_PRECISION)
+        for i in tl.static_range(1, STEPS):
+            step = down_prep(lo + i * C, slot, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, C,
+                             BLOCK_N, RUN, PAGE_SHIFT)
+            _down_shrink_apply(act, step, pairs, n0, inter, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
+                               DOT_PRECISION)
     c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
-        _down_shrink_step(act, c0, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                          stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+        step = down_prep(c0, slot, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, C, BLOCK_N, RUN,
+                         PAGE_SHIFT)
+        _down_shrink_apply(act, step, pairs, n0, inter, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
+                           DOT_PRECISION)
         c0 = _next_slot(slot, c0 + C)
 
 
 @triton.jit
-def _down_step(acc, c0, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-               RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    chunk, pos, inside = _chunk_at(slot, c0, C)
-    b = _down_rows(chunk, expert, n0, hidden, pool_ptr, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C, BLOCK_N,
-                   RUN, PAGE_SHIFT)
-    ptrs, mine = _down_z_block(down_z_ptr, pairs, pos, inside, RD, C)
+def _down_apply(acc, prep, pairs, n0, hidden, down_z_ptr, pool_ptr, RD: tl.constexpr, RD_PAD: tl.constexpr,
+                C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pos, inside, bases = prep
+    b = load_bases(pool_ptr, bases[0], bases[1], hidden - n0, BLOCK_N, RUN)
+    ptrs, mine = _down_z_block(down_z_ptr, pairs, pos, inside, RD, RD_PAD, C)
     s = tl.load(ptrs, mask=mine, other=0.0)
     return tl.dot(s.to(pool_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def down_delta(acc, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-               RD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-               PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc[m] += down_z[m] @ B_down[slot_m, e][:, cols]`` (before the bias and the routing weight)."""
+def down_delta(acc, prep, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
+               RD: tl.constexpr, RD_PAD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+               RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc[m] += down_z[m] @ B_down[slot_m, e][:, cols]`` (before the bias and the routing weight); the first
+    step from ``prep`` (`down_prep` of down B)."""
     lo, hi = _slot_range(slot)
     if lo <= hi:
-        for i in tl.static_range(STEPS):
-            acc = _down_step(acc, lo + i * C, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr,
-                             meta_ptr, stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+        acc = _down_apply(acc, prep, pairs, n0, hidden, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
+                          DOT_PRECISION)
+        for i in tl.static_range(1, STEPS):
+            step = down_prep(lo + i * C, slot, expert, n0, hidden, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C,
+                             BLOCK_N, RUN, PAGE_SHIFT)
+            acc = _down_apply(acc, step, pairs, n0, hidden, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
+                              DOT_PRECISION)
     c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
-        acc = _down_step(acc, c0, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                         stride_pt, RD, C, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+        step = down_prep(c0, slot, expert, n0, hidden, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C, BLOCK_N, RUN,
+                         PAGE_SHIFT)
+        acc = _down_apply(acc, step, pairs, n0, hidden, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
+                          DOT_PRECISION)
         c0 = _next_slot(slot, c0 + C)
     return acc
 
@@ -376,24 +424,31 @@ def down_shrink_in_epilogue(plan) -> bool:
 def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     """``(args, constexprs)`` of `fused_moe._moe_gemm_kernel`'s fused LoRA for ``plan``
     (`moe_lora_plan.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
-    table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64): the
-    extra K of one step, so ``lora_k // rank pad`` slot ids go into one step; ``"lora_steps"``
-    (default 2): the steps unrolled (`gate_up_delta`)."""
+    table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64, a power of two
+    >= 16): the extra K of one step, so ``lora_k // RK`` slot ids go into one step, RK being the ranks'
+    power of two (`tile_ranks`: the dot's K is the whole step, so a rank-8 row block needs no padding to
+    16); ``"lora_steps"`` (default 2): the steps unrolled (`gate_up_delta`; 0 counts as 1, since the first
+    step's addressing runs before the main K loop)."""
     from unipage.kernels.fused_moe_lora import _chunk
-    from unipage.kernels.moe_lora_plan import _split_k, lora_pads
+    from unipage.kernels.moe_lora_plan import _split_k, lora_pads, tile_ranks
 
     lora, meta = plan.lora, plan.lora.meta
-    r_pad, rk_pad, rd_pad = lora_pads(meta)
+    r_pad, _, rd_pad = lora_pads(meta)
+    rk, rd = tile_ranks(meta, 1)
     splits, _ = _split_k(meta.hidden, plan.config["split_k"])
     width, steps = plan.config.get("lora_k", 64), plan.config.get("lora_steps", 2)
     if "chunks" in plan.config:
         raise ValueError('lora config "chunks" was removed: steps now cover consecutive slot ids (see "lora_steps")')
     if type(steps) is not int or not 0 <= steps <= MAX_STEPS:
         raise ValueError(f'lora config "lora_steps" must be an int in [0, {MAX_STEPS}], got {steps!r}')
+    if type(width) is not int or width < 16 or width & (width - 1):
+        raise ValueError(f'lora config "lora_k" must be a power of two >= 16, got {width!r}')
+    # slot ids a step: every dot of a step (the deltas' K, the down shrink's N) spans >= 16
+    slots = max(width // (rk if gated else rd), 16 // min(rk, rd) if gated else 16 // rd, 1)
     args = (plan.gate_up_z if gated else plan.down_z, plan.down_z, lora.pool, lora.page_table, meta.table,
             plan.topk_ids.shape[1], lora.page_table.stride(0))
-    constexprs = {"FUSED": True, "R_PAD": r_pad if gated else rd_pad, "RK": rk_pad, "RD": rd_pad,
-                  "SPLIT_K": splits, "CHUNK_SLOTS": max(1, width // (rk_pad if gated else rd_pad)), "STEPS": steps,
+    constexprs = {"FUSED": True, "R_PAD": r_pad if gated else rd_pad, "RK": rk, "RD": rd, "RD_PAD": rd_pad,
+                  "SPLIT_K": splits, "CHUNK_SLOTS": slots, "STEPS": max(steps, 1),  # (the first: `gate_up_prep`)
                   "RUN": min(block_n, _chunk(meta.inter) if gated else 64),
                   "PAGE_SHIFT": lora.pool.shape[1].bit_length() - 1, "DOWN_SHRINK": down_shrink_in_epilogue(plan)}
     return args, constexprs
