@@ -78,6 +78,7 @@ TOKENS = (1, 16, 64, 256, 1024, 4096)
 ADAPTERS = 8
 SLOT_ORDERS = ("round-robin", "sorted")  # token i's adapter: i % adapters, or i * adapters // tokens (runs)
 SLOT_ORDER = "round-robin"
+ACTIVE = None  # the MoeLora's bound on the step's adapters (None: the distinct adapters of the tokens)
 PAGE_ELEMS = 16 * 2 * 8 * 64  # one KV block of 16 tokens, 8 KV heads of 64
 SEED = 0
 DTYPE = torch.bfloat16
@@ -136,7 +137,7 @@ def batch(s: dict, num_tokens: int) -> dict:
     logits = torch.randn(num_tokens, s["experts"], device=DEVICE)
     topk_weights, topk_ids = route_topk(logits, k, True)
     slots = token_slots(num_tokens)
-    lora = MoeLora(s["pool"], s["page_table"], slots, s["meta"], active_slots=min(num_tokens, ADAPTERS))
+    lora = MoeLora(s["pool"], s["page_table"], slots, s["meta"], active_slots=ACTIVE or min(num_tokens, ADAPTERS))
     pairs = num_tokens * k
     return {"x": x, "logits": logits, "topk_weights": topk_weights, "topk_ids": topk_ids, "lora": lora,
             "raw": torch.randn(pairs, 2 * i, device=DEVICE, dtype=DTYPE),
@@ -259,7 +260,7 @@ def run(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
 
 
 def _emit(record: dict, out, bandwidth: float | None = None) -> dict:
-    full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "seed": SEED,
+    full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "active_slots": ACTIVE, "seed": SEED,
             "rank": SHAPES.get(record.get("shape"), {}).get("rank"),
             "copy_gbps": round(bandwidth / 1e9, 1) if bandwidth else None, **record}
     emit(full, out)
@@ -519,13 +520,18 @@ def tune(shapes=tuple(SHAPES), tokens=TOKENS, stages=("base", "lora")) -> Path:
     return path
 
 
-def configure(adapters: int, rank: int | None = None, slot_order: str = "round-robin") -> None:
-    """Set the adapters the tokens spread over, their order (`SLOT_ORDERS`) and, if given, every shape's
-    rank (serve.py's setup (b) runs Qwen3-30B-A3B with 16 adapters of rank 8)."""
-    global ADAPTERS, SLOT_ORDER
+def configure(adapters: int, rank: int | None = None, slot_order: str = "round-robin",
+              active: int | None = None) -> None:
+    """Set the adapters the tokens spread over, their order (`SLOT_ORDERS`), if given every shape's rank
+    (serve.py's setup (b) runs Qwen3-30B-A3B with 16 adapters of rank 8) and the bound on a step's adapters
+    that picks the tuned entry (a CUDA graph's adapter class: setup (b)'s mixed steps of 5 adapters run the
+    graphs of class 16)."""
+    global ADAPTERS, SLOT_ORDER, ACTIVE
     if slot_order not in SLOT_ORDERS:
         raise ValueError(f"slot order must be one of {SLOT_ORDERS}, got {slot_order!r}")
-    ADAPTERS, SLOT_ORDER = adapters, slot_order
+    if active is not None and active < adapters:
+        raise ValueError(f"the bound on a step's adapters ({active}) is below the adapters ({adapters})")
+    ADAPTERS, SLOT_ORDER, ACTIVE = adapters, slot_order, active
     for shape in SHAPES.values():
         shape["rank"] = rank or shape["rank"]
 
@@ -551,12 +557,14 @@ def main() -> None:
     parser.add_argument("--slot-order", default="round-robin", choices=SLOT_ORDERS,
                         help="the benchmark's tokens' adapters round-robin, or sorted into runs (the MoE LoRA kernels "
                              "ran as fast either way at setup (b)'s mix)")
+    parser.add_argument("--active-slots", type=int,
+                        help="the bound on a step's adapters that picks the tuned entry (default: --adapters)")
     args = parser.parse_args()
     if sum([args.tune, args.align, args.split is not None]) > 1:
         parser.error("--tune, --align and --split exclude each other")
     if args.slot_order != "round-robin" and (args.tune or args.align):
         parser.error("--slot-order is for the benchmark rows; --tune and --align use round-robin tokens")
-    configure(args.adapters, args.rank, args.slot_order)
+    configure(args.adapters, args.rank, args.slot_order, args.active_slots)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     start = time.time()
     if args.tune:
