@@ -61,8 +61,9 @@ def test_sparse_slot_ids(lora_k, steps):
 
 def test_bad_fused_config_is_refused():
     c = lt._case(7, torch.float32, "uniform", seed=3)
-    for bad in ({"lora_steps": -1}, {"lora_steps": 9}, {"lora_steps": True}, {"chunks": "range"}):
-        with pytest.raises(ValueError, match="lora_steps|chunks"):
+    for bad in ({"lora_steps": -1}, {"lora_steps": 9}, {"lora_steps": True}, {"chunks": "range"}, {"lora_k": 8},
+                {"lora_k": 48}, {"lora_k": 32.0}):
+        with pytest.raises(ValueError, match="lora_steps|chunks|lora_k"):
             lt._run(fused_experts, c, {**FUSED_GROUP, **bad})
 
 

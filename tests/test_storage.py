@@ -478,10 +478,10 @@ def test_reads_go_through_files_when_the_ring_has_no_room(tmp_path):
 
 
 def _loaded_through_a_file_then_evicted(memory, storage, name):
-    """``name`` read with a ring too small for it (back through a file: its host copy a buffer of this
-    process), then evicted, and the ring given room; that buffer."""
-    ring = storage._ring
-    storage._ring = PinnedRing(ALIGN, pin=False, shared=True)
+    """``name`` read with a ring too small for it and of a fixed size (back through a file: its host copy a
+    buffer of this process), then evicted, and the ring given room; that buffer."""
+    ring, auto = storage._ring, storage._ring_auto
+    storage._ring, storage._ring_auto = PinnedRing(ALIGN, pin=False, shared=True), False  # (an auto ring would grow)
     memory.adapters.request(name)
     storage.apply(memory.adapters.take_effects())
     assert storage._reads[name][2] is None and _poll_reads(storage) == []
@@ -489,7 +489,7 @@ def _loaded_through_a_file_then_evicted(memory, storage, name):
     memory.adapters.evict(name)
     storage.apply(memory.adapters.take_effects())
     storage._ring.close()
-    storage._ring = ring
+    storage._ring, storage._ring_auto = ring, auto
     host = storage._host[name]
     assert isinstance(host, torch.Tensor)
     return host
