@@ -6,6 +6,7 @@
     python benchmarks/kernels_moe.py --align                 # the alignment alone (base, 8 and 16 slots)
     python benchmarks/kernels_moe.py --split ['{"gate_up.num_warps": 1}' ...]  # each LoRA pass alone
     python benchmarks/kernels_moe.py --adapters 16 --rank 8 ...  # serve.py's setup (b) mix (with any mode)
+    python benchmarks/kernels_moe.py --adapters 5 --active-slots 16 ...  # 5 adapters in a graph of class 16
 
 Shapes: a GPT-OSS-20B layer (H 2880, I 2880, 32 experts, top-4, rank 32) and a
 Qwen3-30B-A3B layer (H 2048, I 768, 128 experts, top-8, rank 16), bf16, 8 adapters

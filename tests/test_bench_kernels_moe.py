@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import kernels_moe as km
+from unipage.kernels import moe_lora_plan
 
 OLD = [{"max_load": 1.0, "old": 0}, {"max_load": 2.0, "old": 1}, {"max_load": 5.0, "old": 2},
        {"max_load": 1e12, "old": 3}]
@@ -139,6 +140,25 @@ def test_fused_min_tokens_in_rows_and_tuning(monkeypatch):
     monkeypatch.setattr(km, "descend", lambda start, space, fn: (starts.append(start), (start, 1e-6))[1])
     km._tune_shape(s, [4], lambda kind, entries: None, stages=("lora",))
     assert starts and not set(km.FUSED_KEYS) & set(starts[0]) and starts[0]["split_k"] == entry["split_k"]
+
+
+def test_active_slots_bound_picks_the_entry(monkeypatch):
+    """``--active-slots``: the MoeLora's bound (a graph's adapter class) is set on every batch, picks the tuned
+    entry by its load, goes into the rows, and may not be below the adapters."""
+    s = _tiny(monkeypatch, [])
+    for name in ("ADAPTERS", "SLOT_ORDER", "ACTIVE"):
+        monkeypatch.setattr(km, name, getattr(km, name))  # (configure sets them: undone after the test)
+    km.configure(2, slot_order="sorted", active=16)
+    assert km.batch(s, 4)["lora"].active_slots == 16
+    seen = []
+    monkeypatch.setattr(moe_lora_plan, "launch_config", lambda kind, shape, load, devices: seen.append(load) or {})
+    km.lora_config(km.batch(s, 4)["lora"], km.batch(s, 4)["topk_ids"])
+    assert seen == [km.expected_load(4 * 2, 16 * 4)]  # T·K pairs over 16 slots of 4 experts, not 2 slots
+    assert km._emit({"row": "x"}, open(os.devnull, "w"))["active_slots"] == 16
+    km.configure(2)
+    assert km.batch(s, 4)["lora"].active_slots == 2
+    with pytest.raises(ValueError, match="below"):
+        km.configure(4, active=3)
 
 
 def test_ncu_csv_rows(tmp_path):
