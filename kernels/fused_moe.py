@@ -191,7 +191,7 @@ def _moe_gemm_kernel(
     sorted_ptr, block_expert_ptr, num_blocks_ptr,  # the `Alignment` (groups = experts)
     slots_ptr, flags_ptr,  # [T] int32 token slots, [S] int32 slot has expert LoRA (HAS_LORA or FUSED)
     # FUSED (`moe_lora_fused`): z [SPLIT_K, TK, R_PAD] float32 (gate/up: x @ A_gu.T partials; down:
-    # down_z), down_z [TK, RD] float32 (gate/up: += act @ A_d.T), the pool layer [N, P], page table
+    # down_z), down_z [TK, RD_PAD] float32 (gate/up: += act @ A_d.T), the pool layer [N, P], page table
     # [S, max_pages] int32, LoRA metadata [S, NUM_FIELDS] int32
     z_ptr, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
     num_pairs, N, K_dim, a_div, w_rows, top_k, stride_pt,
@@ -201,7 +201,7 @@ def _moe_gemm_kernel(
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FUSED: tl.constexpr = False, R_PAD: tl.constexpr = 16,
     RK: tl.constexpr = 16, RD: tl.constexpr = 16, RD_PAD: tl.constexpr = 16, SPLIT_K: tl.constexpr = 1,
-    CHUNK_SLOTS: tl.constexpr = 1,
+    CHUNK_SLOTS: tl.constexpr = 1, DOWN_SLOTS: tl.constexpr = 1,
     STEPS: tl.constexpr = 2,
     RUN: tl.constexpr = 16, PAGE_SHIFT: tl.constexpr = 6, DOWN_SHRINK: tl.constexpr = True,
 ):
@@ -233,7 +233,7 @@ def _moe_gemm_kernel(
                                            CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
             if DOWN_SHRINK:
                 prep_down = lora_fused.down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
-                                                 lora_fused.F_DOWN_A, RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
+                                                 lora_fused.F_DOWN_A, RD, DOWN_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
         else:
             prep_down = lora_fused.down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
                                              lora_fused.F_DOWN_B, RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
@@ -286,7 +286,7 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, out, mask=mask)
     if FUSED and GATED and DOWN_SHRINK:  # the down shrink, from act as stored
         lora_fused.down_shrink(out, prep_down, slot, pairs, expert, n0, N, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                               stride_pt, RD, RD_PAD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+                               stride_pt, RD, RD_PAD, DOWN_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -1,7 +1,8 @@
 """Expert LoRA fused into the base MoE's grouped GEMMs ("K-extension").
 
 Shape legend: TK pairs, BM x BN a GEMM tile, S slots, C = ``lora_k // RK`` slot ids per
-extra K step, RK = a gate/up slice's padded rank (RD for down), LK = C·RK.
+extra K step (at least ``16 // RK``), RK = the gate/up ranks' power of two (RD: the down
+rank's, in the down GEMM and the epilogue down shrink, which takes its own C), LK = C·RK.
 
 The separate LoRA pass (`fused_moe_lora`) reads the base GEMM's un-activated gate/up
 output back, adds the delta, re-applies the activation and read-modify-writes ``y``:
@@ -43,8 +44,10 @@ exact, but slower than the separate pass at every size measured there.  On an H2
 epilogue, it beats the separate pass from 2,048 tokens (4 adapters: 660-664 against 681 us a layer
 at 2,048, 959-979 against 1,019-1,031 at 4,096; one adapter at 4,096: 922-937 against 998) but not at
 1,024 tokens of one adapter (476-483 against 465), nor at decode sizes (256 tokens: 453 against
-368); so that H200 entry past load 22.6 fuses from 2,048 tokens (``"fused_min_tokens"``), and the
-other entries leave it off.  Config ``"fused": "down"`` (`fused_mode`) fuses the down delta alone, after the
+368); so that H200 entry past load 22.6 fuses from 2,048 tokens (``"fused_min_tokens"``), and since
+b16eddc the entry of load 16 too (setup (b)'s mixed steps of 5 adapters in graphs of class 16: 933.1
+against 1,034.6 us at 4,096 tokens, with e16e0cc's kernels; at 16 adapters round-robin 1,311.7 against
+1,099.3); the other entries leave it off.  Config ``"fused": "down"`` (`fused_mode`) fuses the down delta alone, after the
 separate gate/up pass.  In the "fused-down-sweep" rows it is 2.5-3.8 % faster than the separate
 pass in three cases only (Qwen3-30B-A3B 8 x r16 at 256 and 1024 tokens, 16 x r8 at 1024) and
 slower elsewhere (16, 64 and 4096 tokens, 16 x r8 at 256, GPT-OSS-20B); with the gate/up expand
@@ -381,6 +384,9 @@ def config_mode(config: dict, num_tokens: int) -> str:
     value = config.get("fused", False)
     if type(value) not in (bool, str) or value not in FUSED_MODES:
         raise ValueError(f'lora config "fused" must be false, true or "down", got {value!r}')
+    width = config.get("lora_k", 64)
+    if type(width) is not int or width < 16 or width & (width - 1):
+        raise ValueError(f'lora config "lora_k" must be a power of two >= 16, got {width!r}')
     least = config.get("fused_min_tokens", 0)
     if type(least) is not int or least < 0:
         raise ValueError(f'lora config "fused_min_tokens" must be an int >= 0, got {least!r}')
@@ -425,9 +431,11 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     """``(args, constexprs)`` of `fused_moe._moe_gemm_kernel`'s fused LoRA for ``plan``
     (`moe_lora_plan.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
     table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64, a power of two
-    >= 16): the extra K of one step, so ``lora_k // RK`` slot ids go into one step, RK being the ranks'
-    power of two (`tile_ranks`: the dot's K is the whole step, so a rank-8 row block needs no padding to
-    16); ``"lora_steps"`` (default 2): the steps unrolled (`gate_up_delta`; 0 counts as 1, since the first
+    >= 16): the extra K of one step, so a step holds C = ``lora_k // RK`` slot ids (at least ``16 // RK``,
+    the dot's minimum), RK being the gate/up ranks' power of two in the gate/up GEMM, the down rank's (RD)
+    in the down GEMM (`tile_ranks`: the dot's K is the whole step, so a rank-8 row block needs no padding
+    to 16); the gate/up GEMM's epilogue down shrink takes its own count by RD (``DOWN_SLOTS``);
+    ``"lora_steps"`` (default 2): the steps unrolled (`gate_up_delta`; 0 counts as 1, since the first
     step's addressing runs before the main K loop)."""
     from unipage.kernels.fused_moe_lora import _chunk
     from unipage.kernels.moe_lora_plan import _split_k, lora_pads, tile_ranks
@@ -441,14 +449,13 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
         raise ValueError('lora config "chunks" was removed: steps now cover consecutive slot ids (see "lora_steps")')
     if type(steps) is not int or not 0 <= steps <= MAX_STEPS:
         raise ValueError(f'lora config "lora_steps" must be an int in [0, {MAX_STEPS}], got {steps!r}')
-    if type(width) is not int or width < 16 or width & (width - 1):
-        raise ValueError(f'lora config "lora_k" must be a power of two >= 16, got {width!r}')
-    # slot ids a step: every dot of a step (the deltas' K, the down shrink's N) spans >= 16
-    slots = max(width // (rk if gated else rd), 16 // min(rk, rd) if gated else 16 // rd, 1)
+    rows = rk if gated else rd
+    slots, down_slots = max(width // rows, 16 // rows, 1), max(width // rd, 16 // rd, 1)  # (each dot spans >= 16)
     args = (plan.gate_up_z if gated else plan.down_z, plan.down_z, lora.pool, lora.page_table, meta.table,
             plan.topk_ids.shape[1], lora.page_table.stride(0))
     constexprs = {"FUSED": True, "R_PAD": r_pad if gated else rd_pad, "RK": rk, "RD": rd, "RD_PAD": rd_pad,
-                  "SPLIT_K": splits, "CHUNK_SLOTS": slots, "STEPS": max(steps, 1),  # (the first: `gate_up_prep`)
+                  "SPLIT_K": splits, "CHUNK_SLOTS": slots, "DOWN_SLOTS": down_slots,
+                  "STEPS": max(steps, 1),  # (the first: `gate_up_prep`, before the main loop)
                   "RUN": min(block_n, _chunk(meta.inter) if gated else 64),
                   "PAGE_SHIFT": lora.pool.shape[1].bit_length() - 1, "DOWN_SHRINK": down_shrink_in_epilogue(plan)}
     return args, constexprs

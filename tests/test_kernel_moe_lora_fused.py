@@ -22,6 +22,7 @@ from unipage.kernels.fused_moe_lora import (
     moe_lora_shrink,
     plan_moe_lora,
 )
+from unipage.kernels.common import next_pow2
 from unipage.kernels.moe_align import moe_align_ref
 
 
@@ -41,8 +42,8 @@ def test_fused_matches_reference(mode, num_tokens, dtype):
 
 
 @pytest.mark.parametrize("mix", ["identical", "distinct", "zipf", "skewed", "none"])
-@pytest.mark.parametrize("lora_k", [16, 32, 128])  # one slot per extra K step, two, eight
-@pytest.mark.parametrize("steps", [0, 1, 3])  # unrolled steps: the rest of a tile's slot ids take the loop
+@pytest.mark.parametrize("lora_k", [16, 32, 128])  # rank-8 gate/up rows: two slots per extra K step, four, sixteen
+@pytest.mark.parametrize("steps", [1, 3])  # unrolled steps: the rest of a tile's slot ids take the loop
 def test_mixes_and_slots_per_step(mix, lora_k, steps):
     c = lt._case(40, torch.float16, mix, seed=11)
     lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, steps=steps)),
@@ -57,6 +58,33 @@ def test_sparse_slot_ids(lora_k, steps):
     c = lt._case(40, torch.float32, "distinct", seed=15, slots=slots)
     lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, steps=steps)), lt._loop_moe(c, torch.float32),
               torch.float32)
+
+
+SMALL_RANKS = {"rank 1 beside 32": [("fused", 1), ("split", 32)], "gate/up 32, down 1": [("gate_only", 32),
+               ("down_only", 1)], "no down": [("gate_only", 16)]}
+
+
+@pytest.mark.parametrize("slots", sorted(SMALL_RANKS))
+@pytest.mark.parametrize("down_shrink", ["epilogue", "pass"])
+def test_small_and_unequal_ranks(slots, down_shrink, monkeypatch):
+    """Steps of rank-1 rows, or gate/up and down ranks far apart: every step's dots span >= 16 (the interpreter
+    does not enforce the tensor-core minimum, so the widths are checked here), the gate/up step is not widened
+    by the down rank, and the result matches the per-token loop."""
+    widths = []
+    real = moe_lora_fused.gemm_args
+
+    def spy(plan, gated, block_n):
+        args, c = real(plan, gated, block_n)
+        widths.append((gated, c["CHUNK_SLOTS"] * (c["RK"] if gated else c["RD"]), c["DOWN_SLOTS"] * c["RD"]))
+        return args, c
+
+    monkeypatch.setattr(moe_lora_fused, "gemm_args", spy)
+    c = lt._case(40, torch.float32, "distinct", seed=3, slots=SMALL_RANKS[slots])
+    lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, 32, down_shrink, 1)), lt._loop_moe(c, torch.float32),
+              torch.float32)
+    assert widths and all(step >= 16 and down >= 16 for _, step, down in widths)
+    gate_up = next(step for gated, step, _ in widths if gated)
+    assert gate_up == max(32, next_pow2(max(rank for _, rank in SMALL_RANKS[slots])))
 
 
 def test_bad_fused_config_is_refused():
@@ -313,8 +341,8 @@ def test_gpu_fused_compiles_once_across_token_counts():
 @pytest.mark.gpu
 def test_gpu_tuned_entry_at_the_prefill_mix():
     """The tuned entry as shipped at 2,048 tokens of 4 adapters (on an H200: Qwen3's entry past load 22.6,
-    which large steps of few adapters take: fused from 2,048 tokens, one step of two slot ids, the down
-    shrink in the epilogue)."""
+    which large steps of few adapters take: fused from 2,048 tokens, one step of four rank-8 slot ids, the
+    down shrink in the epilogue)."""
     from unipage.kernels.fused_moe_lora import lora_config
 
     case = gpu._gpu_case("qwen3-30b-a3b", 2048, adapters=4)

@@ -482,14 +482,16 @@ def _loaded_through_a_file_then_evicted(memory, storage, name):
     buffer of this process), then evicted, and the ring given room; that buffer."""
     ring, auto = storage._ring, storage._ring_auto
     storage._ring, storage._ring_auto = PinnedRing(ALIGN, pin=False, shared=True), False  # (an auto ring would grow)
-    memory.adapters.request(name)
-    storage.apply(memory.adapters.take_effects())
-    assert storage._reads[name][2] is None and _poll_reads(storage) == []
-    memory.adapters.load_done(name)
-    memory.adapters.evict(name)
-    storage.apply(memory.adapters.take_effects())
-    storage._ring.close()
-    storage._ring, storage._ring_auto = ring, auto
+    try:
+        memory.adapters.request(name)
+        storage.apply(memory.adapters.take_effects())
+        assert storage._reads[name][2] is None and _poll_reads(storage) == []
+        memory.adapters.load_done(name)
+        memory.adapters.evict(name)
+        storage.apply(memory.adapters.take_effects())
+    finally:
+        storage._ring.close()
+        storage._ring, storage._ring_auto = ring, auto
     host = storage._host[name]
     assert isinstance(host, torch.Tensor)
     return host
