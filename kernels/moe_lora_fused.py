@@ -47,8 +47,8 @@ at 2,048, 959-979 against 1,019-1,031 at 4,096; one adapter at 4,096: 922-937 ag
 368); so that H200 entry past load 22.6 fuses from 2,048 tokens (``"fused_min_tokens"``), and since
 b16eddc the entry of load 16 too (setup (b)'s mixed steps of 5 adapters in graphs of class 16: 933.1
 against 1,034.6 us at 4,096 tokens, with e16e0cc's kernels; at 16 adapters round-robin 1,311.7 against
-1,099.3); the other entries leave it off.  Config ``"fused": "down"`` (`fused_mode`) fuses the down delta alone, after the
-separate gate/up pass.  In the "fused-down-sweep" rows it is 2.5-3.8 % faster than the separate
+1,099.3); the other entries leave it off.  Config ``"fused": "down"`` (`fused_mode`) fuses the down delta
+alone, after the separate gate/up pass.  In the "fused-down-sweep" rows it is 2.5-3.8 % faster than the separate
 pass in three cases only (Qwen3-30B-A3B 8 x r16 at 256 and 1024 tokens, 16 x r8 at 1024) and
 slower elsewhere (16, 64 and 4096 tokens, 16 x r8 at 256, GPT-OSS-20B); with the gate/up expand
 capped at 128 registers (fec3979's kernels_moe rows) it is slower at 1024 tokens too.

@@ -154,7 +154,8 @@ def test_active_slots_bound_picks_the_entry(monkeypatch):
     monkeypatch.setattr(moe_lora_plan, "launch_config", lambda kind, shape, load, devices: seen.append(load) or {})
     km.lora_config(km.batch(s, 4)["lora"], km.batch(s, 4)["topk_ids"])
     assert seen == [km.expected_load(4 * 2, 16 * 4)]  # T·K pairs over 16 slots of 4 experts, not 2 slots
-    assert km._emit({"row": "x"}, open(os.devnull, "w"))["active_slots"] == 16
+    with open(os.devnull, "w") as out:
+        assert km._emit({"row": "x"}, out)["active_slots"] == 16
     km.configure(2)
     assert km.batch(s, 4)["lora"].active_slots == 2
     with pytest.raises(ValueError, match="below"):
