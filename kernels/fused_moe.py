@@ -226,17 +226,9 @@ def _moe_gemm_kernel(
         up_ptrs = w_ptrs + N * stride_wn
     n0 = pid_n * BLOCK_N
     if FUSED:  # the first LoRA step's addressing before the main loop, which hides its chain of loads
-        slot = lora_fused.pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k)
-        first = tl.min(slot, 0)
-        if GATED:
-            prep = lora_fused.gate_up_prep(first, slot, pairs, expert, n0, N, pt_ptr, meta_ptr, stride_pt, R_PAD, RK,
-                                           CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
-            if DOWN_SHRINK:
-                prep_down = lora_fused.down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
-                                                 lora_fused.F_DOWN_A, RD, DOWN_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
-        else:
-            prep_down = lora_fused.down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
-                                             lora_fused.F_DOWN_B, RD, CHUNK_SLOTS, BLOCK_N, RUN, PAGE_SHIFT)
+        slot, prep, prep_down = lora_fused.first_steps(slots_ptr, flags_ptr, pairs, pair_ok, top_k, expert, n0, N,
+                                                       pt_ptr, meta_ptr, stride_pt, R_PAD, RK, RD, CHUNK_SLOTS,
+                                                       DOWN_SLOTS, BLOCK_N, RUN, PAGE_SHIFT, GATED, DOWN_SHRINK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(tl.cdiv(K_dim, BLOCK_K)):

@@ -216,6 +216,32 @@ def gate_up_prep(c0, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, stride_pt
 
 
 @triton.jit
+def first_steps(slots_ptr, flags_ptr, pairs, pair_ok, top_k, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
+                R_PAD: tl.constexpr, RK: tl.constexpr, RD: tl.constexpr, C: tl.constexpr, DOWN_C: tl.constexpr,
+                BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, GATED: tl.constexpr,
+                DOWN_SHRINK: tl.constexpr):
+    """``(slot, prep, prep_down)`` for the fused GEMM to take before its main K loop: the tile's pairs' slots
+    (`pair_slots`) and its first step's addressing from the smallest of them, of gate/up B (GATED; else
+    ``prep`` is ``prep_down``) and of down A (GATED with DOWN_SHRINK, over DOWN_C slot ids) or down B (else;
+    with neither, ``prep_down`` is ``prep``)."""
+    slot = pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k)
+    first = tl.min(slot, 0)
+    if GATED:
+        prep = gate_up_prep(first, slot, pairs, expert, n0, N, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, C, BLOCK_N,
+                            RUN, PAGE_SHIFT)
+        if DOWN_SHRINK:
+            prep_down = down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, DOWN_C,
+                                  BLOCK_N, RUN, PAGE_SHIFT)
+        else:
+            prep_down = prep
+    else:
+        prep_down = down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C, BLOCK_N,
+                              RUN, PAGE_SHIFT)
+        prep = prep_down
+    return slot, prep, prep_down
+
+
+@triton.jit
 def gate_up_apply(acc, acc_up, prep, n0, inter, num_pairs, z_ptr, pool_ptr, R_PAD: tl.constexpr, RK: tl.constexpr,
                   SPLIT_K: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
