@@ -6,7 +6,7 @@
     python benchmarks/kernels_moe.py --align                 # the alignment alone (base, 8 and 16 slots)
     python benchmarks/kernels_moe.py --split ['{"gate_up.num_warps": 1}' ...]  # each LoRA pass alone
     python benchmarks/kernels_moe.py --adapters 16 --rank 8 ...  # serve.py's setup (b) mix (with any mode)
-    python benchmarks/kernels_moe.py --adapters 5 --active-slots 16 ...  # 5 adapters in a graph of class 16
+    python benchmarks/kernels_moe.py --adapters 5 --active-slots 16 --slot-order mixed ...  # (b)'s mixed steps
 
 Shapes: a GPT-OSS-20B layer (H 2880, I 2880, 32 experts, top-4, rank 32) and a
 Qwen3-30B-A3B layer (H 2048, I 768, 128 experts, top-8, rank 16), bf16, 8 adapters
@@ -77,7 +77,9 @@ SHAPES = {"gpt-oss-20b": {"hidden": 2880, "inter": 2880, "experts": 32, "top_k":
           "qwen3-30b-a3b": {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8, "rank": 16}}
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 ADAPTERS = 8
-SLOT_ORDERS = ("round-robin", "sorted")  # token i's adapter: i % adapters, or i * adapters // tokens (runs)
+SLOT_ORDERS = ("round-robin", "sorted", "mixed")  # token i's adapter: i % adapters, i * adapters // tokens (runs),
+# or a mixed step's: MIXED_DECODES decodes round-robin over all adapters but the last, then a prompt run of the last
+MIXED_DECODES = 256
 SLOT_ORDER = "round-robin"
 ACTIVE = None  # the MoeLora's bound on the step's adapters (None: the distinct adapters of the tokens)
 PAGE_ELEMS = 16 * 2 * 8 * 64  # one KV block of 16 tokens, 8 KV heads of 64
@@ -124,11 +126,16 @@ def setup(name: str) -> dict:
 
 
 def token_slots(num_tokens: int) -> torch.Tensor:
-    """Each token's adapter slot, `SLOT_ORDER`: round-robin, or sorted (runs of about tokens / adapters, slot 0
-    first)."""
+    """Each token's adapter slot, `SLOT_ORDER`: round-robin, sorted (runs of about tokens / adapters, slot 0
+    first), or mixed (setup (b)'s steps with a prefill: up to `MIXED_DECODES` decodes, at most half the tokens,
+    round-robin over every adapter but the last, then the prompt tokens of the last)."""
     index = torch.arange(num_tokens, device=DEVICE)
-    slots = index % ADAPTERS if SLOT_ORDER == "round-robin" else index * ADAPTERS // num_tokens
-    return slots.int()
+    if SLOT_ORDER == "round-robin":
+        return (index % ADAPTERS).int()
+    if SLOT_ORDER == "sorted":
+        return (index * ADAPTERS // num_tokens).int()
+    decodes = min(MIXED_DECODES, num_tokens // 2) if ADAPTERS > 1 else 0
+    return torch.where(index < decodes, index % max(ADAPTERS - 1, 1), ADAPTERS - 1).int()
 
 
 def batch(s: dict, num_tokens: int) -> dict:
@@ -261,7 +268,8 @@ def run(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
 
 
 def _emit(record: dict, out, bandwidth: float | None = None) -> dict:
-    full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "active_slots": ACTIVE, "seed": SEED,
+    full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "active_slots": ACTIVE,
+            "slot_order": SLOT_ORDER, "seed": SEED,
             "rank": SHAPES.get(record.get("shape"), {}).get("rank"),
             "copy_gbps": round(bandwidth / 1e9, 1) if bandwidth else None, **record}
     emit(full, out)

@@ -162,6 +162,20 @@ def test_active_slots_bound_picks_the_entry(monkeypatch):
         km.configure(4, active=3)
 
 
+def test_mixed_slot_order(monkeypatch):
+    """``--slot-order mixed``: a mixed step's decodes round-robin over all adapters but the last, then the last
+    adapter's prompt; at most half the tokens decode."""
+    monkeypatch.setattr(km, "DEVICE", "cpu")
+    for name in ("ADAPTERS", "SLOT_ORDER", "ACTIVE"):
+        monkeypatch.setattr(km, name, getattr(km, name))
+    km.configure(5, slot_order="mixed")
+    slots = km.token_slots(4096).tolist()
+    assert slots[:8] == [0, 1, 2, 3, 0, 1, 2, 3] and set(slots[:256]) == {0, 1, 2, 3} and set(slots[256:]) == {4}
+    assert km.token_slots(6).tolist() == [0, 1, 2, 4, 4, 4]
+    km.configure(1, slot_order="mixed")
+    assert km.token_slots(4).tolist() == [0, 0, 0, 0]
+
+
 def test_ncu_csv_rows(tmp_path):
     """`ncu_moe_lora.parse`: ncu's ``--csv --page details`` lines (after its own log lines) -> one row per
     launch, times in us whatever unit ncu chose, thousands separators dropped, unknown metrics and rule lines
