@@ -31,6 +31,7 @@ from unipage.kernels.lora_meta import DenseLoraMeta
 from unipage.kernels.lora_stack import lora_expand_stacked_ref
 
 ROW_ELEMS = 16384  # B elements a program holds at once (rank rows x H): past it, rank chunks in a loop
+LAUNCH = {"flat": False, "num_warps": 0}  # the B reads' form, warps a program (0: 8 from 2,048 columns, else 4)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -38,7 +39,7 @@ def _add_rms_norm_stacked_kernel(
     res_ptr, y_ptr, h_ptr, w_ptr, sum_ptr, out_ptr,  # [T, H] ... h: [T, K*RB]; w: [H]; sum, out: [T, H] contiguous
     slots_ptr, entry_ptr, rank_ptr, b_off_ptr, pool_ptr, table_ptr,
     rows, n, stride_res, stride_y, stride_h, entry_stride, table_stride, scale, eps,
-    RK: tl.constexpr, RC: tl.constexpr, BLOCK: tl.constexpr, LOG2_P: tl.constexpr,
+    RK: tl.constexpr, RC: tl.constexpr, BLOCK: tl.constexpr, LOG2_P: tl.constexpr, FLAT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -57,11 +58,21 @@ def _add_rms_norm_stacked_kernel(
     b_stride = (n + 63) // 64 * 64
     delta = tl.zeros([BLOCK], tl.float32)
     for r0 in range(0, RK, RC):  # (RC = RK at decode shapes: one chunk, every B load issued at once)
-        i = r0 + tl.arange(0, RC)
-        i_ok = i < rank
-        b = load_runs(pool_ptr, table, b_virt + i * b_stride, i_ok, n, BLOCK, 64, LOG2_P, True)
-        hv = tl.load(h_row + i, mask=i_ok, other=0.0)
-        delta += tl.sum(hv.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
+        if FLAT:  # the chunk's rank rows one by one in the row's layout: a page lookup per element (cached)
+            for j in tl.static_range(RC):
+                i_ok = ok & (cols * 0 + r0 + j < rank)  # (vector form: the interpreter's)
+                virt = b_virt + (r0 + j) * b_stride + cols
+                page = tl.load(table + (virt >> LOG2_P), mask=i_ok, other=0)
+                b = tl.load(pool_ptr + page.to(tl.int64) * (1 << LOG2_P) + (virt & ((1 << LOG2_P) - 1)),
+                            mask=i_ok, other=0.0)
+                hv = tl.load(h_row + r0 + j + cols * 0, mask=i_ok, other=0.0)  # (one element, broadcast)
+                delta += hv.to(tl.float32) * b.to(tl.float32)
+        else:  # the chunk as one [RC, BLOCK] tile: a page lookup per 64-run, one load
+            i = r0 + tl.arange(0, RC)
+            i_ok = i < rank
+            b = load_runs(pool_ptr, table, b_virt + i * b_stride, i_ok, n, BLOCK, 64, LOG2_P, True)
+            hv = tl.load(h_row + i, mask=i_ok, other=0.0)
+            delta += tl.sum(hv.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
     dtype = sum_ptr.dtype.element_ty
     y = (y.to(tl.float32) + scale * delta).to(dtype)
     s = (res.to(tl.float32) + y.to(tl.float32)).to(dtype)
@@ -113,7 +124,8 @@ def add_rms_norm_stacked(res: torch.Tensor, y: torch.Tensor, h: torch.Tensor, we
     launch(_add_rms_norm_stacked_kernel, (count,),
         res, y, h, weight, total, out, token_slots, entry_of_slot, meta.rank, meta.b_offset, pool, page_table,
         count, n, res.stride(0), y.stride(0), h.stride(0), rank_block, page_table.stride(0), float(scale), eps,
-        RK=rk, RC=rc, BLOCK=block, LOG2_P=pool.shape[1].bit_length() - 1, num_warps=8 if block >= 2048 else 4)
+        RK=rk, RC=rc, BLOCK=block, LOG2_P=pool.shape[1].bit_length() - 1, FLAT=bool(LAUNCH["flat"]),
+        num_warps=LAUNCH["num_warps"] or (8 if block >= 2048 else 4))
     return total, out
 
 

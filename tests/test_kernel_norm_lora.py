@@ -79,6 +79,17 @@ def test_a_layer_without_the_target_and_a_slot_without_an_entry():
     assert torch.equal(total, add_rms_norm_ref(res, y, weight, EPS)[0])
 
 
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_flat_reads_match(monkeypatch, hidden):
+    """``LAUNCH["flat"]``: B read rank row by rank row in the row's layout; the same result."""
+    world, meta, res, y, h, weight, slots, entries = world_and_inputs(torch.float32, hidden, mix="skewed", seed=5)
+    args = (res, y, h, weight, EPS, entries, world.pool[0], world.page_table, slots, meta)
+    tiled = add_rms_norm_stacked(*args, rank_block=RANK_BLOCK)
+    monkeypatch.setitem(norm_lora.LAUNCH, "flat", True)
+    for got, want in zip(add_rms_norm_stacked(*args, rank_block=RANK_BLOCK), tiled):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_rank_chunks_in_a_loop(monkeypatch):
     """Past `ROW_ELEMS` B elements a program takes the rank in chunks; the result does not change."""
     world, meta, res, y, h, weight, slots, entries = world_and_inputs(torch.float32, 96, mix="zipf", seed=3)
