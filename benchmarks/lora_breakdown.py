@@ -4,7 +4,7 @@
                                         [--running 252]
                                         [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
-                                        [--stack-ab] [--moe-ab JSON] [--dense-ab JSON] [--o-norm-ab] [--skinny-ab]
+                                        [--stack-ab] [--moe-ab JSON] [--dense-ab JSON] [--skinny-ab]
                                         [--linear-config JSON]
                                         [--trace DIR] [--out FILE]
 
@@ -33,9 +33,7 @@ them without the shrink stack (`shrink_stack`: the paged shrink kernels), then w
 (``lora_stack_ab``: ``off`` and ``after``; ``shrink_stack`` says whether the engine built one); ``--moe-ab JSON``
 with those settings on every MoE LoRA launch config (paths as `kernels_moe.with_path`), then as tuned
 (``lora_moe_ab``: ``overrides``, ``other`` and ``after``); ``--dense-ab JSON`` likewise with settings over the
-dense LoRA launch configs, tuned entries too (``lora_dense_ab``); ``--o-norm-ab`` times them with the stacked
-o projection's LoRA expand as its own launch before the post-attention norm, then folded into that norm
-(`norm_lora`) again (``lora_o_norm_ab``: ``off`` and ``after``); ``--skinny-ab`` times both runs' steps
+dense LoRA launch configs, tuned entries too (``lora_dense_ab``); ``--skinny-ab`` times both runs' steps
 with every projection on ``F.linear`` (`skinny.ENABLED` off), then with the skinny kernel again
 (``*_skinny_ab``: ``off`` and ``after``); then ``--prefill``
 prompts (count, tokens) join and the step that prefills them beside the
@@ -54,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gzip
 import json
 import os
@@ -123,7 +120,7 @@ def decode_tokens(args) -> int:
     every A-B-A asked for, with room to spare (a request that finished mid-way would leave a run timing a
     smaller batch)."""
     abs_ = sum(map(bool, (args.piece_layers, args.linear_ab, args.stack_ab, args.moe_ab, args.dense_ab,
-                          args.o_norm_ab, args.skinny_ab)))
+                          args.skinny_ab)))
     per_run = args.warmup_steps + 2 * args.timed_steps
     prefill = -(-args.running * args.prompt // args.budget)
     return prefill + per_run * (1 + 2 * abs_) + args.steps + 100
@@ -319,19 +316,6 @@ def dense_ab(engine: Engine, args) -> dict:
                       args.dense_ab)
 
 
-def o_norm_ab(engine: Engine, args) -> dict:
-    """Decode steps timed with the stacked o projection's LoRA expand as its own launch before the
-    post-attention norm (`Ops.add_rms_norm_stacked` None), graphs captured anew, then folded into that norm
-    again (``after``), as `pieces_ab` does."""
-    model, ops = engine.model, engine.model.ops
-
-    def switch(on: bool) -> None:
-        model.ops = ops if on else dataclasses.replace(ops, add_rms_norm_stacked=None)
-        _drop_graphs(engine)
-
-    return _a_b_a(engine, args, "off", lambda: switch(False), lambda: switch(True))
-
-
 def skinny_ab(engine: Engine, args) -> dict:
     """Decode steps timed with every projection on ``F.linear`` (`skinny.ENABLED` off), graphs captured anew,
     then with the tuned skinny entries again (``after``), as `pieces_ab` does."""
@@ -452,8 +436,6 @@ def _timed_run(engine: Engine, args, adapters: list[str | None]) -> dict:
         out["moe_ab"] = moe_ab(engine, args)
     if args.dense_ab and any(adapters):  # the dense LoRA kernels likewise
         out["dense_ab"] = dense_ab(engine, args)
-    if args.o_norm_ab and any(adapters) and engine.runner.stack is not None:  # o's expand apart, then in the norm
-        out["o_norm_ab"] = o_norm_ab(engine, args)
     if args.skinny_ab:  # the projections on cuBLAS, then with the skinny kernel where tuned
         out["skinny_ab"] = skinny_ab(engine, args)
     return out
@@ -513,9 +495,6 @@ def main(argv=None) -> None:
     p.add_argument("--dense-ab", type=overrides_arg, default=None, metavar="JSON",
                    help="also time the LoRA run's decode steps with these settings over every dense LoRA launch config "
                         "(e.g. '{\"expand_warps\": 1}'), then as before")
-    p.add_argument("--o-norm-ab", action="store_true",
-                   help="also time the LoRA run's decode steps with the stacked o projection's LoRA expand as its own "
-                        "launch before the post-attention norm, then folded into that norm again")
     p.add_argument("--skinny-ab", action="store_true",
                    help="also time both runs' decode steps with every projection on F.linear, then with the tuned "
                         "skinny kernel entries again")
@@ -576,7 +555,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
             times = runs[kind]["times"]
             row |= {f"{kind}_{name}": times[name] for name in ("step_ms", "hidden_host_ms", "unhidden_steps")}
         for kind in ("base", "lora"):
-            for ab in ("pieces", "linear_ab", "stack_ab", "moe_ab", "dense_ab", "o_norm_ab", "skinny_ab"):
+            for ab in ("pieces", "linear_ab", "stack_ab", "moe_ab", "dense_ab", "skinny_ab"):
                 if ab in runs[kind]:
                     row[f"{kind}_{ab}"] = runs[kind][ab]
         for kind in ("base", "lora"):  # host time before the graph's run call, and of that call

@@ -16,7 +16,6 @@ from unipage.kernels.kv_write import rope_write_kv, rope_write_kv_ref, write_kv,
 from unipage.kernels.lora import (LoraShrink, LoraShrinkRef, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_expand,
                                   lora_shrink_expand_ref, lora_shrink_ref)
 from unipage.kernels.lora_linear import linear_lora, linear_lora_ref
-from unipage.kernels.norm_lora import add_rms_norm_stacked, add_rms_norm_stacked_ref
 from unipage.kernels.lora_stack import fill_entry, fill_entry_ref, lora_expand_stacked, lora_expand_stacked_ref
 from unipage.kernels.lora_silu import lora_silu_mul, lora_silu_mul_ref
 from unipage.kernels.skinny import skinny_linear, skinny_linear_ref
@@ -27,8 +26,7 @@ __all__ = [
     "paged_attention_prefill_ref", "write_kv", "write_kv_ref", "rope_write_kv", "rope_write_kv_ref",
     "lora_shrink_expand", "lora_shrink_expand_ref", "LoraShrink", "LoraShrinkRef", "lora_shrink", "lora_shrink_ref",
     "lora_expand", "lora_expand_ref", "linear_lora", "linear_lora_ref", "lora_silu_mul", "lora_silu_mul_ref",
-    "lora_expand_stacked", "lora_expand_stacked_ref", "fill_entry", "fill_entry_ref", "add_rms_norm_stacked",
-    "add_rms_norm_stacked_ref",
+    "lora_expand_stacked", "lora_expand_stacked_ref", "fill_entry", "fill_entry_ref",
     "DenseLoraMeta", "LoraBatch",
     "dense_lora_meta", "plan_block_m", "plan_lora_batch",
     "fused_experts", "fused_experts_ref", "fused_moe", "fused_moe_ref", "moe_down", "moe_down_ref", "moe_gate_up",

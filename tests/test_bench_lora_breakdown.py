@@ -13,7 +13,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import lora_breakdown as lb
 from unipage.kernels import moe_lora_plan
 from unipage.kernels.moe_align import shape_key
-from unipage.models.ops import TORCH
 
 QWEN3 = shape_key(2048, 768, 128, 8)
 
@@ -95,24 +94,6 @@ def test_skinny_ab_turns_the_kernel_off_then_back(monkeypatch):
     assert seen == [False, True] and dropped == ["engine", "engine"] and skinny.ENABLED
 
 
-def test_o_norm_ab_takes_the_fused_norm_out_then_back(monkeypatch):
-    """`o_norm_ab`: the model's ops without `add_rms_norm_stacked` (the o LoRA expand as its own launch, graphs
-    dropped), then the ops it had."""
-    seen, dropped = [], []
-    engine = SimpleNamespace(model=SimpleNamespace(ops=TORCH))
-
-    def a_b_a(engine, args, name, change, restore):
-        for apply in (change, restore):
-            apply()
-            seen.append(engine.model.ops.add_rms_norm_stacked)
-        return {}
-
-    monkeypatch.setattr(lb, "_a_b_a", a_b_a)
-    monkeypatch.setattr(lb, "_drop_graphs", lambda engine: dropped.append(engine))
-    lb.o_norm_ab(engine, None)
-    assert seen == [None, TORCH.add_rms_norm_stacked] and dropped == [engine, engine] and engine.model.ops is TORCH
-
-
 def test_a_b_a_restores_when_the_changed_run_fails(monkeypatch):
     calls = []
 
@@ -129,7 +110,7 @@ def test_decode_tokens_cover_every_a_b_a(monkeypatch):
     """A request of the timed run must outlast every step of it: with each A-B-A asked for, the steps are
     counted on a stand-in engine (before, a run with two A-B-As outran its requests' max_tokens)."""
     steps = []
-    engine = SimpleNamespace(step=lambda: steps.append(1), model=SimpleNamespace(stack="stack", ops=TORCH))
+    engine = SimpleNamespace(step=lambda: steps.append(1), model=SimpleNamespace(stack="stack"))
     graphs = SimpleNamespace(piece_layers=0, set_piece_layers=lambda n: None, drop=lambda: None)
     engine.runner = SimpleNamespace(graphs=graphs, mixed=None, stack="stack")
 
@@ -143,11 +124,10 @@ def test_decode_tokens_cover_every_a_b_a(monkeypatch):
     monkeypatch.setattr(lb, "timed", stepping((0.01, 0.001, 0.001, 0.001)))
     monkeypatch.setattr(lb, "busy_wait", stepping((0.01, 0)))
     args = SimpleNamespace(warmup_steps=12, timed_steps=5, steps=3, piece_layers=4, linear_ab=True,
-                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"block_n": 128}, o_norm_ab=True,
-                           skinny_ab=True, running=16,
+                           stack_ab=True, moe_ab={"split_k": 8}, dense_ab={"block_n": 128}, skinny_ab=True, running=16,
                            prompt=1600, budget=4096)  # (warm-ups weigh enough that leaving them out fails)
     lb._timed_run(engine, args, ["a0"])
     assert len(steps) + args.warmup_steps < lb.decode_tokens(args)
     none = SimpleNamespace(**{**vars(args), "piece_layers": 0, "linear_ab": False, "stack_ab": False,
-                              "moe_ab": None, "dense_ab": None, "o_norm_ab": False, "skinny_ab": False})
+                              "moe_ab": None, "dense_ab": None, "skinny_ab": False})
     assert lb.decode_tokens(none) < len(steps)  # fewer A-B-As, fewer tokens

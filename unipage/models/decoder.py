@@ -255,25 +255,16 @@ class DecoderLM:
         the next layer's input norm of it.  After the last layer x is the final norm, of ``rows`` only
         (None: of every row), and h is None."""
         layer, pool_l, layer_lora = self._layer(i, pool, ctx)
-        h, x = self._o_norm(layer, attended.reshape(attended.shape[0], -1), h, pool_l, layer_lora, ctx)
+        out = attended.reshape(attended.shape[0], -1)
+        o = self._project(out, layer.w_o, layer.b_o, pool_l, layer_lora and layer_lora.o, ctx, layer.o_stack)
+        # each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed
+        h, x = self.ops.add_rms_norm(h, o, layer.post_norm, self.eps)
         mlp = (self._moe if layer.router is not None else self._mlp)(layer, x, pool_l, layer_lora, ctx)
         if i + 1 < len(self.layers):
             return self.ops.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, self.eps)
         if rows is not None:  # the last residual add and the final norm only for the rows sampled
             h, mlp = h[rows], mlp[rows]
         return None, self.ops.add_rms_norm(h, mlp, self.norm, self.eps)[1]
-
-    def _o_norm(self, layer: LayerWeights, out, h, pool_l, layer_lora: LayerLora | None, ctx: _Context):
-        """``(h, x)`` after the o projection of ``out``: the residual add and the post-attention norm, fused
-        (each residual add is fused with the norm after it: x = rmsnorm(h) of the h just formed).  Through a
-        shrink stack the o LoRA's expand goes into that norm's launch too (`add_rms_norm_stacked`)."""
-        meta, stacked, fused = layer_lora and layer_lora.o, layer.o_stack, self.ops.add_rms_norm_stacked
-        if fused is not None and self._has_lora(meta, ctx) and ctx.stack is not None and stacked is not None:
-            ext = self.ops.linear(out, stacked.ext, stacked.bias)  # the projection and every entry's h
-            return fused(h, ext[:, :stacked.n], ext[:, stacked.n:], layer.post_norm, self.eps, ctx.stack.entry_of_slot,
-                         pool_l, ctx.lora.page_table, ctx.batch.token_slots, meta, rank_block=ctx.stack.rank_block)
-        o = self._project(out, layer.w_o, layer.b_o, pool_l, meta, ctx, stacked)
-        return self.ops.add_rms_norm(h, o, layer.post_norm, self.eps)
 
     def _layer(self, i: int, pool: torch.Tensor, ctx: _Context):
         """Layer ``i``'s weights, its pool row ``[N, P]`` and its LoRA tables (None: no adapter this step)."""

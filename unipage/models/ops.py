@@ -30,7 +30,6 @@ class Ops:
     plans_lora: bool  # whether the LoRA ops use a LoraBatch plan (the references ignore it)
     rms_norm: Callable  # (x, weight, eps) -> normed
     add_rms_norm: Callable  # (h, delta, weight, eps) -> (h + delta, normed)
-    add_rms_norm_stacked: Callable | None  # its signature: add_rms_norm with a stacked o_proj's LoRA (None: 2 launches)
     rope_write_kv: Callable  # rope_write_kv signature: (q, k, v, cos, sin, pool, slot_mapping) -> q'
     silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up
     lora_expand_stacked: Callable  # lora_expand_stacked signature: the expand from a shrink stack's h
@@ -41,15 +40,13 @@ class Ops:
 TORCH = Ops("torch", lora_shrink=K.lora_shrink_ref, lora_silu_mul=K.lora_silu_mul_ref,
             linear_lora=K.linear_lora_ref, attention_prefill=K.paged_attention_prefill_ref, attention_decode=None,
             route=K.route_topk_ref, experts=K.fused_experts_ref, plans_lora=False,
-            rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref,
-            add_rms_norm_stacked=K.add_rms_norm_stacked_ref, rope_write_kv=K.rope_write_kv_ref,
+            rms_norm=K.rms_norm_ref, add_rms_norm=K.add_rms_norm_ref, rope_write_kv=K.rope_write_kv_ref,
             silu_mul=K.silu_mul_ref, lora_expand_stacked=K.lora_expand_stacked_ref, fill_entry=K.fill_entry_ref,
             linear=F.linear)
 TRITON = Ops("triton", lora_shrink=K.lora_shrink, lora_silu_mul=K.lora_silu_mul, linear_lora=K.linear_lora,
              attention_prefill=K.paged_attention_prefill, attention_decode=K.paged_attention_decode,
              route=K.route_topk, experts=K.fused_experts, plans_lora=True,
-             rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, add_rms_norm_stacked=K.add_rms_norm_stacked,
-             rope_write_kv=K.rope_write_kv, silu_mul=K.silu_mul,
+             rms_norm=K.rms_norm, add_rms_norm=K.add_rms_norm, rope_write_kv=K.rope_write_kv, silu_mul=K.silu_mul,
              lora_expand_stacked=K.lora_expand_stacked, fill_entry=K.fill_entry, linear=skinny.linear)
 
 
