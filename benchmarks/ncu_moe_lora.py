@@ -14,6 +14,12 @@ PDL overlap, and the metadata and page-table reads come from DRAM, as for a laye
     python benchmarks/ncu_moe_lora.py --parse ncu.csv --device-name "NVIDIA H200" --adapters 4 >> rows.jsonl
 
 turns that CSV into one JSON line per kernel (`benchmarks/results/lora-ncu-moe-h200.jsonl`).
+
+``--moe`` runs `fused_moe` end to end instead, ``--calls`` times without LoRA, then as many with it (the tuned
+config, ``--active-slots`` its bound): with ``-k regex:_moe_gemm_kernel`` that compares the base GEMMs with
+those that carry the LoRA steps (the fused path, setup (b)'s mixed steps: ``--tokens 4096 --adapters 5
+--slot-order mixed --active-slots 16``).  Raw metrics asked for with ``--metrics`` (names with ``__``) are
+kept under their own names.
 """
 
 import argparse
@@ -26,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels_moe as km  # noqa: E402
 import torch  # noqa: E402
 
+from unipage.kernels.fused_moe import fused_moe  # noqa: E402
 from unipage.kernels.fused_moe_lora import lora_config  # noqa: E402
 
 
@@ -45,6 +52,9 @@ def parse(path: str) -> list[dict]:
     with open(path, newline="") as f:
         for record in csv.DictReader(line for line in f if line.startswith('"')):
             name, value = record.get("Metric Name"), record.get("Metric Value")
+            if value and "__" in (name or ""):  # a raw metric asked for by name
+                row = rows.setdefault(record["ID"], {"kernel": record["Kernel Name"]})
+                row[name] = round(float(value.replace(",", "")), 4)
             if name in METRICS and value:
                 field, factor = METRICS[name]
                 if factor is None:  # ncu picks the unit by the value unless --print-units base
@@ -65,6 +75,8 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--slot-order", default="sorted", choices=km.SLOT_ORDERS)
     p.add_argument("--calls", type=int, default=2)
+    p.add_argument("--moe", action="store_true", help="fused_moe end to end, without LoRA then with it")
+    p.add_argument("--active-slots", type=int, default=None, help="the MoeLora's bound on the step's adapters")
     p.add_argument("--parse", metavar="CSV", help="print the rows of an ncu CSV of this script instead")
     p.add_argument("--device-name", default="", help="--parse: the GPU the CSV was made on")
     args = p.parse_args(argv)
@@ -74,10 +86,14 @@ def main(argv=None) -> None:
                               "adapters": args.adapters, "rank": args.rank, "tokens": args.tokens,
                               "slot_order": args.slot_order, **row}))
         return
-    km.configure(args.adapters, args.rank, args.slot_order)
+    km.configure(args.adapters, args.rank, args.slot_order, args.active_slots)
     s = km.setup("qwen3-30b-a3b")
     b = km.batch(s, args.tokens)
-    for _ in range(args.calls):
+    if args.moe:
+        moe = (b["x"], b["logits"], s["w_gate_up"], s["w_down"], s["top_k"], True)
+        for lora in [None] * args.calls + [b["lora"]] * args.calls:
+            fused_moe(*moe, lora=lora)
+    for _ in range(0 if args.moe else args.calls):
         km.lora_step(s, b)
     torch.cuda.synchronize()
     print("config", lora_config(b["lora"], b["topk_ids"]), flush=True)

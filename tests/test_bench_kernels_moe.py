@@ -179,7 +179,7 @@ def test_mixed_slot_order(monkeypatch):
 def test_ncu_csv_rows(tmp_path):
     """`ncu_moe_lora.parse`: ncu's ``--csv --page details`` lines (after its own log lines) -> one row per
     launch, times in us whatever unit ncu chose, thousands separators dropped, unknown metrics and rule lines
-    ignored."""
+    ignored, raw metrics (``--metrics``) kept by name."""
     import ncu_moe_lora
 
     head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
@@ -189,12 +189,15 @@ def test_ncu_csv_rows(tmp_path):
              '"0","_moe_shrink_kernel","WarpStateStats","","",""',
              '"1","_expand_down_kernel","Launch Statistics","Registers Per Thread","register/thread","64"',
              '"1","_expand_down_kernel","GPU Speed Of Light Throughput","Duration","us","20.74"',
-             '"1","_expand_down_kernel","Memory Workload Analysis","Mem Busy","%","51.06"']
+             '"1","_expand_down_kernel","Memory Workload Analysis","Mem Busy","%","51.06"',
+             '"1","_expand_down_kernel","Command line profiler metrics",'
+             '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","","1,234.5"']
     path = tmp_path / "ncu.csv"
     path.write_text("==PROF== Connected to process 582\nconfig {'block_m': 16}\n" + head + "\n".join(lines) + "\n")
     assert ncu_moe_lora.parse(str(path)) == [
         {"kernel": "_moe_shrink_kernel", "us": 17.472, "grid": 1216, "achieved_occupancy_pct": 16.96},
-        {"kernel": "_expand_down_kernel", "registers": 64, "us": 20.74}]
+        {"kernel": "_expand_down_kernel", "registers": 64, "us": 20.74,
+         "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": 1234.5}]  # (a raw metric asked for)
     path.write_text(head + '"0","k","GPU Speed Of Light Throughput","Duration","s","1"\n')
     with pytest.raises(ValueError, match="unknown unit"):
         ncu_moe_lora.parse(str(path))
