@@ -15,8 +15,11 @@ Use the Triton the device has (3.6 on the lent machines), e.g. installed beside 
 
 One JSON line per (shape, tokens): each kernel compiled, ok or its error (a kernel that needs more
 shared memory than an H100 has is not ok either), with its shared memory, registers per thread and
-local memory (spills) from ``cuobjdump``: compare variants' register pressure without a GPU, e.g. the
-H200's configs at serve.py's setup (b) mix: ``--device-key nvidia_h200 --adapters 16 --rank 8 --lora '{}'``.
+local memory (spills) and static SASS instruction count from ``cuobjdump``: compare variants' register
+pressure without a GPU, e.g. the H200's configs at serve.py's setup (b) mix: ``--device-key nvidia_h200
+--adapters 16 --rank 8 --lora '{}'``; ``--base`` compiles the experts without LoRA too (rows ``"base": true``),
+``--slot-order`` / ``--active-slots`` as `kernels_moe`'s (setup (b)'s mixed steps: ``--tokens 4096
+--adapters 5 --slot-order mixed --active-slots 16``).
 Exit status 1 if any failed.
 """
 
@@ -64,7 +67,8 @@ class HopperStandIn:
 
 def resources(cubin: bytes) -> dict:
     """Registers per thread and local memory (spills, stack) of a compiled kernel, from ``cuobjdump
-    --dump-resource-usage`` (Triton ships the tool; no driver needed)."""
+    --dump-resource-usage`` (Triton ships the tool; no driver needed), and its static SASS instruction count
+    (``cuobjdump -sass``: beside a variant's, a proxy for the work a program does outside its loops)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -72,11 +76,13 @@ def resources(cubin: bytes) -> dict:
         try:
             text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
                                   text=True).stdout
+            sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
         except OSError:  # no cuobjdump in this Triton: -1 for every count, the compile check goes on
-            text = ""
+            text = sass = ""
     found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text))
+    count = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.MULTILINE))
     return {"registers": int(found.get("REG", -1)), "local_bytes": int(found.get("LOCAL", -1)),
-            "stack_bytes": int(found.get("STACK", -1))}
+            "stack_bytes": int(found.get("STACK", -1)), "instructions": count if sass else -1}
 
 
 def compile_only(compiled: list):
@@ -117,13 +123,16 @@ def main() -> int:
     parser.add_argument("--device-key", default=TUNED_DEVICE, help="whose tuned configs (e.g. nvidia_h200)")
     parser.add_argument("--adapters", type=int, default=8, help="adapters the tokens spread over")
     parser.add_argument("--rank", type=int, help="every adapter's rank (default: the shape's)")
+    parser.add_argument("--slot-order", default="round-robin", help="the tokens' adapters (kernels_moe's orders)")
+    parser.add_argument("--active-slots", type=int, default=None, help="the MoeLora's bound (a graph's class)")
+    parser.add_argument("--base", action="store_true", help="also compile the experts without LoRA")
     args = parser.parse_args()
     driver.set_active(HopperStandIn())
     compiled: list = []
     patch(compiled, args.device_key)
     sys.path.insert(0, str(Path(__file__).parent))
     import kernels_moe as km
-    km.configure(args.adapters, args.rank)
+    km.configure(args.adapters, args.rank, args.slot_order, args.active_slots)
     from unipage.kernels.fused_moe import fused_experts, route_topk
     from unipage.kernels.moe_lora_plan import lora_config
 
@@ -138,6 +147,9 @@ def main() -> int:
             if "fused" in extra:  # that path at every token count
                 extra = {"fused_min_tokens": 0, **extra}
             config = {**lora_config(b["lora"], b["topk_ids"]), **extra}
+            if args.base:  # the experts without LoRA first, their kernels marked as the base's
+                fused_experts(b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"], None)
+                compiled[:] = [{"base": True, **c} for c in compiled]
             fused_experts(b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"], b["lora"],
                           lora_config=config)
             experts, top_k, dtype = s["w_gate_up"].shape[0], b["topk_ids"].shape[1], b["x"].dtype

@@ -1,6 +1,6 @@
 """`benchmarks/compile_check.py` compiles the MoE kernels with the H100's tuned configs on the CPU:
 its patch must reach the lookups the launchers make; and the MoE LoRA kernels' small tiles compile for
-sm_90 (the Triton the venv has)."""
+sm_90 (the Triton the venv has), beside the base experts (``--base``), each with its instruction count."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_small_tiles_compile_for_hopper():
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                           "compile_check.py")
     out = subprocess.run([sys.executable, script, "--shapes", "qwen3-30b-a3b", "--tokens", "256", "--device-key",
-                          "nvidia_h200", "--adapters", "4", "--rank", "8", "--lora", json.dumps(lora)],
+                          "nvidia_h200", "--adapters", "4", "--rank", "8", "--lora", json.dumps(lora), "--base"],
                          capture_output=True, text=True, timeout=900,
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})  # compile, not interpret
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -58,3 +58,6 @@ def test_small_tiles_compile_for_hopper():
     lora_kernels = [c for c in row["compiled"]
                     if c["kernel"] in ("_moe_shrink_kernel", "_expand_gate_up_kernel", "_expand_down_kernel")]
     assert len(lora_kernels) == 3 and all(c["ok"] and c["local_bytes"] <= 0 for c in lora_kernels), lora_kernels
+    base = [c for c in row["compiled"] if c.get("base")]  # --base: the experts without LoRA, first
+    assert [c["kernel"] for c in base].count("_moe_gemm_kernel") == 2 and row["compiled"][:len(base)] == base
+    assert all(c["instructions"] > 0 or c["instructions"] == -1 for c in row["compiled"])  # (-1: no cuobjdump)
