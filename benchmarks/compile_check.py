@@ -19,7 +19,8 @@ local memory (spills) and static SASS instruction count from ``cuobjdump``: comp
 pressure without a GPU, e.g. the H200's configs at serve.py's setup (b) mix: ``--device-key nvidia_h200
 --adapters 16 --rank 8 --lora '{}'``; ``--base`` compiles the experts without LoRA too (rows ``"base": true``),
 ``--slot-order`` / ``--active-slots`` as `kernels_moe`'s (setup (b)'s mixed steps: ``--tokens 4096
---adapters 5 --slot-order mixed --active-slots 16``).
+--adapters 5 --slot-order mixed --active-slots 16``); ``--lines N`` lists each kernel's N source lines with the
+most instructions (``nvdisasm -gi``): where a variant's extra code comes from.
 Exit status 1 if any failed.
 """
 
@@ -85,22 +86,46 @@ def resources(cubin: bytes) -> dict:
             "stack_bytes": int(found.get("STACK", -1)), "instructions": count if sass else -1}
 
 
-def compile_only(compiled: list):
-    """A `launch` that compiles (``warmup``) instead of running, and records what came of it."""
+def source_lines(cubin: bytes, top: int) -> list:
+    """The ``top`` source lines (``file:line``) with the most static SASS instructions, from ``nvdisasm -gi``
+    (each instruction counted under the line it is listed after; instructions listed before any line are left
+    out): where a kernel's code goes."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run([str(tool), "-gi", f.name], capture_output=True, text=True).stdout
+        except OSError:
+            return []
+    counts, line = {}, None
+    for row in text.splitlines():
+        found = re.search(r'//## File "([^"]+)", line (\d+)', row)
+        if found:
+            line = f"{Path(found.group(1)).name}:{found.group(2)}"
+        elif line and ";" in row and re.match(r"\s+/\*[0-9a-f]{4}\*/\s+[@A-Z]", row):
+            counts[line] = counts.get(line, 0) + 1
+    return sorted(counts.items(), key=lambda item: -item[1])[:top]
+
+
+def compile_only(compiled: list, lines: int = 0):
+    """A `launch` that compiles (``warmup``) instead of running, and records what came of it (with ``lines``,
+    each kernel's top source lines by instructions, `source_lines`)."""
     def launch(kernel, grid, *args, **kwargs):
         name = kernel.fn.__name__
         try:
             binary = kernel.warmup(*args, grid=grid, **kwargs)
             shared = binary.metadata.shared  # past the limit the launch would fail: counted as a failure
             compiled.append({"kernel": name, "ok": shared <= SHARED_LIMIT, "shared": shared,
-                             "warps": binary.metadata.num_warps, **resources(binary.asm["cubin"])})
+                             "warps": binary.metadata.num_warps, **resources(binary.asm["cubin"]),
+                             **({"lines": source_lines(binary.asm["cubin"], lines)} if lines else {})})
         except (CompilationError, RuntimeError) as exc:  # the front end's, or the passes' (PassManager)
             compiled.append({"kernel": name, "ok": False, "error": repr(exc)[:300]})
     return launch
 
 
-def patch(compiled: list, tuned_device: str = TUNED_DEVICE) -> None:
-    launch = compile_only(compiled)
+def patch(compiled: list, tuned_device: str = TUNED_DEVICE, lines: int = 0) -> None:
+    launch = compile_only(compiled, lines)
     for name in PATCHED:
         try:
             module = importlib.import_module(f"unipage.kernels.{name}")
@@ -126,10 +151,12 @@ def main() -> int:
     parser.add_argument("--slot-order", default="round-robin", help="the tokens' adapters (kernels_moe's orders)")
     parser.add_argument("--active-slots", type=int, default=None, help="the MoeLora's bound (a graph's class)")
     parser.add_argument("--base", action="store_true", help="also compile the experts without LoRA")
+    parser.add_argument("--lines", type=int, default=0, metavar="N",
+                        help="each kernel's N source lines with the most static SASS instructions")
     args = parser.parse_args()
     driver.set_active(HopperStandIn())
     compiled: list = []
-    patch(compiled, args.device_key)
+    patch(compiled, args.device_key, args.lines)
     sys.path.insert(0, str(Path(__file__).parent))
     import kernels_moe as km
     km.configure(args.adapters, args.rank, args.slot_order, args.active_slots)

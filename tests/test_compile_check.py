@@ -50,7 +50,8 @@ def test_small_tiles_compile_for_hopper():
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                           "compile_check.py")
     out = subprocess.run([sys.executable, script, "--shapes", "qwen3-30b-a3b", "--tokens", "256", "--device-key",
-                          "nvidia_h200", "--adapters", "4", "--rank", "8", "--lora", json.dumps(lora), "--base"],
+                          "nvidia_h200", "--adapters", "4", "--rank", "8", "--lora", json.dumps(lora), "--base",
+                          "--lines", "3"],
                          capture_output=True, text=True, timeout=900,
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})  # compile, not interpret
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -61,3 +62,5 @@ def test_small_tiles_compile_for_hopper():
     base = [c for c in row["compiled"] if c.get("base")]  # --base: the experts without LoRA, first
     assert [c["kernel"] for c in base].count("_moe_gemm_kernel") == 2 and row["compiled"][:len(base)] == base
     assert all(c["instructions"] > 0 or c["instructions"] == -1 for c in row["compiled"])  # (-1: no cuobjdump)
+    gemm = next(c for c in row["compiled"] if c["kernel"] == "_moe_gemm_kernel")  # --lines: where its code is
+    assert gemm["instructions"] == -1 or (len(gemm["lines"]) == 3 and all(n > 0 for _, n in gemm["lines"]))
