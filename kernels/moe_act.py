@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 KINDS = ("silu", "swiglu_clamp")
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·LOG2E)
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,12 @@ SILU = GatedActivation()
 @triton.jit
 def gated_act(g, u, ACT: tl.constexpr, alpha, limit):
     """float32 ``act`` tile from float32 ``g``, ``u`` tiles (``ACT``: `GatedActivation.code`)."""
+    # e^-x as 2^(-x·log2 e): ex2 straight away, without exp's range fix-ups (a sum rounding to 1 or to inf
+    # past their range either way): 10 instructions an element on sm_90 against 14
     if ACT == 0:
-        out = g / (1.0 + tl.exp(-g)) * u
+        out = g / (1.0 + tl.exp2(-(g * LOG2E))) * u
     else:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-        out = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        out = (u + 1.0) * g / (1.0 + tl.exp2(-(g * (alpha * LOG2E))))
     return out
