@@ -66,46 +66,54 @@ class HopperStandIn:
         return True
 
 
-def resources(cubin: bytes) -> dict:
-    """Registers per thread and local memory (spills, stack) of a compiled kernel, from ``cuobjdump
-    --dump-resource-usage`` (Triton ships the tool; no driver needed), and its static SASS instruction count
-    (``cuobjdump -sass``: beside a variant's, a proxy for the work a program does outside its loops)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+[@A-Z].*;")  # a SASS line (cuobjdump's or nvdisasm's)
+
+
+def _tool_output(tool: str, flags: list[str], cubin: bytes) -> str:
+    """``tool flags cubin``'s stdout ('' when this Triton ships no such tool)."""
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         try:
-            text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
-                                  text=True).stdout
-            sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
-        except OSError:  # no cuobjdump in this Triton: -1 for every count, the compile check goes on
-            text = sass = ""
-    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text))
-    count = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.MULTILINE))
-    return {"registers": int(found.get("REG", -1)), "local_bytes": int(found.get("LOCAL", -1)),
-            "stack_bytes": int(found.get("STACK", -1)), "instructions": count if sass else -1}
-
-
-def source_lines(cubin: bytes, top: int) -> list:
-    """The ``top`` source lines (``file:line``) with the most static SASS instructions, from ``nvdisasm -gi``
-    (each instruction counted under the line it is listed after; instructions listed before any line are left
-    out): where a kernel's code goes."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        try:
-            text = subprocess.run([str(tool), "-gi", f.name], capture_output=True, text=True).stdout
+            return subprocess.run([str(path), *flags, f.name], capture_output=True, text=True).stdout
         except OSError:
-            return []
+            return ""
+
+
+def count_instructions(sass: str) -> int:
+    """Static SASS instructions in a disassembly (-1 for none: no tool)."""
+    return sum(1 for row in sass.splitlines() if INSTRUCTION.match(row)) if sass else -1
+
+
+def line_counts(text: str, top: int) -> list:
+    """The ``top`` source lines (``file:line``, the innermost frame, files by name) with the most static SASS
+    instructions in ``nvdisasm -gi`` output: each instruction counted under the line listed before it (those
+    before any line are left out), so a helper's lines gather its every call site."""
     counts, line = {}, None
     for row in text.splitlines():
         found = re.search(r'//## File "([^"]+)", line (\d+)', row)
         if found:
             line = f"{Path(found.group(1)).name}:{found.group(2)}"
-        elif line and ";" in row and re.match(r"\s+/\*[0-9a-f]{4}\*/\s+[@A-Z]", row):
+        elif line and INSTRUCTION.match(row):
             counts[line] = counts.get(line, 0) + 1
     return sorted(counts.items(), key=lambda item: -item[1])[:top]
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread and local memory (spills, stack) of a compiled kernel, from ``cuobjdump
+    --dump-resource-usage`` (Triton ships the tool; no driver needed; -1 without it), and its static SASS
+    instruction count (``cuobjdump -sass``: code size, loop bodies once, padding included; beside a variant's,
+    where code was added)."""
+    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", _tool_output("cuobjdump", ["--dump-resource-usage"], cubin)))
+    return {"registers": int(found.get("REG", -1)), "local_bytes": int(found.get("LOCAL", -1)),
+            "stack_bytes": int(found.get("STACK", -1)),
+            "instructions": count_instructions(_tool_output("cuobjdump", ["-sass"], cubin))}
+
+
+def source_lines(cubin: bytes, top: int) -> list:
+    """`line_counts` of the kernel's ``nvdisasm -gi`` listing: where its code goes."""
+    return line_counts(_tool_output("nvdisasm", ["-gi"], cubin), top)
 
 
 def compile_only(compiled: list, lines: int = 0):
@@ -140,7 +148,7 @@ def patch(compiled: list, tuned_device: str = TUNED_DEVICE, lines: int = 0) -> N
             module.hopper_or_later = lambda device=None: True
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 256, 1024, 4096])
@@ -148,12 +156,17 @@ def main() -> int:
     parser.add_argument("--device-key", default=TUNED_DEVICE, help="whose tuned configs (e.g. nvidia_h200)")
     parser.add_argument("--adapters", type=int, default=8, help="adapters the tokens spread over")
     parser.add_argument("--rank", type=int, help="every adapter's rank (default: the shape's)")
-    parser.add_argument("--slot-order", default="round-robin", help="the tokens' adapters (kernels_moe's orders)")
+    parser.add_argument("--slot-order", default="round-robin", choices=("round-robin", "sorted", "mixed"),
+                        help="the tokens' adapters (kernels_moe's orders)")
     parser.add_argument("--active-slots", type=int, default=None, help="the MoeLora's bound (a graph's class)")
     parser.add_argument("--base", action="store_true", help="also compile the experts without LoRA")
     parser.add_argument("--lines", type=int, default=0, metavar="N",
                         help="each kernel's N source lines with the most static SASS instructions")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.lines < 0:
+        parser.error(f"--lines must be >= 0, got {args.lines}")
+    if args.active_slots is not None and args.active_slots < args.adapters:
+        parser.error(f"--active-slots must be >= --adapters ({args.adapters}), got {args.active_slots}")
     driver.set_active(HopperStandIn())
     compiled: list = []
     patch(compiled, args.device_key, args.lines)

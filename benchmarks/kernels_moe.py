@@ -213,7 +213,7 @@ def measure(s: dict, num_tokens: int, bandwidth: float, read_bw: float) -> dict:
     flops = 6 * num_tokens * k * s["hidden"] * s["inter"]
     lora_us, base_us = lora_s * 1e6, base_s * 1e6
     return {
-        "slot_order": SLOT_ORDER, "base_us": round(base_us, 2), "base_tflops": round(flops / base_s / 1e12, 1),
+        "base_us": round(base_us, 2), "base_tflops": round(flops / base_s / 1e12, 1),
         "lora_path": path,
         "lora_us": round(lora_us, 2), "lora_floor_us": round(floor_s * 1e6, 2),
         "lora_over_floor": round(lora_s / floor_s, 2), "lora_over_base": round(lora_s / base_s, 3),
@@ -564,8 +564,9 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=ADAPTERS, help="adapters the tokens spread over")
     parser.add_argument("--rank", type=int, help="every adapter's rank (default: the shape's)")
     parser.add_argument("--slot-order", default="round-robin", choices=SLOT_ORDERS,
-                        help="the benchmark's tokens' adapters round-robin, or sorted into runs (the MoE LoRA kernels "
-                             "ran as fast either way at setup (b)'s mix)")
+                        help="the benchmark's tokens' adapters round-robin, sorted into runs (the MoE LoRA kernels "
+                             "ran as fast either way at setup (b)'s decode mix), or mixed: a step with a prefill, "
+                             "256 decodes round-robin over all adapters but the last, then the last one's prompt")
     parser.add_argument("--active-slots", type=int,
                         help="the bound on a step's adapters that picks the tuned entry (default: --adapters)")
     args = parser.parse_args()

@@ -18,8 +18,10 @@ turns that CSV into one JSON line per kernel (`benchmarks/results/lora-ncu-moe-h
 ``--moe`` runs `fused_moe` end to end instead, ``--calls`` times without LoRA, then as many with it (the tuned
 config, ``--active-slots`` its bound): with ``-k regex:_moe_gemm_kernel`` that compares the base GEMMs with
 those that carry the LoRA steps (the fused path, setup (b)'s mixed steps: ``--tokens 4096 --adapters 5
---slot-order mixed --active-slots 16``).  Raw metrics asked for with ``--metrics`` (names with ``__``) are
-kept under their own names.
+--slot-order mixed --active-slots 16``; ``--launch-skip 2 --launch-count 6`` with ``--calls 2``: the second
+base call, then both LoRA calls, the gate/up GEMM then the down GEMM of each; ``--parse`` does not label them).
+Raw metrics asked for with ``--metrics`` (names with ``__``) are kept under their own names, their unit (if
+any) beside them (``"<name> unit"``: ncu picks it by the value unless ``--print-units base``).
 """
 
 import argparse
@@ -46,15 +48,25 @@ METRICS = {  # ncu's metric name -> the row's field (Duration: in `TIME_UNITS`)
 TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}  # -> us
 
 
+def _number(value: str):
+    """ncu's value as a number (thousands separators dropped), or the text as it is ("n/a")."""
+    try:
+        return round(float(value.replace(",", "")), 4)
+    except ValueError:
+        return value
+
+
 def parse(path: str) -> list[dict]:
     """One dict per kernel launch profiled in an ncu ``--csv --page details`` file: the `METRICS`."""
     rows: dict[str, dict] = {}
     with open(path, newline="") as f:
         for record in csv.DictReader(line for line in f if line.startswith('"')):
             name, value = record.get("Metric Name"), record.get("Metric Value")
-            if value and "__" in (name or ""):  # a raw metric asked for by name
+            if value and "__" in (name or ""):  # a raw metric asked for by name, with its unit if it has one
                 row = rows.setdefault(record["ID"], {"kernel": record["Kernel Name"]})
-                row[name] = round(float(value.replace(",", "")), 4)
+                row[name] = _number(value)
+                if record.get("Metric Unit"):
+                    row[f"{name} unit"] = record["Metric Unit"]
             if name in METRICS and value:
                 field, factor = METRICS[name]
                 if factor is None:  # ncu picks the unit by the value unless --print-units base
@@ -80,11 +92,13 @@ def main(argv=None) -> None:
     p.add_argument("--parse", metavar="CSV", help="print the rows of an ncu CSV of this script instead")
     p.add_argument("--device-name", default="", help="--parse: the GPU the CSV was made on")
     args = p.parse_args(argv)
+    if args.active_slots is not None and args.active_slots < args.adapters:
+        p.error(f"--active-slots must be >= --adapters ({args.adapters}), got {args.active_slots}")
     if args.parse:
         for row in parse(args.parse):
             print(json.dumps({"device": args.device_name, "bench": "lora_ncu_moe", "model": "qwen3-30b-a3b",
                               "adapters": args.adapters, "rank": args.rank, "tokens": args.tokens,
-                              "slot_order": args.slot_order, **row}))
+                              "slot_order": args.slot_order, "active_slots": args.active_slots, **row}))
         return
     km.configure(args.adapters, args.rank, args.slot_order, args.active_slots)
     s = km.setup("qwen3-30b-a3b")
@@ -93,8 +107,9 @@ def main(argv=None) -> None:
         moe = (b["x"], b["logits"], s["w_gate_up"], s["w_down"], s["top_k"], True)
         for lora in [None] * args.calls + [b["lora"]] * args.calls:
             fused_moe(*moe, lora=lora)
-    for _ in range(0 if args.moe else args.calls):
-        km.lora_step(s, b)
+    else:
+        for _ in range(args.calls):
+            km.lora_step(s, b)
     torch.cuda.synchronize()
     print("config", lora_config(b["lora"], b["topk_ids"]), flush=True)
 

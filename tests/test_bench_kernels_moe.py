@@ -155,7 +155,8 @@ def test_active_slots_bound_picks_the_entry(monkeypatch):
     km.lora_config(km.batch(s, 4)["lora"], km.batch(s, 4)["topk_ids"])
     assert seen == [km.expected_load(4 * 2, 16 * 4)]  # T·K pairs over 16 slots of 4 experts, not 2 slots
     with open(os.devnull, "w") as out:
-        assert km._emit({"row": "x"}, out)["active_slots"] == 16
+        row = km._emit({"row": "x"}, out)
+    assert row["active_slots"] == 16 and row["slot_order"] == "sorted"  # every row says both
     km.configure(2)
     assert km.batch(s, 4)["lora"].active_slots == 2
     with pytest.raises(ValueError, match="below"):
@@ -191,13 +192,16 @@ def test_ncu_csv_rows(tmp_path):
              '"1","_expand_down_kernel","GPU Speed Of Light Throughput","Duration","us","20.74"',
              '"1","_expand_down_kernel","Memory Workload Analysis","Mem Busy","%","51.06"',
              '"1","_expand_down_kernel","Command line profiler metrics",'
-             '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","","1,234.5"']
+             '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","","1,234.5"',
+             '"1","_expand_down_kernel","Command line profiler metrics","gpu__time_duration.sum","usecond","20.74"',
+             '"1","_expand_down_kernel","Command line profiler metrics","sm__x__y.ratio","","n/a"']
     path = tmp_path / "ncu.csv"
     path.write_text("==PROF== Connected to process 582\nconfig {'block_m': 16}\n" + head + "\n".join(lines) + "\n")
     assert ncu_moe_lora.parse(str(path)) == [
         {"kernel": "_moe_shrink_kernel", "us": 17.472, "grid": 1216, "achieved_occupancy_pct": 16.96},
         {"kernel": "_expand_down_kernel", "registers": 64, "us": 20.74,
-         "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": 1234.5}]  # (a raw metric asked for)
+         "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": 1234.5,  # (raw metrics asked for)
+         "gpu__time_duration.sum": 20.74, "gpu__time_duration.sum unit": "usecond", "sm__x__y.ratio": "n/a"}]
     path.write_text(head + '"0","k","GPU Speed Of Light Throughput","Duration","s","1"\n')
     with pytest.raises(ValueError, match="unknown unit"):
         ncu_moe_lora.parse(str(path))

@@ -9,6 +9,7 @@ import os
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -64,3 +65,31 @@ def test_small_tiles_compile_for_hopper():
     assert all(c["instructions"] > 0 or c["instructions"] == -1 for c in row["compiled"])  # (-1: no cuobjdump)
     gemm = next(c for c in row["compiled"] if c["kernel"] == "_moe_gemm_kernel")  # --lines: where its code is
     assert gemm["instructions"] == -1 or (len(gemm["lines"]) == 3 and all(n > 0 for _, n in gemm["lines"]))
+
+
+def test_instruction_counts_past_address_ffff():
+    """`count_instructions` and `line_counts` read SASS lines at any address (five hex digits past 4,096
+    instructions), not data lines, and put each under the source line listed before it."""
+    sass = "\n".join(["        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+                      "        /*fff0*/                   IMAD R2, R2, R3, RZ ;",
+                      "        /*10000*/                  @P0 LDG.E R4, desc[UR4][R2.64] ;",
+                      "        /*10010*/ \t.byte\t0xff, 0xff, 0xff, 0xff",
+                      "        .text._moe_gemm_kernel:"])
+    assert compile_check.count_instructions(sass) == 3 and compile_check.count_instructions("") == -1
+    listing = "\n".join(["        /*0000*/                   LDC R1, c[0x0][0x28] ;",  # before any line: left out
+                         '\t//## File "/w/kernels/fused_moe.py", line 217',
+                         "        /*0010*/                   IMAD R2, R2, R3, RZ ;",
+                         '\t//## File "/w/kernels/moe_act.py", line 56 inlined at "/w/kernels/fused_moe.py", line 274',
+                         "        /*10000*/                  MUFU.EX2 R4, R4 ;",
+                         "        /*10010*/                  FMUL R4, R4, R5 ;"])
+    assert compile_check.line_counts(listing, 5) == [("moe_act.py:56", 2), ("fused_moe.py:217", 1)]
+    assert compile_check.line_counts(listing, 1) == [("moe_act.py:56", 2)]
+
+
+def test_bad_arguments_are_refused(capsys):
+    for argv, message in ((["--lines", "-2"], "--lines must be >= 0, got -2"),
+                          (["--adapters", "4", "--active-slots", "2"], "--active-slots must be >= --adapters (4), got 2"),
+                          (["--slot-order", "Mixed"], "invalid choice: 'Mixed'")):
+        with pytest.raises(SystemExit) as exc:
+            compile_check.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
