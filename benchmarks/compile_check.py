@@ -149,6 +149,9 @@ def patch(compiled: list, tuned_device: str = TUNED_DEVICE, lines: int = 0) -> N
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import kernels_moe as km  # the inputs (their set-up binds no lookup that `patch` replaces)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 256, 1024, 4096])
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device-key", default=TUNED_DEVICE, help="whose tuned configs (e.g. nvidia_h200)")
     parser.add_argument("--adapters", type=int, default=8, help="adapters the tokens spread over")
     parser.add_argument("--rank", type=int, help="every adapter's rank (default: the shape's)")
-    parser.add_argument("--slot-order", default="round-robin", choices=("round-robin", "sorted", "mixed"),
+    parser.add_argument("--slot-order", default="round-robin", choices=km.SLOT_ORDERS,
                         help="the tokens' adapters (kernels_moe's orders)")
     parser.add_argument("--active-slots", type=int, default=None, help="the MoeLora's bound (a graph's class)")
     parser.add_argument("--base", action="store_true", help="also compile the experts without LoRA")
@@ -170,8 +173,6 @@ def main(argv=None) -> int:
     driver.set_active(HopperStandIn())
     compiled: list = []
     patch(compiled, args.device_key, args.lines)
-    sys.path.insert(0, str(Path(__file__).parent))
-    import kernels_moe as km
     km.configure(args.adapters, args.rank, args.slot_order, args.active_slots)
     from unipage.kernels.fused_moe import fused_experts, route_topk
     from unipage.kernels.moe_lora_plan import lora_config
