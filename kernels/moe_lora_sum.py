@@ -94,43 +94,31 @@ def _down_sum_kernel(
 NONE = tl.constexpr(1 << 30)  # "no slot": larger than any slot id
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _dense_rows_kernel(
-    d_ptr,  # [T, E·RD_T] written: w[p] · down_z[p, r] at column e·RD_T + r for pair p = (t, e), else 0
-    down_z_ptr, topk_weights_ptr, topk_ids_ptr, slots_ptr, flags_ptr,
-    num_tokens, top_k, num_experts,
-    K_PAD: tl.constexpr, RD_PAD: tl.constexpr, RD_T: tl.constexpr, BLOCK_T: tl.constexpr,
-    EXPERTS: tl.constexpr,
-):
-    """One program per BLOCK_T tokens and EXPERTS experts: the rows of D for `_down_dense_kernel`."""
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok_ok = toks < num_tokens
-    slot = tl.load(slots_ptr + toks, mask=tok_ok, other=-1)
-    lora = tl.load(flags_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0) != 0
-    j = tl.arange(0, K_PAD)
-    pairs = toks.to(tl.int64)[:, None] * top_k + j[None, :]  # [BT, K_PAD]
-    pair_ok = (tok_ok & lora)[:, None] & (j < top_k)[None, :]
-    ids = tl.load(topk_ids_ptr + pairs, mask=pair_ok, other=-1)
-    w = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
-    c = tl.program_id(1) * EXPERTS * RD_T + tl.arange(0, EXPERTS * RD_T)  # D's columns: expert c // RD_T
-    match = ids[:, :, None] == (c // RD_T)[None, None, :]  # [BT, K_PAD, EB·RD_T]; an expert at most once a token
+@triton.jit
+def _routed(ids, w, e, mine):
+    """For experts ``e`` [EB]: ``(k, w, hit)`` [BM, EB]: the top-k position at which each token chose the
+    expert, its routing weight, and whether it did (and is one of ``mine``)."""
+    match = ids[:, :, None] == e[None, None, :]  # [BM, K_PAD, EB]; a token picks an expert at most once
+    j = tl.arange(0, ids.shape[1])
     k = tl.sum(tl.where(match, j[None, :, None], 0), 1)
     weight = tl.sum(tl.where(match, w[:, :, None], 0.0), 1)
-    hit = tl.max(match.to(tl.int32), 1) > 0
-    r = c % RD_T
-    z = tl.load(down_z_ptr + (toks.to(tl.int64)[:, None] * top_k + k) * RD_PAD + r[None, :], mask=hit, other=0.0)
-    width = num_experts * RD_T
-    tl.store(d_ptr + toks.to(tl.int64)[:, None] * width + c[None, :], (z * weight).to(d_ptr.dtype.element_ty),
-             mask=tok_ok[:, None] & (c < width)[None, :])
+    hit = (tl.max(match.to(tl.int32), 1) > 0) & mine[:, None]
+    return k, weight, hit
+
+
+@triton.jit
+def _per_rank(x, RD_T: tl.constexpr):
+    """``[BM, EB]`` -> ``[BM, EB·RD_T]``: each expert's value repeated over its rank columns."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], RD_T)),
+                      (x.shape[0], x.shape[1] * RD_T))
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _down_dense_kernel(
-    out_ptr, y_ptr,  # as `_down_sum_kernel`'s
-    d_ptr,  # [T, E·RD_T] from `_dense_rows_kernel`
-    pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr,
+    out_ptr, y_ptr, down_z_ptr, topk_weights_ptr,  # as `_down_sum_kernel`'s
+    pool_ptr, pt_ptr, meta_ptr, slots_ptr, flags_ptr, topk_ids_ptr,
     num_tokens, top_k, num_experts, hidden, stride_out, stride_y, stride_pt,
-    K_PAD: tl.constexpr, RD_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_PAD: tl.constexpr, RD_PAD: tl.constexpr, RD_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EXPERTS: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -144,30 +132,39 @@ def _down_dense_kernel(
     slot = tl.load(slots_ptr + toks, mask=tok_ok, other=-1)
     flag = tl.load(flags_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
     slot = tl.where(flag != 0, slot, NONE)  # NONE: no LoRA in this layer
+    j = tl.arange(0, K_PAD)
+    pairs = toks.to(tl.int64)[:, None] * top_k + j[None, :]  # [BM, K_PAD]
+    pair_ok = tok_ok[:, None] & (j < top_k)[None, :]
+    ids = tl.load(topk_ids_ptr + pairs, mask=pair_ok & (slot < NONE)[:, None], other=-1)
+    w = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = _col_mask(cols, hidden, EVEN_N)
-    c = tl.arange(0, EXPERTS * RD_T)  # the K columns of a step: expert e0 + c // RD_T, rank row c % RD_T
+    c = tl.arange(0, EXPERTS * RD_T)  # the K columns of a step: expert c // RD_T, rank row c % RD_T
     r = c % RD_T
-    width = num_experts * RD_T
-    d_rows = d_ptr + toks.to(tl.int64)[:, None] * width + c[None, :]
     row_stride = (hidden + 63) // 64 * 64
     if USE_PDL:
-        gdc_wait()  # y and D are complete and visible from here on
+        gdc_wait()  # y and down_z are complete and visible from here on
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     s = tl.min(slot, 0)
     while s < NONE:  # each distinct slot among the tokens, smallest first
         at = meta_ptr + s * NUM_FIELDS
         rank = tl.load(at + F_DOWN_RANK)
-        virt = tl.load(at + F_BASE) + tl.load(at + F_DOWN_B) + r * row_stride + n0
+        base = tl.load(at + F_BASE)
         stride = tl.load(at + F_STRIDE)
+        b_off = tl.load(at + F_DOWN_B)
         pt = pt_ptr + s.to(tl.int64) * stride_pt
-        mine = (slot == s)[:, None]
+        mine = slot == s
         for e0 in range(0, num_experts, EXPERTS):
+            k, weight, hit = _routed(ids, w, e0 + tl.arange(0, EXPERTS), mine)
+            k, weight, hit = _per_rank(k, RD_T), _per_rank(weight, RD_T), _per_rank(hit, RD_T)
+            ok = hit & (r < rank)[None, :]
+            d = tl.load(down_z_ptr + (toks.to(tl.int64)[:, None] * top_k + k) * RD_PAD + r[None, :], mask=ok,
+                        other=0.0) * weight
             expert = e0 + c // RD_T
-            d = tl.load(d_rows + e0 * RD_T, mask=mine & (expert < num_experts)[None, :], other=0.0)
-            b = load_runs(pool_ptr, pt, virt + expert * stride, (r < rank) & (expert < num_experts), hidden - n0,
+            used = (tl.max(ok.to(tl.int32), 0) > 0) & (expert < num_experts)  # [EB·RD_T] rows to read
+            b = load_runs(pool_ptr, pt, base + expert * stride + b_off + r * row_stride + n0, used, hidden - n0,
                           BLOCK_N, RUN, PAGE_SHIFT, True)
-            acc = tl.dot(d, b, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(d, b.to(tl.float32), acc, input_precision=DOT_PRECISION)
         s = tl.min(slot + (slot <= s).to(tl.int32) * NONE, 0)  # the next slot id (NONE: none left)
     y_rows = y_ptr + toks.to(tl.int64)[:, None] * top_k * stride_y + cols[None, :]
     for k in tl.static_range(K_PAD):  # the base's sum over the K choices, one [BM, BN] load at a time
@@ -176,6 +173,7 @@ def _down_dense_kernel(
         acc += y.to(tl.float32)
     out = out_ptr + toks.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & col_ok[None, :])
+
 
 def sums_down(plan: MoeLoraPlan) -> bool:
     """Whether ``plan`` adds its down delta in the top-k sum (`moe_lora_down_sum`): the down stage's
@@ -251,24 +249,18 @@ def moe_lora_down_sum(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor,
 
 def _dense(plan: MoeLoraPlan, y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, block_n: int,
            pdl: bool) -> None:
-    """`moe_lora_down_sum` by `_dense_rows_kernel`, then `_down_dense_kernel`."""
+    """`moe_lora_down_sum` by `_down_dense_kernel`."""
     lora, meta, cfg = plan.lora, plan.lora.meta, plan.config["down"]
     num_tokens, top_k = plan.topk_ids.shape
     rd_t = tile_ranks(meta, 1)[1]
     rows, experts = _dense_tile(cfg, rd_t)
-    d = torch.empty(num_tokens, meta.num_experts * rd_t, dtype=y.dtype, device=y.device)
-    row_experts = max(1, 128 // rd_t)
-    launch(_dense_rows_kernel, (cdiv(num_tokens, 16), cdiv(meta.num_experts, row_experts)),
-        d, plan.down_z, topk_weights, plan.topk_ids, lora.token_slots, meta.slot_flags, num_tokens, top_k,
-        meta.num_experts, K_PAD=next_pow2(top_k), RD_PAD=lora_pads(meta)[2], RD_T=rd_t, BLOCK_T=16,
-        EXPERTS=row_experts, num_warps=4, num_stages=1)
     launch(_down_dense_kernel, (cdiv(num_tokens, rows) * cdiv(meta.hidden, block_n),),
-        out, y, d, lora.pool, lora.page_table, meta.table, lora.token_slots, meta.slot_flags, num_tokens, top_k,
-        meta.num_experts, meta.hidden, out.stride(0), y.stride(0), lora.page_table.stride(0),
-        K_PAD=next_pow2(top_k), RD_T=rd_t, BLOCK_M=rows, BLOCK_N=block_n, EXPERTS=experts, RUN=64,
-        PAGE_SHIFT=lora.pool.shape[1].bit_length() - 1, EVEN_N=meta.hidden % block_n == 0,
-        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32", USE_PDL=pdl, **_launch_opts(cfg),
-        **({"launch_pdl": True} if pdl else {}))
+        out, y, plan.down_z, topk_weights, lora.pool, lora.page_table, meta.table, lora.token_slots,
+        meta.slot_flags, plan.topk_ids, num_tokens, top_k, meta.num_experts, meta.hidden, out.stride(0),
+        y.stride(0), lora.page_table.stride(0), K_PAD=next_pow2(top_k), RD_PAD=lora_pads(meta)[2], RD_T=rd_t,
+        BLOCK_M=rows, BLOCK_N=block_n, EXPERTS=experts, RUN=64, PAGE_SHIFT=lora.pool.shape[1].bit_length() - 1,
+        EVEN_N=meta.hidden % block_n == 0, DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        USE_PDL=pdl, **_launch_opts(cfg), **({"launch_pdl": True} if pdl else {}))
 
 
 def moe_lora_down_sum_ref(plan: MoeLoraPlan, act: torch.Tensor, y: torch.Tensor,
