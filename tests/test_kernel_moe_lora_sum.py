@@ -4,8 +4,6 @@ Same tiny layers and adapter mixes as test_kernel_fused_moe_lora (mixed ranks, b
 slots without expert LoRA in the layer, tokens with no adapter), Triton under the interpreter on CPU.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -15,9 +13,9 @@ from unipage.kernels.fused_moe_lora import moe_lora_down, moe_lora_gate_up, plan
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, moe_lora_down_sum_ref, sums_down
 
 
-def _sum_config(block_n=64, split_k=2, block_m=1, mode=True, **down):
+def _sum_config(block_n=64, split_k=2, block_m=1):
     config = base._lora_config(block_m, split_k=split_k, block_n=block_n)
-    return {**config, "down": {**config["down"], "sum": mode, **down}}
+    return {**config, "down": {**config["down"], "sum": True}}
 
 
 def _prepared(c, config):
@@ -48,46 +46,6 @@ def test_down_sum_matches_reference_and_separate_pass(mix, dtype, block_m):
     separate = y.clone()
     moe_lora_down(plan, act, separate, c["topk_weights"])
     base._close(got, separate.view(19, base.K, base.H).float().sum(1), dtype)
-
-
-@pytest.mark.parametrize("mix", ["uniform", "zipf", "distinct", "none"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("tile", [(16, 2), (32, 8)])
-def test_dense_sum_matches_reference_and_separate_pass(mix, dtype, tile):
-    """``"sum": "dense"``: tiles of 16 or 32 tokens (19 here: one ragged tile, several slots in a tile),
-    the experts 2 or all 8 a K step, ``down_z`` left by group mode's gate/up pass."""
-    c = base._case(19, dtype, mix, seed=31)
-    plan, act, y = _prepared(c, _sum_config(block_m=16, mode="dense", dense_m=tile[0], dense_experts=tile[1]))
-    y_before = y.clone()
-    got = moe_lora_down_sum(plan, act, y, c["topk_weights"])
-    assert torch.equal(y, y_before)
-    base._close(got, moe_lora_down_sum_ref(plan, act, y, c["topk_weights"]), dtype)
-    separate = y.clone()
-    moe_lora_down(plan, act, separate, c["topk_weights"])
-    base._close(got, separate.view(19, base.K, base.H).float().sum(1), dtype)
-
-
-def test_dense_sum_in_fused_experts_over_runs_of_one_adapter():
-    """Tokens in runs of one slot (the engine's batches), pair mode's ``down_z``, ragged column tiles."""
-    c = base._case(40, torch.float32, "uniform", seed=32, hidden=96)
-    order = torch.argsort(c["lora"].token_slots, stable=True)
-    runs = dataclasses.replace(c["lora"], token_slots=c["lora"].token_slots[order].contiguous())
-    c = {**c, "lora": runs}
-    got = base._run(base.fused_experts, c, _sum_config(block_n=128, mode="dense", dense_m=16))
-    base._close(got, base._loop_moe(c, torch.float32), torch.float32)
-
-
-@pytest.mark.parametrize("down, message", [({"sum": "yes"}, "down.sum"), ({"sum": 1}, "down.sum"),
-                                           ({"sum": "dense", "dense_m": 8}, "at least 16"),
-                                           ({"sum": "dense", "dense_experts": 3}, "power of two")])
-def test_bad_sum_settings_are_refused(down, message):
-    c = base._case(5, torch.float32, "uniform", seed=33)
-    config = _sum_config()
-    config["down"] = {**config["down"], **down}
-    plan, act, y = _prepared(c, {**config, "down": {**config["down"], "sum": True}})
-    plan = dataclasses.replace(plan, config=config)
-    with pytest.raises(ValueError, match=message):
-        moe_lora_down_sum(plan, act, y, c["topk_weights"])
 
 
 @pytest.mark.parametrize("hidden, block_n", [(96, 128), (96, 64), (200, 128)])
@@ -193,27 +151,3 @@ def test_gpu_down_sum_bf16(shape, num_tokens, pdl, block_m):
     want = base.fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
     assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
     assert ((got.float() - separate.float()).norm() / want.norm()).item() <= 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [16, 256])
-@pytest.mark.parametrize("shape", sorted(gpu.GPU_SHAPES))
-@pytest.mark.parametrize("block_m", [1, 16])
-@pytest.mark.parametrize("dense_m", [16, 64])
-def test_gpu_dense_sum_bf16(shape, num_tokens, block_m, dense_m):
-    """``"sum": "dense"`` on the GPU at real shapes, tokens in runs of one adapter and round-robin."""
-    from unipage.kernels.fused_moe_lora import MoeLora, lora_config
-
-    x, w_gate_up, w_down, topk_weights, topk_ids, lora = gpu._gpu_case(shape, num_tokens)
-    config = dict(lora_config(lora, topk_ids), block_m=block_m, pdl=True)
-    if block_m > 1:
-        config.update(split_k=1, shrink={"group_m": 8, "num_warps": 4, "num_stages": 2},
-                      gate_up={"block_n": 64, "group_m": 8, "num_warps": 4, "num_stages": 2})
-    config["down"] = {"block_n": 64, "group_m": 8, "num_warps": 4, "num_stages": 3, "sum": "dense",
-                      "dense_m": dense_m}
-    for slots in (lora.token_slots, torch.sort(lora.token_slots).values):
-        case = dataclasses.replace(lora, token_slots=slots.contiguous())
-        got = base.fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, case, lora_config=config)
-        lora32 = MoeLora(case.pool.float(), case.page_table, case.token_slots, case.meta)
-        want = base.fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
-        assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
