@@ -42,7 +42,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime import driver
 
 TUNED_DEVICE = "nvidia_h100_80gb_hbm3"
-PATCHED = ("launch", "fused_moe", "fused_moe_lora", "moe_lora_plan", "moe_lora_sum",  # unipage.kernels modules
+PATCHED = ("launch", "fused_moe", "fused_moe_lora", "moe_lora_plan", "moe_lora_sum", "moe_ranks",  # unipage.kernels
            "moe_align")
 SHARED_LIMIT = 232448  # bytes of shared memory one program may use on an H100 or H200 (227 KiB)
 
@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     parser.add_argument("--slot-order", default="round-robin", choices=km.SLOT_ORDERS,
                         help="the tokens' adapters (kernels_moe's orders)")
     parser.add_argument("--active-slots", type=int, default=None, help="the MoeLora's bound (a graph's class)")
+    parser.add_argument("--slot-ids", type=int, nargs="+", help="each adapter's slot, as kernels_moe's")
     parser.add_argument("--base", action="store_true", help="also compile the experts without LoRA")
     parser.add_argument("--lines", type=int, default=0, metavar="N",
                         help="each kernel's N source lines with the most static SASS instructions")
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
     driver.set_active(HopperStandIn())
     compiled: list = []
     patch(compiled, args.device_key, args.lines)
-    km.configure(args.adapters, args.rank, args.slot_order, args.active_slots)
+    km.configure(args.adapters, args.rank, args.slot_order, args.active_slots, args.slot_ids)
     from unipage.kernels.fused_moe import fused_experts, route_topk
     from unipage.kernels.moe_lora_plan import lora_config
 

@@ -65,10 +65,11 @@ from unipage.config import ModelConfig  # noqa: E402
 from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, route_topk  # noqa: E402
 from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
                                             moe_lora_gate_up, moe_lora_meta, moe_lora_shrink, plan_moe_lora)
-from unipage.kernels.common import config_devices, record_tuned_device  # noqa: E402
+from unipage.kernels.common import config_devices, next_pow2, record_tuned_device  # noqa: E402
 from unipage.kernels.moe_lora_fused import config_mode  # noqa: E402
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, sums_down  # noqa: E402
 from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
+from unipage.kernels.moe_ranks import ranks_ref, slot_ranks  # noqa: E402
 from unipage.lora_layout import TargetSpec, build_layout  # noqa: E402
 
 log = logging.getLogger("kernels_moe")
@@ -82,6 +83,7 @@ SLOT_ORDERS = ("round-robin", "sorted", "mixed")  # token i's adapter: i % adapt
 MIXED_DECODES = 256
 SLOT_ORDER = "round-robin"
 ACTIVE = None  # the MoeLora's bound on the step's adapters (None: the distinct adapters of the tokens)
+SLOT_IDS = None  # adapter i's slot in the tables (None: slot i); the rows between hold no adapter
 PAGE_ELEMS = 16 * 2 * 8 * 64  # one KV block of 16 tokens, 8 KV heads of 64
 SEED = 0
 DTYPE = torch.bfloat16
@@ -98,19 +100,27 @@ def _pool(shape: dict, gen: torch.Generator):
                         num_experts=shape["experts"], top_k=shape["top_k"],
                         expert_intermediate_size=shape["inter"], dtype="bfloat16")
     spec = [(TargetSpec("experts.gate_up", (shape["rank"],)), TargetSpec("experts.down", (shape["rank"],)))]
-    layouts = [build_layout(model, spec) for _ in range(ADAPTERS)]
-    pages = [layout.num_pages(PAGE_ELEMS) for layout in layouts]
+    ids_of = slot_ids()
+    layouts = [None] * (max(ids_of) + 1)
+    for slot in ids_of:
+        layouts[slot] = build_layout(model, spec)
+    pages = [layout.num_pages(PAGE_ELEMS) if layout else 0 for layout in layouts]
     total = sum(pages) + 64
     pool = torch.randn(total, PAGE_ELEMS, device=DEVICE, dtype=DTYPE)
-    table = torch.zeros(ADAPTERS, max(pages), dtype=torch.int32)
+    table = torch.zeros(len(layouts), max(pages), dtype=torch.int32)
     order = torch.randperm(total, generator=gen).tolist()
     std = 2.0 / math.sqrt(shape["hidden"])
-    for slot, layout in enumerate(layouts):
+    for slot in ids_of:
         ids = [order.pop() for _ in range(pages[slot])]
-        packed = pack_adapter(layout, random_lora_weights(layout, gen, std=std), PAGE_ELEMS, DTYPE)
+        packed = pack_adapter(layouts[slot], random_lora_weights(layouts[slot], gen, std=std), PAGE_ELEMS, DTYPE)
         pool[torch.tensor(ids, device=DEVICE)] = packed[0].to(DEVICE)
         table[slot, : pages[slot]] = torch.tensor(ids, dtype=torch.int32)
     return layouts, pool, table.to(DEVICE)
+
+
+def slot_ids() -> list[int]:
+    """Each adapter's slot: `SLOT_IDS`, or 0 .. ADAPTERS - 1."""
+    return list(SLOT_IDS) if SLOT_IDS is not None else list(range(ADAPTERS))
 
 
 def setup(name: str) -> dict:
@@ -131,11 +141,24 @@ def token_slots(num_tokens: int) -> torch.Tensor:
     round-robin over every adapter but the last, then the prompt tokens of the last)."""
     index = torch.arange(num_tokens, device=DEVICE)
     if SLOT_ORDER == "round-robin":
-        return (index % ADAPTERS).int()
-    if SLOT_ORDER == "sorted":
-        return (index * ADAPTERS // num_tokens).int()
-    decodes = min(MIXED_DECODES, num_tokens // 2) if ADAPTERS > 1 else 0
-    return torch.where(index < decodes, index % max(ADAPTERS - 1, 1), ADAPTERS - 1).int()
+        adapter = index % ADAPTERS
+    elif SLOT_ORDER == "sorted":
+        adapter = index * ADAPTERS // num_tokens
+    else:
+        decodes = min(MIXED_DECODES, num_tokens // 2) if ADAPTERS > 1 else 0
+        adapter = torch.where(index < decodes, index % max(ADAPTERS - 1, 1), ADAPTERS - 1)
+    return torch.tensor(slot_ids(), device=DEVICE)[adapter].int()
+
+
+def _ranks(slots: torch.Tensor, rows: int, active: int):
+    """`slot_ranks` of a step's tokens; on CPU tensors (compile_check, whose launches compile but do not run)
+    the torch reference's values in the same padded int32 tensors."""
+    if slots.is_cuda or active >= rows:
+        return slot_ranks(slots, rows, active)
+    rank, inverse = ranks_ref(slots, rows, active)
+    padded = [torch.zeros(next_pow2(n), dtype=torch.int32) for n in (rows, active)]
+    padded[0][:rows], padded[1][:active] = rank, inverse
+    return tuple(padded)
 
 
 def batch(s: dict, num_tokens: int) -> dict:
@@ -145,7 +168,9 @@ def batch(s: dict, num_tokens: int) -> dict:
     logits = torch.randn(num_tokens, s["experts"], device=DEVICE)
     topk_weights, topk_ids = route_topk(logits, k, True)
     slots = token_slots(num_tokens)
-    lora = MoeLora(s["pool"], s["page_table"], slots, s["meta"], active_slots=ACTIVE or min(num_tokens, ADAPTERS))
+    active = ACTIVE or min(num_tokens, ADAPTERS)
+    ranks = _ranks(slots, s["page_table"].shape[0], active)  # (made once a step for all layers, as the engine)
+    lora = MoeLora(s["pool"], s["page_table"], slots, s["meta"], active_slots=active, ranks=ranks)
     pairs = num_tokens * k
     return {"x": x, "logits": logits, "topk_weights": topk_weights, "topk_ids": topk_ids, "lora": lora,
             "raw": torch.randn(pairs, 2 * i, device=DEVICE, dtype=DTYPE),
@@ -269,7 +294,7 @@ def run(out=None, shapes=tuple(SHAPES), tokens=TOKENS) -> list[dict]:
 
 def _emit(record: dict, out, bandwidth: float | None = None) -> dict:
     full = {"bench": "kernels_moe", "dtype": "bfloat16", "adapters": ADAPTERS, "active_slots": ACTIVE,
-            "slot_order": SLOT_ORDER, "seed": SEED,
+            "slot_order": SLOT_ORDER, "slot_ids": SLOT_IDS, "seed": SEED,
             "rank": SHAPES.get(record.get("shape"), {}).get("rank"),
             "copy_gbps": round(bandwidth / 1e9, 1) if bandwidth else None, **record}
     emit(full, out)
@@ -530,17 +555,19 @@ def tune(shapes=tuple(SHAPES), tokens=TOKENS, stages=("base", "lora")) -> Path:
 
 
 def configure(adapters: int, rank: int | None = None, slot_order: str = "round-robin",
-              active: int | None = None) -> None:
+              active: int | None = None, ids: list[int] | None = None) -> None:
     """Set the adapters the tokens spread over, their order (`SLOT_ORDERS`), if given every shape's rank
     (serve.py's setup (b) runs Qwen3-30B-A3B with 16 adapters of rank 8) and the bound on a step's adapters
     that picks the tuned entry (a CUDA graph's adapter class: setup (b)'s mixed steps of 5 adapters run the
     graphs of class 16)."""
-    global ADAPTERS, SLOT_ORDER, ACTIVE
+    global ADAPTERS, SLOT_ORDER, ACTIVE, SLOT_IDS
     if slot_order not in SLOT_ORDERS:
         raise ValueError(f"slot order must be one of {SLOT_ORDERS}, got {slot_order!r}")
+    if ids is not None and (len(ids) != adapters or len(set(ids)) != adapters or min(ids) < 0):
+        raise ValueError(f"slot ids must be {adapters} distinct ids >= 0 (one an adapter), got {ids}")
     if active is not None and active < adapters:
         raise ValueError(f"the bound on a step's adapters ({active}) is below the adapters ({adapters})")
-    ADAPTERS, SLOT_ORDER, ACTIVE = adapters, slot_order, active
+    ADAPTERS, SLOT_ORDER, ACTIVE, SLOT_IDS = adapters, slot_order, active, ids
     for shape in SHAPES.values():
         shape["rank"] = rank or shape["rank"]
 
@@ -569,12 +596,15 @@ def main() -> None:
                              "256 decodes round-robin over all adapters but the last, then the last one's prompt")
     parser.add_argument("--active-slots", type=int,
                         help="the bound on a step's adapters that picks the tuned entry (default: --adapters)")
+    parser.add_argument("--slot-ids", type=int, nargs="+",
+                        help="each adapter's slot in the tables (default 0 .. adapters - 1): the engine's loads and "
+                             "evictions scatter the adapters of a step over its table rows, e.g. 2 9 5 14 11")
     args = parser.parse_args()
     if sum([args.tune, args.align, args.split is not None]) > 1:
         parser.error("--tune, --align and --split exclude each other")
     if args.slot_order != "round-robin" and (args.tune or args.align):
         parser.error("--slot-order is for the benchmark rows; --tune and --align use round-robin tokens")
-    configure(args.adapters, args.rank, args.slot_order, args.active_slots)
+    configure(args.adapters, args.rank, args.slot_order, args.active_slots, args.slot_ids)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     start = time.time()
     if args.tune:

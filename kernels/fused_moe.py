@@ -192,9 +192,10 @@ def _moe_gemm_kernel(
     slots_ptr, flags_ptr,  # [T] int32 token slots, [S] int32 slot has expert LoRA (HAS_LORA or FUSED)
     # FUSED (`moe_lora_fused`): z [SPLIT_K, TK, R_PAD] float32 (gate/up: x @ A_gu.T partials; down:
     # down_z), down_z [TK, RD_PAD] float32 (gate/up: += act @ A_d.T), the pool layer [N, P], page table
-    # [S, max_pages] int32, LoRA metadata [S, NUM_FIELDS] int32
-    z_ptr, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
-    num_pairs, N, K_dim, a_div, w_rows, top_k, stride_pt,
+    # [S, max_pages] int32, LoRA metadata [S, NUM_FIELDS] int32, RANKED: the slots' ranks [S_PAD] and the
+    # ranks' slots [A_PAD] int32 (`moe_ranks.slot_ranks`), ranks below num_ranks
+    z_ptr, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, ranks_ptr, inverse_ptr,
+    num_pairs, N, K_dim, a_div, w_rows, top_k, num_ranks, stride_pt,
     stride_am, stride_we, stride_wn, stride_om, stride_rm, alpha, limit,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr,
@@ -204,6 +205,7 @@ def _moe_gemm_kernel(
     CHUNK_SLOTS: tl.constexpr = 1, DOWN_SLOTS: tl.constexpr = 1,
     STEPS: tl.constexpr = 2,
     RUN: tl.constexpr = 16, PAGE_SHIFT: tl.constexpr = 6, DOWN_SHRINK: tl.constexpr = True,
+    RANKED: tl.constexpr = False,
 ):
     num_m = tl.load(num_blocks_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -226,9 +228,10 @@ def _moe_gemm_kernel(
         up_ptrs = w_ptrs + N * stride_wn
     n0 = pid_n * BLOCK_N
     if FUSED:  # the first LoRA step's addressing before the main loop, which hides its chain of loads
-        slot, prep, prep_down = lora_fused.first_steps(slots_ptr, flags_ptr, pairs, pair_ok, top_k, expert, n0, N,
-                                                       pt_ptr, meta_ptr, stride_pt, R_PAD, RK, RD, CHUNK_SLOTS,
-                                                       DOWN_SLOTS, BLOCK_N, RUN, PAGE_SHIFT, GATED, DOWN_SHRINK)
+        slot, prep, prep_down = lora_fused.first_steps(slots_ptr, flags_ptr, ranks_ptr, inverse_ptr, num_ranks, pairs,
+                                                       pair_ok, top_k, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
+                                                       R_PAD, RK, RD, CHUNK_SLOTS, DOWN_SLOTS, BLOCK_N, RUN,
+                                                       PAGE_SHIFT, GATED, DOWN_SHRINK, RANKED)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(tl.cdiv(K_dim, BLOCK_K)):
@@ -249,12 +252,13 @@ def _moe_gemm_kernel(
     if FUSED:  # the LoRA deltas as extra K steps into the same accumulators, after the main loop
         if GATED:
             acc, acc_up = lora_fused.gate_up_delta(acc, acc_up, prep, slot, pairs, expert, n0, N, num_pairs, z_ptr,
-                                                   pool_ptr, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, SPLIT_K,
-                                                   CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+                                                   pool_ptr, pt_ptr, meta_ptr, inverse_ptr, stride_pt, R_PAD, RK,
+                                                   SPLIT_K, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT,
+                                                   DOT_PRECISION, RANKED)
         else:
             acc = lora_fused.down_delta(acc, prep_down, slot, pairs, expert, n0, N, z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                                        stride_pt, RD, RD_PAD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT,
-                                        DOT_PRECISION)
+                                        inverse_ptr, stride_pt, RD, RD_PAD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN,
+                                        PAGE_SHIFT, DOT_PRECISION, RANKED)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & (cols[None, :] < N)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -278,7 +282,8 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, out, mask=mask)
     if FUSED and GATED and DOWN_SHRINK:  # the down shrink, from act as stored
         lora_fused.down_shrink(out, prep_down, slot, pairs, expert, n0, N, down_z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                               stride_pt, RD, RD_PAD, DOWN_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT, DOT_PRECISION)
+                               inverse_ptr, stride_pt, RD, RD_PAD, DOWN_SLOTS, STEPS, BLOCK_N, RUN, PAGE_SHIFT,
+                               DOT_PRECISION, RANKED)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -308,13 +313,13 @@ def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, 
         token_slots, slot_flags = fused.lora.token_slots, fused.lora.meta.slot_flags
         lora_args, lora_consts = lora_fused.gemm_args(fused, gated, cfg["block_n"])
     else:
-        lora_args, lora_consts = (out, out, out, out, out, 1, 0), {}
+        lora_args, lora_consts = (out, out, out, out, out, out, out, 1, 0, 0), {}
     launch(_moe_gemm_kernel, grid,
         a, w_src, out, raw if has_lora else out, weights if weights is not None else out,
         bias if bias is not None else out, align.sorted_pairs, align.block_group, align.num_blocks,
         token_slots if token_slots is not None else align.sorted_pairs,
-        slot_flags if slot_flags is not None else align.sorted_pairs, *lora_args[:5],
-        align.num_pairs, n, k_dim, a_div, w.shape[1], *lora_args[5:], a.stride(0), w.stride(0), w.stride(1),
+        slot_flags if slot_flags is not None else align.sorted_pairs, *lora_args[:7],
+        align.num_pairs, n, k_dim, a_div, w.shape[1], *lora_args[7:], a.stride(0), w.stride(0), w.stride(1),
         out.stride(0), raw.stride(0) if has_lora else 0, float(activation.alpha), float(activation.limit),
         GATED=gated, MUL_WEIGHT=weights is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
         ACT=activation.code,

@@ -76,11 +76,29 @@ MAX_STEPS = 8  # unrolled steps at most ("lora_steps"): each adds its loads and 
 
 
 @triton.jit
-def pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k):
-    """``[BM]`` the slot of each pair's token where it has expert LoRA in this layer, else NONE."""
+def pair_slots(slots_ptr, flags_ptr, ranks_ptr, num_ranks, pairs, pair_ok, top_k, RANKED: tl.constexpr):
+    """``[BM]`` the id of each pair's slot where its token has expert LoRA in this layer, else NONE.  The id
+    is the slot, or with RANKED its rank among the step's slots (`moe_ranks`; a rank past ``num_ranks`` has
+    no LoRA, as in the alignment): the steps then cover the step's adapters, not the slot ids, which loads
+    and evictions scatter over the table (3 steps a tile for 5 adapters in 16 rows, say, against 2)."""
     slot = tl.load(slots_ptr + tl.where(pair_ok, pairs // top_k, 0), mask=pair_ok, other=-1)
     flag = tl.load(flags_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
-    return tl.where(flag != 0, slot, NONE)
+    if RANKED:
+        rank = tl.load(ranks_ptr + tl.maximum(slot, 0), mask=flag != 0, other=NONE)
+        slot = tl.where(rank < num_ranks, rank, NONE)
+    else:
+        slot = tl.where(flag != 0, slot, NONE)
+    return slot
+
+
+@triton.jit
+def _real(ids, ok, inverse_ptr, RANKED: tl.constexpr):
+    """The slots of ids from `pair_slots` (where ``ok``; 0 elsewhere), for their metadata and page tables."""
+    if RANKED:
+        slot = tl.load(inverse_ptr + _zero_unless(ids, ok), mask=ok, other=0)
+    else:
+        slot = _zero_unless(ids, ok)
+    return slot
 
 
 @triton.jit
@@ -157,9 +175,11 @@ def _paged_bases(pt_ptr, stride_pt, slot, virt, ok, cols_left, BLOCK_N: tl.const
 
 
 @triton.jit
-def _z_rows(slot, inside, pairs, meta_ptr, UP: tl.constexpr, R_PAD: tl.constexpr):
+def _z_rows(slot, inside, pairs, meta_ptr, inverse_ptr, UP: tl.constexpr, R_PAD: tl.constexpr,
+            RANKED: tl.constexpr):
     """Each pair's offset in ``z``'s first split at its slot's gate (or up) slice, and that slice's rank
     (0 for pairs not in the step)."""
+    slot = _real(slot, inside, inverse_ptr, RANKED)
     field = _slice_field(meta_ptr, slot, inside, UP)
     a_row = _field(meta_ptr, slot, field, inside)
     return _zero_unless(pairs, inside).to(tl.int64) * R_PAD + a_row, _field(meta_ptr, slot, field + 1, inside)
@@ -182,12 +202,14 @@ def _chunk_s(z_ptr, z_rows, pos, num_pairs, R_PAD: tl.constexpr, RK: tl.constexp
 
 
 @triton.jit
-def _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, UP: tl.constexpr, RK: tl.constexpr,
-                   C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+def _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, inverse_ptr, stride_pt, UP: tl.constexpr,
+                   RK: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                   PAGE_SHIFT: tl.constexpr, RANKED: tl.constexpr):
     """Page-run bases of ``[C·RK, BLOCK_N]``: rows of the chunk's slots' gate (or up) B for this expert and
     column tile."""
     row_slot, _, r = _rows(chunk, RK, C)
     row_ok = row_slot < NONE
+    row_slot = _real(row_slot, row_ok, inverse_ptr, RANKED)
     field = _slice_field(meta_ptr, row_slot, row_ok, UP)
     rank = _field(meta_ptr, row_slot, field + 1, row_ok)
     stride = (_field(meta_ptr, row_slot, field + 4, row_ok) + 63) // 64 * 64
@@ -199,44 +221,45 @@ def _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, UP: tl
 
 
 @triton.jit
-def gate_up_prep(c0, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, R_PAD: tl.constexpr,
+def gate_up_prep(c0, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, inverse_ptr, stride_pt, R_PAD: tl.constexpr,
                  RK: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-                 PAGE_SHIFT: tl.constexpr):
+                 PAGE_SHIFT: tl.constexpr, RANKED: tl.constexpr):
     """The addressing of the gate/up step over slot ids ``[c0, c0 + C)``: each pair's chunk position, the
     page-run bases of gate B and up B, and the pairs' z rows (`gate_up_apply` does the loads and dots).
     Everything here follows a chain of dependent loads (slots -> metadata -> page table), so the fused
     GEMM runs its first step's before the main K loop, which then hides that chain."""
     chunk, pos, inside = _chunk_at(slot, c0, C)
     return (pos,
-            _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, False, RK, C, BLOCK_N, RUN,
-                           PAGE_SHIFT),
-            _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, True, RK, C, BLOCK_N, RUN,
-                           PAGE_SHIFT),
-            _z_rows(slot, inside, pairs, meta_ptr, False, R_PAD), _z_rows(slot, inside, pairs, meta_ptr, True, R_PAD))
+            _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, inverse_ptr, stride_pt, False, RK, C,
+                           BLOCK_N, RUN, PAGE_SHIFT, RANKED),
+            _gate_up_bases(chunk, expert, n0, inter, pt_ptr, meta_ptr, inverse_ptr, stride_pt, True, RK, C,
+                           BLOCK_N, RUN, PAGE_SHIFT, RANKED),
+            _z_rows(slot, inside, pairs, meta_ptr, inverse_ptr, False, R_PAD, RANKED),
+            _z_rows(slot, inside, pairs, meta_ptr, inverse_ptr, True, R_PAD, RANKED))
 
 
 @triton.jit
-def first_steps(slots_ptr, flags_ptr, pairs, pair_ok, top_k, expert, n0, N, pt_ptr, meta_ptr, stride_pt,
-                R_PAD: tl.constexpr, RK: tl.constexpr, RD: tl.constexpr, C: tl.constexpr, DOWN_C: tl.constexpr,
-                BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, GATED: tl.constexpr,
-                DOWN_SHRINK: tl.constexpr):
+def first_steps(slots_ptr, flags_ptr, ranks_ptr, inverse_ptr, num_ranks, pairs, pair_ok, top_k, expert, n0, N,
+                pt_ptr, meta_ptr, stride_pt, R_PAD: tl.constexpr, RK: tl.constexpr, RD: tl.constexpr,
+                C: tl.constexpr, DOWN_C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                PAGE_SHIFT: tl.constexpr, GATED: tl.constexpr, DOWN_SHRINK: tl.constexpr, RANKED: tl.constexpr):
     """``(slot, prep, prep_down)`` for the fused GEMM to take before its main K loop: the tile's pairs' slots
     (`pair_slots`) and its first step's addressing from the smallest of them, of gate/up B (GATED; else
     ``prep`` is ``prep_down``) and of down A (GATED with DOWN_SHRINK, over DOWN_C slot ids) or down B (else;
     with neither, ``prep_down`` is ``prep``)."""
-    slot = pair_slots(slots_ptr, flags_ptr, pairs, pair_ok, top_k)
+    slot = pair_slots(slots_ptr, flags_ptr, ranks_ptr, num_ranks, pairs, pair_ok, top_k, RANKED)
     first = tl.min(slot, 0)
     if GATED:
-        prep = gate_up_prep(first, slot, pairs, expert, n0, N, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, C, BLOCK_N,
-                            RUN, PAGE_SHIFT)
+        prep = gate_up_prep(first, slot, pairs, expert, n0, N, pt_ptr, meta_ptr, inverse_ptr, stride_pt, R_PAD, RK,
+                            C, BLOCK_N, RUN, PAGE_SHIFT, RANKED)
         if DOWN_SHRINK:
-            prep_down = down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, DOWN_C,
-                                  BLOCK_N, RUN, PAGE_SHIFT)
+            prep_down = down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, inverse_ptr, stride_pt, F_DOWN_A,
+                                  RD, DOWN_C, BLOCK_N, RUN, PAGE_SHIFT, RANKED)
         else:
             prep_down = prep
     else:
-        prep_down = down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C, BLOCK_N,
-                              RUN, PAGE_SHIFT)
+        prep_down = down_prep(first, slot, expert, n0, N, pt_ptr, meta_ptr, inverse_ptr, stride_pt, F_DOWN_B, RD,
+                              C, BLOCK_N, RUN, PAGE_SHIFT, RANKED)
         prep = prep_down
     return slot, prep, prep_down
 
@@ -259,9 +282,9 @@ def gate_up_apply(acc, acc_up, prep, n0, inter, num_pairs, z_ptr, pool_ptr, R_PA
 
 @triton.jit
 def gate_up_delta(acc, acc_up, prep, slot, pairs, expert, n0, inter, num_pairs, z_ptr, pool_ptr, pt_ptr, meta_ptr,
-                  stride_pt, R_PAD: tl.constexpr, RK: tl.constexpr, SPLIT_K: tl.constexpr, C: tl.constexpr,
-                  STEPS: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  inverse_ptr, stride_pt, R_PAD: tl.constexpr, RK: tl.constexpr, SPLIT_K: tl.constexpr,
+                  C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                  PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr, RANKED: tl.constexpr):
     """Add the gate/up LoRA deltas of the tile's pairs (``slot`` from `pair_slots`) to ``acc`` / ``acc_up``:
     the first step from ``prep`` (`gate_up_prep` at the tile's smallest slot id), STEPS - 1 more unrolled
     steps, then a loop over the slot ids left."""
@@ -270,14 +293,14 @@ def gate_up_delta(acc, acc_up, prep, slot, pairs, expert, n0, inter, num_pairs, 
         acc, acc_up = gate_up_apply(acc, acc_up, prep, n0, inter, num_pairs, z_ptr, pool_ptr, R_PAD, RK, SPLIT_K, C,
                                     BLOCK_N, RUN, DOT_PRECISION)
         for i in tl.static_range(1, STEPS):
-            step = gate_up_prep(lo + i * C, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, R_PAD, RK,
-                                C, BLOCK_N, RUN, PAGE_SHIFT)
+            step = gate_up_prep(lo + i * C, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, inverse_ptr, stride_pt,
+                                R_PAD, RK, C, BLOCK_N, RUN, PAGE_SHIFT, RANKED)
             acc, acc_up = gate_up_apply(acc, acc_up, step, n0, inter, num_pairs, z_ptr, pool_ptr, R_PAD, RK,
                                         SPLIT_K, C, BLOCK_N, RUN, DOT_PRECISION)
     c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
-        step = gate_up_prep(c0, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, R_PAD, RK, C,
-                            BLOCK_N, RUN, PAGE_SHIFT)
+        step = gate_up_prep(c0, slot, pairs, expert, n0, inter, pt_ptr, meta_ptr, inverse_ptr, stride_pt, R_PAD,
+                            RK, C, BLOCK_N, RUN, PAGE_SHIFT, RANKED)
         acc, acc_up = gate_up_apply(acc, acc_up, step, n0, inter, num_pairs, z_ptr, pool_ptr, R_PAD, RK, SPLIT_K,
                                     C, BLOCK_N, RUN, DOT_PRECISION)
         c0 = _next_slot(slot, c0 + C)
@@ -285,12 +308,14 @@ def gate_up_delta(acc, acc_up, prep, slot, pairs, expert, n0, inter, num_pairs, 
 
 
 @triton.jit
-def _down_bases(chunk, expert, n0, width, pt_ptr, meta_ptr, stride_pt, FIELD: tl.constexpr, RD: tl.constexpr,
-                C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+def _down_bases(chunk, expert, n0, width, pt_ptr, meta_ptr, inverse_ptr, stride_pt, FIELD: tl.constexpr,
+                RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                PAGE_SHIFT: tl.constexpr, RANKED: tl.constexpr):
     """Page-run bases of ``[C·RD, BLOCK_N]``: rows of the chunk's slots' down A (``FIELD`` F_DOWN_A, rows of I)
     or down B (F_DOWN_B, rows of H = ``width``) for this expert and column tile."""
     row_slot, _, r = _rows(chunk, RD, C)
     row_ok = row_slot < NONE
+    row_slot = _real(row_slot, row_ok, inverse_ptr, RANKED)
     rank = _field(meta_ptr, row_slot, F_DOWN_RANK, row_ok)
     virt = _group_off(meta_ptr, row_slot, row_ok, expert) + _field(meta_ptr, row_slot, FIELD, row_ok) \
         + r * ((width + 63) // 64 * 64)
@@ -299,13 +324,14 @@ def _down_bases(chunk, expert, n0, width, pt_ptr, meta_ptr, stride_pt, FIELD: tl
 
 
 @triton.jit
-def down_prep(c0, slot, expert, n0, width, pt_ptr, meta_ptr, stride_pt, FIELD: tl.constexpr, RD: tl.constexpr,
-              C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+def down_prep(c0, slot, expert, n0, width, pt_ptr, meta_ptr, inverse_ptr, stride_pt, FIELD: tl.constexpr,
+              RD: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+              RANKED: tl.constexpr):
     """The addressing of a down step over slot ids ``[c0, c0 + C)`` (down A: `down_shrink`; down B:
     `down_delta`): each pair's chunk position, whether it is in the step, the weights' page-run bases."""
     chunk, pos, inside = _chunk_at(slot, c0, C)
-    return pos, inside, _down_bases(chunk, expert, n0, width, pt_ptr, meta_ptr, stride_pt, FIELD, RD, C, BLOCK_N,
-                                    RUN, PAGE_SHIFT)
+    return pos, inside, _down_bases(chunk, expert, n0, width, pt_ptr, meta_ptr, inverse_ptr, stride_pt, FIELD, RD, C,
+                                    BLOCK_N, RUN, PAGE_SHIFT, RANKED)
 
 
 @triton.jit
@@ -327,9 +353,10 @@ def _down_shrink_apply(act, prep, pairs, n0, inter, down_z_ptr, pool_ptr, RD: tl
 
 
 @triton.jit
-def down_shrink(act, prep, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-                RD: tl.constexpr, RD_PAD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def down_shrink(act, prep, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, inverse_ptr,
+                stride_pt, RD: tl.constexpr, RD_PAD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr,
+                BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                RANKED: tl.constexpr):
     """``down_z[m] += act[m, cols] @ A_down[slot_m, e][:, cols].T`` for this column tile (``act`` [BM, BN]
     in the model dtype, as stored); the first step from ``prep`` (`down_prep` of down A)."""
     lo, hi = _slot_range(slot)
@@ -337,14 +364,14 @@ def down_shrink(act, prep, slot, pairs, expert, n0, inter, down_z_ptr, pool_ptr,
         _down_shrink_apply(act, prep, pairs, n0, inter, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
                            DOT_PRECISION)
         for i in tl.static_range(1, STEPS):
-            step = down_prep(lo + i * C, slot, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, C,
-                             BLOCK_N, RUN, PAGE_SHIFT)
+            step = down_prep(lo + i * C, slot, expert, n0, inter, pt_ptr, meta_ptr, inverse_ptr, stride_pt, F_DOWN_A,
+                             RD, C, BLOCK_N, RUN, PAGE_SHIFT, RANKED)
             _down_shrink_apply(act, step, pairs, n0, inter, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
                                DOT_PRECISION)
     c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
-        step = down_prep(c0, slot, expert, n0, inter, pt_ptr, meta_ptr, stride_pt, F_DOWN_A, RD, C, BLOCK_N, RUN,
-                         PAGE_SHIFT)
+        step = down_prep(c0, slot, expert, n0, inter, pt_ptr, meta_ptr, inverse_ptr, stride_pt, F_DOWN_A, RD, C,
+                         BLOCK_N, RUN, PAGE_SHIFT, RANKED)
         _down_shrink_apply(act, step, pairs, n0, inter, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
                            DOT_PRECISION)
         c0 = _next_slot(slot, c0 + C)
@@ -361,9 +388,10 @@ def _down_apply(acc, prep, pairs, n0, hidden, down_z_ptr, pool_ptr, RD: tl.const
 
 
 @triton.jit
-def down_delta(acc, prep, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, stride_pt,
-               RD: tl.constexpr, RD_PAD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
-               RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def down_delta(acc, prep, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, inverse_ptr,
+               stride_pt, RD: tl.constexpr, RD_PAD: tl.constexpr, C: tl.constexpr, STEPS: tl.constexpr,
+               BLOCK_N: tl.constexpr, RUN: tl.constexpr, PAGE_SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               RANKED: tl.constexpr):
     """``acc[m] += down_z[m] @ B_down[slot_m, e][:, cols]`` (before the bias and the routing weight); the first
     step from ``prep`` (`down_prep` of down B)."""
     lo, hi = _slot_range(slot)
@@ -371,14 +399,14 @@ def down_delta(acc, prep, slot, pairs, expert, n0, hidden, down_z_ptr, pool_ptr,
         acc = _down_apply(acc, prep, pairs, n0, hidden, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
                           DOT_PRECISION)
         for i in tl.static_range(1, STEPS):
-            step = down_prep(lo + i * C, slot, expert, n0, hidden, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C,
-                             BLOCK_N, RUN, PAGE_SHIFT)
+            step = down_prep(lo + i * C, slot, expert, n0, hidden, pt_ptr, meta_ptr, inverse_ptr, stride_pt,
+                             F_DOWN_B, RD, C, BLOCK_N, RUN, PAGE_SHIFT, RANKED)
             acc = _down_apply(acc, step, pairs, n0, hidden, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
                               DOT_PRECISION)
     c0 = _next_slot(slot, tl.minimum(lo + STEPS * C, NONE))  # (lo is NONE in a tile without LoRA pairs)
     while c0 <= hi:
-        step = down_prep(c0, slot, expert, n0, hidden, pt_ptr, meta_ptr, stride_pt, F_DOWN_B, RD, C, BLOCK_N, RUN,
-                         PAGE_SHIFT)
+        step = down_prep(c0, slot, expert, n0, hidden, pt_ptr, meta_ptr, inverse_ptr, stride_pt, F_DOWN_B, RD, C,
+                         BLOCK_N, RUN, PAGE_SHIFT, RANKED)
         acc = _down_apply(acc, step, pairs, n0, hidden, down_z_ptr, pool_ptr, RD, RD_PAD, C, BLOCK_N, RUN,
                           DOT_PRECISION)
         c0 = _next_slot(slot, c0 + C)
@@ -453,6 +481,17 @@ def down_shrink_in_epilogue(plan) -> bool:
     return mode == "epilogue"
 
 
+def step_ranks(lora):
+    """`moe_ranks.slot_ranks` of the step (``lora.ranks``, made once a step by the engine, else made here)
+    where ``lora.active_slots`` bounds its slots below the tables' rows, else None: the fused GEMMs then take
+    a tile's slots by rank (`pair_slots`)."""
+    from unipage.kernels.moe_ranks import slot_ranks
+
+    if lora.ranks is not None:
+        return lora.ranks
+    return slot_ranks(lora.token_slots, lora.meta.table.shape[0], lora.active_slots)
+
+
 def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     """``(args, constexprs)`` of `fused_moe._moe_gemm_kernel`'s fused LoRA for ``plan``
     (`moe_lora_plan.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
@@ -462,7 +501,8 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     in the down GEMM (`tile_ranks`: the dot's K is the whole step, so a rank-8 row block needs no padding
     to 16); the gate/up GEMM's epilogue down shrink takes its own count by RD (``DOWN_SLOTS``);
     ``"lora_steps"`` (default 2): the steps unrolled (`gate_up_delta`; 0 counts as 1, since the first
-    step's addressing runs before the main K loop)."""
+    step's addressing runs before the main K loop).  Args: (z, down_z, pool, page table, metadata, the slots'
+    ranks and the ranks' slots (`step_ranks`), top_k, the bound on the step's slots, page-table row stride)."""
     from unipage.kernels.fused_moe_lora import _chunk
     from unipage.kernels.moe_lora_plan import _split_k, lora_pads, tile_ranks
 
@@ -477,9 +517,11 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
         raise ValueError(f'lora config "lora_steps" must be an int in [0, {MAX_STEPS}], got {steps!r}')
     rows = rk if gated else rd
     slots, down_slots = max(width // rows, 16 // rows, 1), max(width // rd, 16 // rd, 1)  # (each dot spans >= 16)
-    args = (plan.gate_up_z if gated else plan.down_z, plan.down_z, lora.pool, lora.page_table, meta.table,
-            plan.topk_ids.shape[1], lora.page_table.stride(0))
-    constexprs = {"FUSED": True, "R_PAD": r_pad if gated else rd_pad, "RK": rk, "RD": rd, "RD_PAD": rd_pad,
+    ranks = step_ranks(lora)
+    ids = ranks if ranks is not None else (meta.table, meta.table)  # (not read without RANKED)
+    args = (plan.gate_up_z if gated else plan.down_z, plan.down_z, lora.pool, lora.page_table, meta.table, *ids,
+            plan.topk_ids.shape[1], lora.active_slots or 0, lora.page_table.stride(0))
+    constexprs = {"FUSED": True, "RANKED": ranks is not None, "R_PAD": r_pad if gated else rd_pad, "RK": rk, "RD": rd, "RD_PAD": rd_pad,
                   "SPLIT_K": splits, "CHUNK_SLOTS": slots, "DOWN_SLOTS": down_slots,
                   "STEPS": max(steps, 1),  # (the first: `gate_up_prep`, before the main loop)
                   "RUN": min(block_n, _chunk(meta.inter) if gated else 64),

@@ -146,7 +146,7 @@ def test_active_slots_bound_picks_the_entry(monkeypatch):
     """``--active-slots``: the MoeLora's bound (a graph's adapter class) is set on every batch, picks the tuned
     entry by its load, goes into the rows, and may not be below the adapters."""
     s = _tiny(monkeypatch, [])
-    for name in ("ADAPTERS", "SLOT_ORDER", "ACTIVE"):
+    for name in ("ADAPTERS", "SLOT_ORDER", "ACTIVE", "SLOT_IDS"):
         monkeypatch.setattr(km, name, getattr(km, name))  # (configure sets them: undone after the test)
     km.configure(2, slot_order="sorted", active=16)
     assert km.batch(s, 4)["lora"].active_slots == 16
@@ -167,7 +167,7 @@ def test_mixed_slot_order(monkeypatch):
     """``--slot-order mixed``: a mixed step's decodes round-robin over all adapters but the last, then the last
     adapter's prompt; at most half the tokens decode."""
     monkeypatch.setattr(km, "DEVICE", "cpu")
-    for name in ("ADAPTERS", "SLOT_ORDER", "ACTIVE"):
+    for name in ("ADAPTERS", "SLOT_ORDER", "ACTIVE", "SLOT_IDS"):
         monkeypatch.setattr(km, name, getattr(km, name))
     km.configure(5, slot_order="mixed")
     slots = km.token_slots(4096).tolist()
@@ -175,6 +175,28 @@ def test_mixed_slot_order(monkeypatch):
     assert km.token_slots(6).tolist() == [0, 1, 2, 4, 4, 4]
     km.configure(1, slot_order="mixed")
     assert km.token_slots(4).tolist() == [0, 0, 0, 0]
+
+
+def test_slot_ids_scatter_the_adapters_over_the_tables(monkeypatch):
+    """``--slot-ids``: adapter i sits at the given slot, the rows between hold no adapter, the rows say so,
+    and a batch carries the step's slot ranks (made once, as the engine does) and runs the fused path."""
+    ran = []
+    for name in ("ADAPTERS", "SLOT_ORDER", "ACTIVE", "SLOT_IDS"):
+        monkeypatch.setattr(km, name, getattr(km, name))
+    _tiny(monkeypatch, ran)
+    km.configure(3, slot_order="mixed", ids=[5, 1, 9])
+    s = km.setup("tiny")
+    assert s["page_table"].shape[0] == 10 and s["meta"].slot_flags.tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert km.token_slots(6).tolist() == [5, 1, 5, 9, 9, 9]
+    b = km.batch(s, 6)
+    assert b["lora"].active_slots == 3 and b["lora"].ranks is not None
+    row = km.split_row("tiny", s, 6, {"fused": True})
+    assert row["moe_lora_us"] > 0
+    with open(os.devnull, "w") as out:
+        assert km._emit({"row": "x"}, out)["slot_ids"] == [5, 1, 9]
+    for bad in ([5, 1], [5, 5, 1], [-1, 2, 3]):
+        with pytest.raises(ValueError, match="slot ids"):
+            km.configure(3, ids=bad)
 
 
 def test_ncu_csv_rows(tmp_path):

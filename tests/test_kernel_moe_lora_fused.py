@@ -2,6 +2,7 @@
 ``"fused": true``): against the separate-pass reference (`fused_experts_ref`) and the per-token
 loop, under the Triton interpreter at tiny shapes; `-m gpu` in bf16 at real layers."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -56,6 +57,25 @@ def test_sparse_slot_ids(lora_k, steps):
     unrolled steps goes from one slot a pair has to the next."""
     slots = [("fused", 8)] + [None] * 20 + [("split", 4)] + [None] * 20 + [("fused", 8)]
     c = lt._case(40, torch.float32, "distinct", seed=15, slots=slots)
+    lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, steps=steps)), lt._loop_moe(c, torch.float32),
+              torch.float32)
+
+
+@pytest.mark.parametrize("lora_k, steps", [(16, 1), (16, 2), (32, 0)])
+@pytest.mark.parametrize("given", [False, True])
+def test_slots_by_rank(lora_k, steps, given):
+    """With a bound on the step's slots below the tables' rows the fused GEMMs take a tile's slots by rank
+    among the step's (`step_ranks`: the engine's, or made by the launcher): adapters at slots 3, 21, 30 and 42
+    of 43 are ranks 0-3, two steps of two rank-8 slots (lora_k 16) or one (32), whatever the slot ids."""
+    from unipage.kernels.moe_ranks import slot_ranks
+
+    slots = [None] * 3 + [("fused", 8)] + [None] * 17 + [("split", 4)] + [None] * 8 + [("fused", 8)] \
+        + [None] * 11 + [("down_only", 8)]
+    c = lt._case(40, torch.float32, "distinct", seed=16, slots=slots)
+    token_slots = torch.tensor([42, 3, -1, 30, 21, 42, 3])[torch.arange(40) % 7].int()  # tokens without adapter too
+    ranks = slot_ranks(token_slots, len(slots), 4) if given else None
+    c = {**c, "lora": dataclasses.replace(c["lora"], token_slots=token_slots, active_slots=4, ranks=ranks)}
+    assert moe_lora_fused.step_ranks(c["lora"]) is not None
     lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, steps=steps)), lt._loop_moe(c, torch.float32),
               torch.float32)
 
