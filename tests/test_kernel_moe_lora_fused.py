@@ -370,3 +370,26 @@ def test_gpu_tuned_entry_at_the_prefill_mix():
     if torch.cuda.get_device_name() == "NVIDIA H200":
         assert moe_lora_fused.config_mode(config, 2048) == "all" and config["down_shrink"] == "epilogue"
     gpu._check_gpu(*case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [256, 4096])
+@pytest.mark.parametrize("shape", sorted(gpu.GPU_SHAPES))
+def test_gpu_fused_by_rank_bf16(shape, num_tokens):
+    """The fused GEMMs taking slots by rank (a bound of 5 below the tables' 8 rows, the step's ranks made once,
+    as the engine does): 5 of 8 adapters at scattered slots, a mixed step's order (decodes round-robin over
+    four, then the fifth's prompt) and tokens without an adapter."""
+    from unipage.kernels.fused_moe_lora import MoeLora, lora_config
+    from unipage.kernels.moe_ranks import slot_ranks
+
+    x, w_gate_up, w_down, topk_weights, topk_ids, lora = gpu._gpu_case(shape, num_tokens)
+    index = torch.arange(num_tokens, device="cuda")
+    slots = torch.tensor([6, 1, 4, 7, 2, -1], device="cuda")
+    token_slots = torch.where(index < num_tokens // 16, slots[index % 6], 2).int()
+    ranks = slot_ranks(token_slots, 8, 5)
+    case = dataclasses.replace(lora, token_slots=token_slots, active_slots=5, ranks=ranks)
+    lora32 = MoeLora(lora.pool.float(), lora.page_table, token_slots, lora.meta)
+    want = fused_experts_ref(x.float(), w_gate_up.float(), w_down.float(), topk_weights, topk_ids, lora32)
+    config = {**lora_config(case, topk_ids), "fused": True, "fused_min_tokens": 0}
+    got = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, case, lora_config=config)
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
