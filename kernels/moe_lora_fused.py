@@ -14,7 +14,11 @@ steps of the base GEMMs, into the same accumulator, so nothing is written twice:
 A tile (BM pairs of one expert) holds pairs of several adapters.  Its steps cover the slot
 ids from the smallest to the largest of its pairs' slots, C consecutive ids per step
 (ids no pair of the tile has read nothing); column ``j`` of the step from ``c0`` belongs to
-slot ``c0 + j // RK`` and rank row ``r = j % RK``.  ``S[m, j]`` is pair m's shrink output
+slot ``c0 + j // RK`` and rank row ``r = j % RK``.  Where the MoeLora bounds the step's slots below
+the tables' rows (the engine's graphs), the ids are the slots' ranks among the step's (`pair_slots`,
+`moe_ranks`), so the steps follow the step's adapters wherever loads and evictions put them: at (b)'s
+mixed step (H200, 4,096 tokens, 5 adapters at rows 3, 17, 9, 28, 22) 989.6 against 1,123.6 us, and
+993.8 against 1,082.3 at rows 12, 5, 20, 8, 1; 984.9 against 979.4 at rows 0-3 and 31.  ``S[m, j]`` is pair m's shrink output
 ``z[m, a_row + r]`` when pair m's slot is that slot (and ``r`` < its rank), else 0 —
 block-sparse, built by one masked load; ``B[j]`` is row ``r`` of that slot's B for this
 expert, read from the slot's pool pages (one page lookup per run).  RK is the ranks' power of
