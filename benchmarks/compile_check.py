@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     km.configure(args.adapters, args.rank, args.slot_order, args.active_slots, args.slot_ids)
     from unipage.kernels.fused_moe import fused_experts, route_topk
     from unipage.kernels.moe_lora_plan import lora_config
+    from unipage.kernels.moe_ranks import slot_ranks
 
     km.DEVICE = "cpu"
     failed = False
@@ -197,6 +198,8 @@ def main(argv=None) -> int:
             experts, top_k, dtype = s["w_gate_up"].shape[0], b["topk_ids"].shape[1], b["x"].dtype
             for bias in (None, torch.zeros(experts, dtype=dtype)):  # routing as the engine calls it
                 route_topk(torch.zeros(tokens, experts, dtype=dtype), top_k, True, bias=bias, weight_dtype=dtype)
+            if b["lora"].ranks is not None:  # the step's slot ranks, made once a step (the batch has the
+                slot_ranks(b["lora"].token_slots, s["page_table"].shape[0], b["lora"].active_slots)  # ref's)
             failed |= not all(c["ok"] for c in compiled)
             print(json.dumps({"shape": shape, "tokens": tokens, "compiled": compiled}), flush=True)
     return 1 if failed else 0

@@ -162,7 +162,10 @@ def _ranks(slots: torch.Tensor, rows: int, active: int):
 
 
 def batch(s: dict, num_tokens: int) -> dict:
-    """Inputs of one step: tokens over the adapters in `SLOT_ORDER`, random routing."""
+    """Inputs of one step: tokens over the adapters in `SLOT_ORDER`, random routing, and where the bound on the
+    step's adapters is below the tables' rows the step's slot ranks, made here once as the engine makes them
+    once a step (before 7ff1ede the alignment made them in every timed call: rows at fewer tokens than
+    adapters timed that launch too)."""
     h, i, k = s["hidden"], s["inter"], s["top_k"]
     x = torch.randn(num_tokens, h, device=DEVICE, dtype=DTYPE)
     logits = torch.randn(num_tokens, s["experts"], device=DEVICE)
@@ -557,14 +560,14 @@ def tune(shapes=tuple(SHAPES), tokens=TOKENS, stages=("base", "lora")) -> Path:
 def configure(adapters: int, rank: int | None = None, slot_order: str = "round-robin",
               active: int | None = None, ids: list[int] | None = None) -> None:
     """Set the adapters the tokens spread over, their order (`SLOT_ORDERS`), if given every shape's rank
-    (serve.py's setup (b) runs Qwen3-30B-A3B with 16 adapters of rank 8) and the bound on a step's adapters
+    (serve.py's setup (b) runs Qwen3-30B-A3B with 16 adapters of rank 8), the bound on a step's adapters
     that picks the tuned entry (a CUDA graph's adapter class: setup (b)'s mixed steps of 5 adapters run the
-    graphs of class 16)."""
+    graphs of class 16) and each adapter's slot in the tables (``ids``; default 0 .. adapters - 1)."""
     global ADAPTERS, SLOT_ORDER, ACTIVE, SLOT_IDS
     if slot_order not in SLOT_ORDERS:
         raise ValueError(f"slot order must be one of {SLOT_ORDERS}, got {slot_order!r}")
     if ids is not None and (len(ids) != adapters or len(set(ids)) != adapters or min(ids) < 0):
-        raise ValueError(f"slot ids must be {adapters} distinct ids >= 0 (one an adapter), got {ids}")
+        raise ValueError(f"slot ids must be {adapters} distinct slots >= 0 (one per adapter), got {ids}")
     if active is not None and active < adapters:
         raise ValueError(f"the bound on a step's adapters ({active}) is below the adapters ({adapters})")
     ADAPTERS, SLOT_ORDER, ACTIVE, SLOT_IDS = adapters, slot_order, active, ids
@@ -602,8 +605,12 @@ def main() -> None:
     args = parser.parse_args()
     if sum([args.tune, args.align, args.split is not None]) > 1:
         parser.error("--tune, --align and --split exclude each other")
-    if args.slot_order != "round-robin" and (args.tune or args.align):
-        parser.error("--slot-order is for the benchmark rows; --tune and --align use round-robin tokens")
+    if (args.slot_order != "round-robin" or args.slot_ids) and (args.tune or args.align):
+        parser.error("--slot-order and --slot-ids are for the benchmark rows; --tune and --align use round-robin "
+                     "tokens over slots 0 .. adapters - 1")
+    if args.slot_ids and (len(args.slot_ids) != args.adapters or len(set(args.slot_ids)) != args.adapters
+                          or min(args.slot_ids) < 0):
+        parser.error(f"--slot-ids takes {args.adapters} distinct slots >= 0 (one per adapter), got {args.slot_ids}")
     configure(args.adapters, args.rank, args.slot_order, args.active_slots, args.slot_ids)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     start = time.time()

@@ -13,13 +13,9 @@ steps of the base GEMMs, into the same accumulator, so nothing is written twice:
 
 A tile (BM pairs of one expert) holds pairs of several adapters.  Its steps cover the slot
 ids from the smallest to the largest of its pairs' slots, C consecutive ids per step
-(ids no pair of the tile has read nothing); column ``j`` of the step from ``c0`` belongs to
-slot ``c0 + j // RK`` and rank row ``r = j % RK``.  Where the MoeLora bounds the step's slots below
-the tables' rows (the engine's graphs), the ids are the slots' ranks among the step's (`pair_slots`,
-`moe_ranks`), so the steps follow the step's adapters wherever loads and evictions put them: at (b)'s
-mixed step (H200, 4,096 tokens, 5 adapters at rows 3, 17, 9, 28, 22) 989.6 against 1,123.6 us, and
-993.8 against 1,082.3 at rows 12, 5, 20, 8, 1; 984.9 against 979.4 at rows 0-3 and 31.  ``S[m, j]`` is pair m's shrink output
-``z[m, a_row + r]`` when pair m's slot is that slot (and ``r`` < its rank), else 0 —
+(ids no pair of the tile has read nothing; slot ids, or ranks: below); column ``j`` of the step from
+``c0`` belongs to slot ``c0 + j // RK`` and rank row ``r = j % RK``.  ``S[m, j]`` is pair m's shrink
+output ``z[m, a_row + r]`` when pair m's slot is that slot (and ``r`` < its rank), else 0 —
 block-sparse, built by one masked load; ``B[j]`` is row ``r`` of that slot's B for this
 expert, read from the slot's pool pages (one page lookup per run).  RK is the ranks' power of
 two, not padded to 16: the dot's K is the whole step (LK >= 16), so a step of ``lora_k`` 32 holds
@@ -32,6 +28,13 @@ on top of the loop's, past the limit), but the first step's addressing (`gate_up
 the loop, so that only its weight and z loads are left after it: with one program an SM (the
 prefill tiles), the chain was paid once per tile with the SM idle.  A tile without LoRA pairs
 does no step.  Scaling is folded into B.
+
+Where the MoeLora bounds the step's slots below the tables' rows (the engine's decode and mixed-step
+graphs), the ids are the slots' ranks among the step's (`pair_slots`; the plan's `moe_ranks` ranks), so the
+steps follow the step's adapters wherever loads and evictions put them in the tables.  `fused_moe` with LoRA at
+(b)'s mixed step (H200, Qwen3-30B-A3B, 4,096 tokens, 5 adapters; by rank against by slot id): 989.6
+against 1,123.6 us with the adapters at rows 3, 17, 9, 28, 22, 993.8 against 1,082.3 at rows 12, 5, 20,
+8, 1, and 984.9 against 979.4 at rows 0-3 and 31.
 
 - gate/up GEMM: ``acc_gate += S_gate @ B_gate``, ``acc_up += S_up @ B_up`` before
   the activation; then the down shrink ``down_z[m] += act[m] @ A_down[slot, e].T``: a grouped
@@ -485,28 +488,17 @@ def down_shrink_in_epilogue(plan) -> bool:
     return mode == "epilogue"
 
 
-def step_ranks(lora):
-    """`moe_ranks.slot_ranks` of the step (``lora.ranks``, made once a step by the engine, else made here)
-    where ``lora.active_slots`` bounds its slots below the tables' rows, else None: the fused GEMMs then take
-    a tile's slots by rank (`pair_slots`)."""
-    from unipage.kernels.moe_ranks import slot_ranks
-
-    if lora.ranks is not None:
-        return lora.ranks
-    return slot_ranks(lora.token_slots, lora.meta.table.shape[0], lora.active_slots)
-
-
 def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
     """``(args, constexprs)`` of `fused_moe._moe_gemm_kernel`'s fused LoRA for ``plan``
-    (`moe_lora_plan.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page
-    table, metadata, top_k, page-table row stride).  Config ``"lora_k"`` (default 64, a power of two
+    (`moe_lora_plan.MoeLoraPlan`, whose shrink has run): ``args`` = (z, down_z, pool, page table, metadata,
+    the slots' ranks and the ranks' slots (``plan.ranks``, or the metadata in their place without RANKED),
+    top_k, the bound on the step's slots, page-table row stride).  Config ``"lora_k"`` (default 64, a power of two
     >= 16): the extra K of one step, so a step holds C = ``lora_k // RK`` slot ids (at least ``16 // RK``,
     the dot's minimum), RK being the gate/up ranks' power of two in the gate/up GEMM, the down rank's (RD)
     in the down GEMM (`tile_ranks`: the dot's K is the whole step, so a rank-8 row block needs no padding
     to 16); the gate/up GEMM's epilogue down shrink takes its own count by RD (``DOWN_SLOTS``);
     ``"lora_steps"`` (default 2): the steps unrolled (`gate_up_delta`; 0 counts as 1, since the first
-    step's addressing runs before the main K loop).  Args: (z, down_z, pool, page table, metadata, the slots'
-    ranks and the ranks' slots (`step_ranks`), top_k, the bound on the step's slots, page-table row stride)."""
+    step's addressing runs before the main K loop)."""
     from unipage.kernels.fused_moe_lora import _chunk
     from unipage.kernels.moe_lora_plan import _split_k, lora_pads, tile_ranks
 
@@ -521,11 +513,12 @@ def gemm_args(plan, gated: bool, block_n: int) -> tuple[tuple, dict]:
         raise ValueError(f'lora config "lora_steps" must be an int in [0, {MAX_STEPS}], got {steps!r}')
     rows = rk if gated else rd
     slots, down_slots = max(width // rows, 16 // rows, 1), max(width // rd, 16 // rd, 1)  # (each dot spans >= 16)
-    ranks = step_ranks(lora)
+    ranks = plan.ranks
     ids = ranks if ranks is not None else (meta.table, meta.table)  # (not read without RANKED)
     args = (plan.gate_up_z if gated else plan.down_z, plan.down_z, lora.pool, lora.page_table, meta.table, *ids,
             plan.topk_ids.shape[1], lora.active_slots or 0, lora.page_table.stride(0))
-    constexprs = {"FUSED": True, "RANKED": ranks is not None, "R_PAD": r_pad if gated else rd_pad, "RK": rk, "RD": rd, "RD_PAD": rd_pad,
+    constexprs = {"FUSED": True, "RANKED": ranks is not None, "R_PAD": r_pad if gated else rd_pad, "RK": rk,
+                  "RD": rd, "RD_PAD": rd_pad,
                   "SPLIT_K": splits, "CHUNK_SLOTS": slots, "DOWN_SLOTS": down_slots,
                   "STEPS": max(steps, 1),  # (the first: `gate_up_prep`, before the main loop)
                   "RUN": min(block_n, _chunk(meta.inter) if gated else 64),

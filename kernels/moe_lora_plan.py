@@ -26,6 +26,7 @@ from unipage.kernels.moe_align import (
     moe_align_ref,
     shape_key,
 )
+from unipage.kernels.moe_align import _ranks as align_ranks  # (the ranks `moe_align` groups by)
 from unipage.kernels.moe_ranks import SlotRanks, check_active_slots
 
 
@@ -55,6 +56,9 @@ class MoeLoraPlan:
     align: Alignment | None  # group mode: pairs by slot·E + expert; None in pair mode
     gate_up_z: torch.Tensor  # [split_k, TK, R_PAD] float32: split-K partials of x @ A_gu.T
     down_z: torch.Tensor  # [TK, RD_PAD] float32: act @ A_d.T, summed by the gate/up pass
+    # the step's slot ranks where pairs group by rank (`moe_align`'s ``_ranks``: ``lora.ranks`` checked, or made
+    # here once for the alignment and the fused GEMMs), else None; the torch plan keeps ``lora.ranks`` as given
+    ranks: SlotRanks | None = None
 
 
 def _check_lora(lora: MoeLora, topk_ids: torch.Tensor) -> None:
@@ -121,7 +125,7 @@ def _split_k(hidden: int, split_k: int) -> tuple[int, int]:
     return cdiv(runs, per), per * 64
 
 
-def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) -> MoeLoraPlan:
+def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn, ranks) -> MoeLoraPlan:
     _check_lora(lora, topk_ids)
     cfg, meta = lora_config(lora, topk_ids, config), lora.meta
     block_m = cfg["block_m"]
@@ -130,13 +134,13 @@ def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn) 
     align = None
     if block_m > 1:
         align = align_fn(topk_ids, meta.num_experts, block_m, lora.token_slots, meta.slot_flags,
-                         active_slots=lora.active_slots, ranks=lora.ranks)
+                         active_slots=lora.active_slots, ranks=ranks)
     r_pad, _, rd_pad = lora_pads(meta)
     splits, _ = _split_k(meta.hidden, cfg["split_k"])
     num_pairs, device = topk_ids.numel(), topk_ids.device
     return MoeLoraPlan(lora, topk_ids, cfg, align,
                        torch.empty(splits, num_pairs, r_pad, dtype=torch.float32, device=device),
-                       torch.empty(num_pairs, rd_pad, dtype=torch.float32, device=device))
+                       torch.empty(num_pairs, rd_pad, dtype=torch.float32, device=device), ranks)
 
 
 def plan_moe_lora(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> MoeLoraPlan:
@@ -146,12 +150,14 @@ def plan_moe_lora(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = N
     ``lora``: the layer's `MoeLora`; ``topk_ids`` [T, K] int32; ``config``: a "lora"
     launch-config entry (default: tuned by the expected pairs per group).
     """
-    return _plan(lora, topk_ids, config, moe_align)
+    _check_lora(lora, topk_ids)
+    ranks = align_ranks(lora.token_slots, lora.meta.slot_flags, lora.active_slots, lora.ranks)
+    return _plan(lora, topk_ids, config, moe_align, ranks)
 
 
 def plan_moe_lora_ref(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> MoeLoraPlan:
     """`plan_moe_lora` with the torch alignment (CPU engine path)."""
-    return _plan(lora, topk_ids, config, moe_align_ref)
+    return _plan(lora, topk_ids, config, moe_align_ref, lora.ranks)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,8 +87,10 @@ def sums_down(plan: MoeLoraPlan) -> bool:
     The bound is for group-mode entries: this kernel reads a group's B once per pair, which stops
     paying once those reads spill out of L2 (many tokens over many adapters at the same load)."""
     down = plan.config["down"]
-    limit = down.get("sum_max_tokens")
-    return bool(down.get("sum")) and (limit is None or plan.topk_ids.shape[0] <= limit)
+    limit, mode = down.get("sum_max_tokens"), down.get("sum", False)
+    if type(mode) is not bool:
+        raise ValueError(f'lora config "down.sum" must be true or false, got {mode!r}')
+    return mode and (limit is None or plan.topk_ids.shape[0] <= limit)
 
 
 def _check(plan: MoeLoraPlan, y: torch.Tensor, topk_weights: torch.Tensor) -> None:

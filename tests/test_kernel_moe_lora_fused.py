@@ -65,7 +65,7 @@ def test_sparse_slot_ids(lora_k, steps):
 @pytest.mark.parametrize("given", [False, True])
 def test_slots_by_rank(lora_k, steps, given):
     """With a bound on the step's slots below the tables' rows the fused GEMMs take a tile's slots by rank
-    among the step's (`step_ranks`: the engine's, or made by the launcher): adapters at slots 3, 21, 30 and 42
+    among the step's (the plan's ranks: the engine's, or made by the plan): adapters at slots 3, 21, 30 and 42
     of 43 are ranks 0-3, two steps of two rank-8 slots (lora_k 16) or one (32), whatever the slot ids."""
     from unipage.kernels.moe_ranks import slot_ranks
 
@@ -75,9 +75,29 @@ def test_slots_by_rank(lora_k, steps, given):
     token_slots = torch.tensor([42, 3, -1, 30, 21, 42, 3])[torch.arange(40) % 7].int()  # tokens without adapter too
     ranks = slot_ranks(token_slots, len(slots), 4) if given else None
     c = {**c, "lora": dataclasses.replace(c["lora"], token_slots=token_slots, active_slots=4, ranks=ranks)}
-    assert moe_lora_fused.step_ranks(c["lora"]) is not None
+    plan = plan_moe_lora(c["lora"], c["topk_ids"], _fused(lt.GROUP, lora_k, steps=steps))
+    assert plan.ranks is not None and moe_lora_fused.gemm_args(plan, True, 64)[1]["RANKED"]
     lt._close(lt._run(fused_experts, c, _fused(lt.GROUP, lora_k, steps=steps)), lt._loop_moe(c, torch.float32),
               torch.float32)
+
+
+@pytest.mark.parametrize("config", ["fused", "separate", "separate pair mode"])
+def test_a_broken_bound_drops_the_lora_of_the_slots_ranked_past_it(config, monkeypatch):
+    """A bound below the step's distinct slots (a GPU caller's mistake: on CPU tensors `_check_active` refuses
+    it) drops the LoRA of the slots ranked past it, fused or in group mode's separate pass (whose base GEMM
+    then activates those pairs itself); pair mode's separate pass takes every slot."""
+    from unipage.kernels import moe_lora_plan
+
+    monkeypatch.setattr(moe_lora_plan, "_check_active", lambda lora: None)
+    slots = [None, ("fused", 8), None, ("split", 4), ("fused", 8), None, ("down_only", 8), ("fused", 4)]
+    c = lt._case(40, torch.float32, "distinct", seed=17, slots=slots)
+    token_slots = torch.tensor([7, 1, 3, -1, 4, 6])[torch.arange(40) % 6].int()  # ranks 0-4 of slots 1-7
+    bounded = {**c, "lora": dataclasses.replace(c["lora"], token_slots=token_slots, active_slots=4)}
+    got = lt._run(fused_experts, bounded, {"fused": FUSED_GROUP, "separate": lt.GROUP,
+                                           "separate pair mode": lt.PAIR}[config])
+    kept = token_slots if config == "separate pair mode" else torch.where(token_slots == 7, -1, token_slots).int()
+    want = lt._loop_moe({**c, "lora": dataclasses.replace(c["lora"], token_slots=kept)}, torch.float32)
+    lt._close(got, want, torch.float32)
 
 
 SMALL_RANKS = {"rank 1 beside 32": [("fused", 1), ("split", 32)], "gate/up 32, down 1": [("gate_only", 32),

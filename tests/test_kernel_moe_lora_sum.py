@@ -103,6 +103,15 @@ def test_sum_max_tokens_bounds_the_steps_that_sum():
         base._close(base._run(base.fused_experts, c, config), base._loop_moe(c, torch.float32), torch.float32)
 
 
+def test_sum_must_be_a_bool():
+    c = base._case(5, torch.float32, "uniform", seed=28)
+    for bad in ("dense", 1, None):
+        plan = plan_moe_lora(c["lora"], c["topk_ids"], _sum_config())
+        plan.config["down"]["sum"] = bad
+        with pytest.raises(ValueError, match="down.sum"):
+            sums_down(plan)
+
+
 def test_reference_engine_path_matches_loop():
     c = base._case(11, torch.float32, "uniform", seed=24)
     base._close(base._run(base.fused_experts_ref, c, _sum_config()), base._loop_moe(c, torch.float32), torch.float32)
