@@ -268,9 +268,9 @@ def _moe_gemm_kernel(
         if GATED:
             acc_up += tl.load(bias + N, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        if HAS_LORA:  # (by rank, a slot ranked past the bound has no LoRA, as in the LoRA pass's alignment)
-            lora = lora_fused.pair_slots(slots_ptr, flags_ptr, ranks_ptr, num_ranks, pairs, pair_ok, a_div,
-                                         RANKED) < lora_fused.NONE
+        if HAS_LORA:
+            slot = tl.load(slots_ptr + a_rows, mask=pair_ok, other=-1)
+            lora = tl.load(flags_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0) != 0
             raw_ptrs = raw_ptr + pairs[:, None].to(tl.int64) * stride_rm + cols[None, :]
             tl.store(raw_ptrs, acc.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
             tl.store(raw_ptrs + N, acc_up.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
@@ -304,17 +304,14 @@ def _weight_source(w: torch.Tensor, cfg: dict):
 
 def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, gated: bool,
                  weights=None, raw=None, token_slots=None, slot_flags=None, bias=None,
-                 activation: GatedActivation = SILU, fused=None, ranks=None) -> None:
-    """``fused``: a `moe_lora_plan.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`);
-    ``ranks`` (with ``raw``): ``(slot_ranks, bound)`` where the LoRA pass groups pairs by rank."""
+                 activation: GatedActivation = SILU, fused=None) -> None:
+    """``fused``: a `moe_lora_plan.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`)."""
     k_dim, has_lora = a.shape[1], raw is not None
     w_src, tma = _weight_source(w, cfg)
     grid = (align.max_blocks * cdiv(n, cfg["block_n"]),)
     if fused is not None:
         token_slots, slot_flags = fused.lora.token_slots, fused.lora.meta.slot_flags
         lora_args, lora_consts = lora_fused.gemm_args(fused, gated, cfg["block_n"])
-    elif raw is not None and ranks is not None and ranks[0] is not None:
-        lora_args, lora_consts = (out, out, out, out, out, *ranks[0], 1, ranks[1], 0), {"RANKED": True}
     else:
         lora_args, lora_consts = (out, out, out, out, out, out, out, 1, 0, 0), {}
     launch(_moe_gemm_kernel, grid,
@@ -393,15 +390,14 @@ def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
 
 def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                 slot_flags=None, config: dict | None = None, *, bias=None,
-                activation: GatedActivation = SILU, lora_plan=None, ranks=None) -> None:
+                activation: GatedActivation = SILU, lora_plan=None) -> None:
     """``act[p] = activation(x[t] @ Wg[e].T, x[t] @ Wu[e].T)`` for every pair ``p = (t, e)``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``topk_ids`` [T, K] int32; ``align`` from
     `moe_align` (groups = experts); ``act`` [TK, I] (written).  With ``raw`` [TK, 2I],
     ``token_slots`` [T] int32 and ``slot_flags`` [S] int32: pairs whose token's slot has
     expert LoRA get ``raw[p] = x[t] @ W[e].T`` (gate | up, un-activated) instead and
-    their ``act`` row is left for the LoRA pass (``ranks``: ``(slot_ranks, bound)`` of a LoRA pass grouping
-    by rank, whose pairs ranked past the bound keep the base ``act``).  ``config``: base launch config entry.
+    their ``act`` row is left for the LoRA pass.  ``config``: base launch config entry.
     ``bias`` [E, 2I] (optional): added to gate | up before the activation (and into ``raw``).
     ``activation``: `GatedActivation` (default silu).  ``lora_plan`` (instead of ``raw``): a
     `moe_lora_plan.MoeLoraPlan` after `moe_lora_shrink`: the LoRA pairs' gate/up deltas are added
@@ -417,14 +413,13 @@ def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_s
     cfg = base_config(w_gate_up.shape[0], x.shape[1], inter, topk_ids, config)
     _launch_gemm(x, w_gate_up, act, align, cfg["gate_up"], n=inter, a_div=topk_ids.shape[-1], gated=True,
                  raw=raw, token_slots=token_slots, slot_flags=slot_flags, bias=bias, activation=activation,
-                 fused=lora_plan, ranks=ranks)
+                 fused=lora_plan)
 
 
 def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                     slot_flags=None, config: dict | None = None, *, bias=None,
-                    activation: GatedActivation = SILU, lora_plan=None, ranks=None) -> None:
-    """Torch version of `moe_gate_up` (same arguments; ``align``, ``config`` and ``ranks`` unused (a bound is
-    checked on CPU tensors, so none is broken here); the fused
+                    activation: GatedActivation = SILU, lora_plan=None) -> None:
+    """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused; the fused
     LoRA's delta added in float32 to the unrounded product, its ``down_z`` not filled)."""
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
@@ -534,8 +529,7 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
         else:  # the separate gate/up pass (it also leaves down_z for a fused down)
             raw = torch.empty(num_tokens * top_k, 2 * inter, dtype=x.dtype, device=x.device)
             ops.gate_up(x, w_gate_up, topk_ids, align, act, raw, lora.token_slots, lora.meta.slot_flags, cfg,
-                        bias=gate_up_bias, activation=activation,  # (pair mode's pass takes every slot)
-                        ranks=(plan.ranks if plan.align is not None else None, lora.active_slots))
+                        bias=gate_up_bias, activation=activation)
     finally:
         if shrunk:  # the shrink ran beside the base GEMM; joined on an error too, so that its reads of
             side.join(x.device)  # x and the routing end before the caller may free them
