@@ -65,11 +65,11 @@ from unipage.config import ModelConfig  # noqa: E402
 from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, route_topk  # noqa: E402
 from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
                                             moe_lora_gate_up, moe_lora_meta, moe_lora_shrink, plan_moe_lora)
-from unipage.kernels.common import config_devices, next_pow2, record_tuned_device  # noqa: E402
+from unipage.kernels.common import config_devices, record_tuned_device  # noqa: E402
 from unipage.kernels.moe_lora_fused import config_mode  # noqa: E402
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, sums_down  # noqa: E402
 from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
-from unipage.kernels.moe_ranks import ranks_ref, slot_ranks  # noqa: E402
+from unipage.kernels.moe_ranks import slot_ranks, slot_ranks_ref  # noqa: E402
 from unipage.lora_layout import TargetSpec, build_layout  # noqa: E402
 
 log = logging.getLogger("kernels_moe")
@@ -150,17 +150,6 @@ def token_slots(num_tokens: int) -> torch.Tensor:
     return torch.tensor(slot_ids(), device=DEVICE)[adapter].int()
 
 
-def _ranks(slots: torch.Tensor, rows: int, active: int):
-    """`slot_ranks` of a step's tokens; on CPU tensors (compile_check, whose launches compile but do not run)
-    the torch reference's values in the same padded int32 tensors."""
-    if slots.is_cuda or active >= rows:
-        return slot_ranks(slots, rows, active)
-    rank, inverse = ranks_ref(slots, rows, active)
-    padded = [torch.zeros(next_pow2(n), dtype=torch.int32) for n in (rows, active)]
-    padded[0][:rows], padded[1][:active] = rank, inverse
-    return tuple(padded)
-
-
 def batch(s: dict, num_tokens: int) -> dict:
     """Inputs of one step: tokens over the adapters in `SLOT_ORDER`, random routing, and where the bound on the
     step's adapters is below the tables' rows the step's slot ranks, made here once as the engine makes them
@@ -172,7 +161,8 @@ def batch(s: dict, num_tokens: int) -> dict:
     topk_weights, topk_ids = route_topk(logits, k, True)
     slots = token_slots(num_tokens)
     active = ACTIVE or min(num_tokens, ADAPTERS)
-    ranks = _ranks(slots, s["page_table"].shape[0], active)  # (made once a step for all layers, as the engine)
+    make = slot_ranks if slots.is_cuda else slot_ranks_ref  # (compile_check's launches do not run)
+    ranks = make(slots, s["page_table"].shape[0], active)  # (made once a step for all layers, as the engine)
     lora = MoeLora(s["pool"], s["page_table"], slots, s["meta"], active_slots=active, ranks=ranks)
     pairs = num_tokens * k
     return {"x": x, "logits": logits, "topk_weights": topk_weights, "topk_ids": topk_ids, "lora": lora,

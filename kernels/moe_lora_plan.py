@@ -125,8 +125,9 @@ def _split_k(hidden: int, split_k: int) -> tuple[int, int]:
     return cdiv(runs, per), per * 64
 
 
-def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn, ranks) -> MoeLoraPlan:
+def _plan(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None, align_fn, ranks_fn) -> MoeLoraPlan:
     _check_lora(lora, topk_ids)
+    ranks = ranks_fn(lora)
     cfg, meta = lora_config(lora, topk_ids, config), lora.meta
     block_m = cfg["block_m"]
     if type(block_m) is not int or block_m < 1 or block_m & (block_m - 1):
@@ -150,14 +151,17 @@ def plan_moe_lora(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = N
     ``lora``: the layer's `MoeLora`; ``topk_ids`` [T, K] int32; ``config``: a "lora"
     launch-config entry (default: tuned by the expected pairs per group).
     """
-    _check_lora(lora, topk_ids)
-    ranks = align_ranks(lora.token_slots, lora.meta.slot_flags, lora.active_slots, lora.ranks)
-    return _plan(lora, topk_ids, config, moe_align, ranks)
+    return _plan(lora, topk_ids, config, moe_align, _step_ranks)
 
 
 def plan_moe_lora_ref(lora: MoeLora, topk_ids: torch.Tensor, config: dict | None = None) -> MoeLoraPlan:
     """`plan_moe_lora` with the torch alignment (CPU engine path)."""
-    return _plan(lora, topk_ids, config, moe_align_ref, lora.ranks)
+    return _plan(lora, topk_ids, config, moe_align_ref, lambda lora: lora.ranks)
+
+
+def _step_ranks(lora: MoeLora):
+    """The ranks `moe_align` groups by (given ones checked, else made), kept for the fused GEMMs too."""
+    return align_ranks(lora.token_slots, lora.meta.slot_flags, lora.active_slots, lora.ranks)
 
 
 # ---------------------------------------------------------------------------------------------

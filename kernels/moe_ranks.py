@@ -86,3 +86,16 @@ def ranks_ref(token_slots: torch.Tensor, num_slots: int, active_slots: int) -> t
     hit = (rank[None, :] == torch.arange(active_slots, device=rank.device)[:, None]) & (present[None, :] > 0)
     inverse = (hit.long() * torch.arange(num_slots, device=rank.device)[None, :]).sum(1)
     return rank, inverse
+
+
+def slot_ranks_ref(token_slots: torch.Tensor, num_slots: int, active_slots: int | None) -> SlotRanks | None:
+    """`slot_ranks` computed by `ranks_ref`, in the same padded int32 tensors (CPU callers whose launches do
+    not run, as `benchmarks/compile_check.py`'s)."""
+    check_active_slots(active_slots)
+    if not active_slots or active_slots >= num_slots:
+        return None
+    rank, inverse = ranks_ref(token_slots, num_slots, active_slots)
+    padded = [torch.zeros(next_pow2(n), dtype=torch.int32, device=token_slots.device)
+              for n in (num_slots, active_slots)]
+    padded[0][:num_slots], padded[1][:active_slots] = rank, inverse
+    return padded[0], padded[1]
