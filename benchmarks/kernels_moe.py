@@ -62,11 +62,12 @@ except ImportError:  # run as a script: benchmarks/ itself is on sys.path
     from timing import copy_bandwidth, emit, read_bandwidth, time_graph
 from unipage.adapter_pack import pack_adapter, random_lora_weights  # noqa: E402
 from unipage.config import ModelConfig  # noqa: E402
-from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, route_topk  # noqa: E402
+from unipage.kernels.fused_moe import base_config, fused_experts, fused_moe, moe_project, route_topk  # noqa: E402
 from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config, moe_lora_down,  # noqa: E402
                                             moe_lora_gate_up, moe_lora_meta, moe_lora_shrink, plan_moe_lora)
 from unipage.kernels.common import config_devices, record_tuned_device  # noqa: E402
 from unipage.kernels.moe_lora_fused import config_mode  # noqa: E402
+from unipage.kernels.moe_lora_stack import build_stack  # noqa: E402
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, sums_down  # noqa: E402
 from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
 from unipage.kernels.moe_ranks import slot_ranks, slot_ranks_ref  # noqa: E402
@@ -224,6 +225,9 @@ def measure(s: dict, num_tokens: int, bandwidth: float, read_bw: float) -> dict:
     side_s = {overlap: time_graph(functools.partial(fused_moe, *args, lora=b["lora"],
                                                     lora_config={**cfg, "fused": False, "overlap": overlap}), iters=20)
               for overlap in (False, True)}
+    stack = build_stack(b["lora"], slot_ids())  # the step's adapters' dense stack (`moe_lora_stack`)
+    stacked_s = time_graph(functools.partial(fused_moe, *args, lora=b["lora"], stack=stack), iters=20)
+    project_s = _stack_projections(s, b, stack)
     path = MODE_PATHS[config_mode(cfg, num_tokens)]
     lora_s = sep_s if path == "separate" else moe_s[path] - base_s
     nbytes = floor_bytes(s, b)
@@ -241,12 +245,26 @@ def measure(s: dict, num_tokens: int, bandwidth: float, read_bw: float) -> dict:
         "lora_fused_down_us": round((moe_s["fused_down"] - base_s) * 1e6, 2),
         "moe_lora_one_stream_us": round(side_s[False] * 1e6, 2), "moe_lora_overlap_us": round(side_s[True] * 1e6, 2),
         "moe_lora_us": round(moe_s[path] * 1e6, 2),
+        "moe_lora_stacked_us": round(stacked_s * 1e6, 2), "lora_stacked_us": round((stacked_s - base_s) * 1e6, 2),
+        "stack_projections_us": [round(p * 1e6, 2) for p in project_s],
         **{f"moe_lora_{name}_us": round(seconds * 1e6, 2) for name, seconds in moe_s.items()},
         "meets_target": _meets(num_tokens, lora_us, floor_s * 1e6, base_us),
         "base_block_m": base_config(e, s["hidden"], s["inter"], b["topk_ids"], None)["block_m"],
         "lora_block_m": cfg["block_m"], "lora_k": cfg.get("lora_k", 64),
         "groups_per_expert_load": round(expected_load(num_tokens * k, min(num_tokens, ADAPTERS) * e), 2),
     }
+
+
+def _stack_projections(s: dict, b: dict, stack) -> tuple[float, float]:
+    """Seconds of the stacked path's two shrinks alone (`moe_project`: x by the gate/up A, act by the down A)."""
+    cfg = base_config(s["experts"], s["hidden"], s["inter"], b["topk_ids"], None)
+    align = moe_align(b["topk_ids"], s["experts"], cfg["block_m"])
+    z = torch.empty(b["topk_ids"].numel(), stack.a_gu.shape[1], device=DEVICE, dtype=DTYPE)
+    dz = torch.empty(b["topk_ids"].numel(), stack.a_d.shape[1], device=DEVICE, dtype=DTYPE)
+    return (time_graph(lambda: moe_project(b["x"], stack.a_gu, b["topk_ids"], align, z, cfg["gate_up"],
+                                           a_div=s["top_k"]), iters=20),
+            time_graph(lambda: moe_project(b["act"], stack.a_d, b["topk_ids"], align, dz, cfg["down"], a_div=1),
+                       iters=20))
 
 
 def _meets(num_tokens: int, lora_us: float, floor_us: float, base_us: float) -> bool:

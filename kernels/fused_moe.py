@@ -43,6 +43,7 @@ import triton.language as tl
 from unipage.kernels import fused_moe_lora as lora_ops
 from unipage.kernels import moe_lora_fused as lora_fused
 from unipage.kernels import moe_lora_side as side
+from unipage.kernels import moe_lora_stack as lora_stack
 from unipage.kernels import moe_lora_sum as lora_sum
 from unipage.kernels.common import cdiv, config_devices, hopper_or_later, next_pow2
 from unipage.kernels.launch import launch
@@ -195,8 +196,11 @@ def _moe_gemm_kernel(
     # [S, max_pages] int32, LoRA metadata [S, NUM_FIELDS] int32, RANKED: the slots' ranks [S_PAD] and the
     # ranks' slots [A_PAD] int32 (`moe_ranks.slot_ranks`), ranks below num_ranks
     z_ptr, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, ranks_ptr, inverse_ptr,
+    # EXT (`moe_lora_stack`): the extra K block's operand [TK, EXT_K], weights [E, W_rows, EXT_K] and the
+    # slots' entries [S] int32 (token slots in slots_ptr)
+    ext_a_ptr, ext_w_ptr, entry_ptr,
     num_pairs, N, K_dim, a_div, w_rows, top_k, num_ranks, stride_pt,
-    stride_am, stride_we, stride_wn, stride_om, stride_rm, alpha, limit,
+    stride_am, stride_we, stride_wn, stride_om, stride_rm, stride_ea, stride_ewe, alpha, limit,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -205,7 +209,8 @@ def _moe_gemm_kernel(
     CHUNK_SLOTS: tl.constexpr = 1, DOWN_SLOTS: tl.constexpr = 1,
     STEPS: tl.constexpr = 2,
     RUN: tl.constexpr = 16, PAGE_SHIFT: tl.constexpr = 6, DOWN_SHRINK: tl.constexpr = True,
-    RANKED: tl.constexpr = False,
+    RANKED: tl.constexpr = False, EXT: tl.constexpr = False, EXT_K: tl.constexpr = 16, EXT_L: tl.constexpr = 16,
+    EXT_ROWS: tl.constexpr = 16,
 ):
     num_m = tl.load(num_blocks_ptr)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -260,6 +265,10 @@ def _moe_gemm_kernel(
                                         inverse_ptr, stride_pt, RD, RD_PAD, CHUNK_SLOTS, STEPS, BLOCK_N, RUN,
                                         PAGE_SHIFT, DOT_PRECISION, RANKED)
     cols = n0 + tl.arange(0, BLOCK_N)
+    if EXT:  # the stacked LoRA's deltas: one more K block, plain loads (no pages, no metadata)
+        acc, acc_up = lora_stack.ext_delta(acc, acc_up, ext_a_ptr, ext_w_ptr, entry_ptr, slots_ptr, pairs, pair_ok,
+                                           top_k, expert, cols, N, stride_ea, stride_ewe, GATED, EXT_K, EXT_L,
+                                           EXT_ROWS, DOT_PRECISION)
     mask = pair_ok[:, None] & (cols[None, :] < N)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
     if HAS_BIAS:
@@ -304,8 +313,9 @@ def _weight_source(w: torch.Tensor, cfg: dict):
 
 def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, gated: bool,
                  weights=None, raw=None, token_slots=None, slot_flags=None, bias=None,
-                 activation: GatedActivation = SILU, fused=None) -> None:
-    """``fused``: a `moe_lora_plan.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`)."""
+                 activation: GatedActivation = SILU, fused=None, ext: lora_stack.Ext | None = None) -> None:
+    """``fused``: a `moe_lora_plan.MoeLoraPlan` whose LoRA deltas the GEMM adds (`moe_lora_fused`);
+    ``ext``: the stacked LoRA's extra K block (`moe_lora_stack`)."""
     k_dim, has_lora = a.shape[1], raw is not None
     w_src, tma = _weight_source(w, cfg)
     grid = (align.max_blocks * cdiv(n, cfg["block_n"]),)
@@ -314,13 +324,22 @@ def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, 
         lora_args, lora_consts = lora_fused.gemm_args(fused, gated, cfg["block_n"])
     else:
         lora_args, lora_consts = (out, out, out, out, out, out, out, 1, 0, 0), {}
+    if ext is not None:  # (top_k: the pairs over the tokens; the down GEMM's rows are pairs, a_div 1)
+        token_slots = ext.token_slots
+        lora_args = (*lora_args[:7], out.shape[0] // max(token_slots.shape[0], 1), 0, 0)
+        ext_args = (ext.a, ext.w, ext.entry_of_slot)
+        lora_consts = {**lora_consts, "EXT": True, "EXT_K": next_pow2(ext.a.shape[1]), "EXT_L": ext.a.shape[1],
+                       "EXT_ROWS": ext.rows}
+    else:
+        ext_args = (out, out, out)
     launch(_moe_gemm_kernel, grid,
         a, w_src, out, raw if has_lora else out, weights if weights is not None else out,
         bias if bias is not None else out, align.sorted_pairs, align.block_group, align.num_blocks,
         token_slots if token_slots is not None else align.sorted_pairs,
-        slot_flags if slot_flags is not None else align.sorted_pairs, *lora_args[:7],
+        slot_flags if slot_flags is not None else align.sorted_pairs, *lora_args[:7], *ext_args,
         align.num_pairs, n, k_dim, a_div, w.shape[1], *lora_args[7:], a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), raw.stride(0) if has_lora else 0, float(activation.alpha), float(activation.limit),
+        out.stride(0), raw.stride(0) if has_lora else 0, ext.a.stride(0) if ext else 0,
+        ext.w.stride(0) if ext else 0, float(activation.alpha), float(activation.limit),
         GATED=gated, MUL_WEIGHT=weights is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
         ACT=activation.code,
         EVEN_K=k_dim % cfg["block_k"] == 0, USE_TMA=tma, DOT_PRECISION=_dot_precision(a.dtype),
@@ -390,7 +409,7 @@ def _check_stage(x, w, act_or_y, topk_ids, rows: int, cols: int) -> None:
 
 def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                 slot_flags=None, config: dict | None = None, *, bias=None,
-                activation: GatedActivation = SILU, lora_plan=None) -> None:
+                activation: GatedActivation = SILU, lora_plan=None, ext=None) -> None:
     """``act[p] = activation(x[t] @ Wg[e].T, x[t] @ Wu[e].T)`` for every pair ``p = (t, e)``.
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``topk_ids`` [T, K] int32; ``align`` from
@@ -402,29 +421,35 @@ def moe_gate_up(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_s
     ``activation``: `GatedActivation` (default silu).  ``lora_plan`` (instead of ``raw``): a
     `moe_lora_plan.MoeLoraPlan` after `moe_lora_shrink`: the LoRA pairs' gate/up deltas are added
     before the activation and their down shrink left in ``lora_plan.down_z`` (`moe_lora_fused`).
+    ``ext`` (instead of either): a `moe_lora_stack.Ext`, the stacked LoRA's extra K block.
     """
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
     _check_bias(bias, w_gate_up)
+    if sum(v is not None for v in (raw, lora_plan, ext)) > 1:
+        raise ValueError("raw (the separate LoRA pass), lora_plan (the fused one) and ext (the stacked one) "
+                         "exclude each other")
     if raw is not None:
-        if lora_plan is not None:
-            raise ValueError("raw (the separate LoRA pass) and lora_plan (the fused one) exclude each other")
         _check_tensor("raw", raw, (num_pairs, 2 * inter), x.dtype, x.device)
+    _check_ext(ext, w_gate_up, topk_ids, x)
     cfg = base_config(w_gate_up.shape[0], x.shape[1], inter, topk_ids, config)
     _launch_gemm(x, w_gate_up, act, align, cfg["gate_up"], n=inter, a_div=topk_ids.shape[-1], gated=True,
                  raw=raw, token_slots=token_slots, slot_flags=slot_flags, bias=bias, activation=activation,
-                 fused=lora_plan)
+                 fused=lora_plan, ext=ext)
 
 
 def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, token_slots=None,
                     slot_flags=None, config: dict | None = None, *, bias=None,
-                    activation: GatedActivation = SILU, lora_plan=None) -> None:
+                    activation: GatedActivation = SILU, lora_plan=None, ext=None) -> None:
     """Torch version of `moe_gate_up` (same arguments; ``align`` and ``config`` unused; the fused
     LoRA's delta added in float32 to the unrounded product, its ``down_z`` not filled)."""
     num_pairs, inter = topk_ids.numel(), w_gate_up.shape[1] // 2
     _check_stage(x, w_gate_up, act, topk_ids, num_pairs, inter)
     _check_bias(bias, w_gate_up)
+    _check_ext(ext, w_gate_up, topk_ids, x)
     h = _per_expert(x.float(), w_gate_up, topk_ids, topk_ids.shape[-1])
+    if ext is not None:
+        h += _per_expert(ext.own(topk_ids.shape[-1]), ext.w, topk_ids, 1)
     if bias is not None:
         h += bias.float()[topk_ids.reshape(-1).long()]
     a = activation.ref(h[:, :inter], h[:, inter:]).to(act.dtype)
@@ -441,7 +466,7 @@ def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, tok
 
 
 def moe_down(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None, *,
-             bias=None, lora_plan=None) -> None:
+             bias=None, lora_plan=None, ext=None) -> None:
     """``y[p] = w[p] · (act[p] @ w_down[e].T + bias[e])`` for every pair ``p`` routed to expert ``e``.
 
     ``act`` [TK, I]; ``w_down`` [E, H, I]; ``topk_ids`` [T, K] int32; ``topk_weights``
@@ -449,30 +474,63 @@ def moe_down(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: d
     ``bias`` [E, H] (optional, zero if absent).  ``lora_plan``: a plan whose ``down_z`` is filled (by
     `moe_gate_up`'s fused LoRA, with ``"down_shrink": "pass"`` then `moe_lora_down_shrink`; or by
     `moe_lora_gate_up` for ``"fused": "down"``): the LoRA pairs get ``+ down_z[p] @ B_d`` inside the
-    routing weight.
+    routing weight.  ``ext`` (instead): a `moe_lora_stack.Ext`, the stacked LoRA's extra K block.
     """
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
     _check_bias(bias, w_down)
+    if lora_plan is not None and ext is not None:
+        raise ValueError("lora_plan (the fused LoRA) and ext (the stacked one) exclude each other")
+    _check_ext(ext, w_down, topk_ids, act)
     cfg = base_config(w_down.shape[0], hidden, act.shape[1], topk_ids, config)
     _launch_gemm(act, w_down, y, align, cfg["down"], n=hidden, a_div=1, gated=False,
-                 weights=topk_weights, bias=bias, fused=lora_plan)
+                 weights=topk_weights, bias=bias, fused=lora_plan, ext=ext)
 
 
 def moe_down_ref(act, w_down, topk_ids, topk_weights, align: Alignment, y, config: dict | None = None, *,
-                 bias=None, lora_plan=None) -> None:
+                 bias=None, lora_plan=None, ext=None) -> None:
     """Torch version of `moe_down` (``align`` and ``config`` unused; the fused LoRA's delta from
     ``act``, added in float32 before rounding)."""
     num_pairs, hidden = topk_ids.numel(), w_down.shape[1]
     _check_stage(act, w_down, y, topk_ids, num_pairs, hidden)
     _check_bias(bias, w_down)
+    _check_ext(ext, w_down, topk_ids, act)
     out = _per_expert(act.float(), w_down, topk_ids, 1)
+    if ext is not None:
+        out += _per_expert(ext.own(topk_ids.shape[-1]), ext.w, topk_ids, 1)
     if bias is not None:
         out += bias.float()[topk_ids.reshape(-1).long()]
     out *= topk_weights.reshape(-1, 1)
     if lora_plan is not None:
         lora_ops.moe_lora_down_ref(lora_plan, act, out, topk_weights)
     y.copy_(out)
+
+
+def moe_project(a, w, topk_ids, align: Alignment, out, config: dict, *, a_div: int) -> None:
+    """``out[p] = a[p // a_div] @ w[e].T`` for every pair ``p`` routed to expert ``e``, rounded to ``out``'s
+    dtype (the stacked LoRA's shrinks, `moe_lora_stack`).  ``a`` [rows, K]; ``w`` [E, L, K]; ``out`` [TK, L];
+    ``config``: a stage's launch settings (``block_n`` capped at L's power of two, no TMA)."""
+    _check_stage(a, w, out, topk_ids, topk_ids.numel(), w.shape[1])
+    cfg = {**config, "block_n": max(16, min(config["block_n"], next_pow2(w.shape[1]))), "tma": False}
+    _launch_gemm(a, w, out, align, cfg, n=w.shape[1], a_div=a_div, gated=False)
+
+
+def moe_project_ref(a, w, topk_ids, align: Alignment, out, config: dict, *, a_div: int) -> None:
+    """Torch version of `moe_project`."""
+    _check_stage(a, w, out, topk_ids, topk_ids.numel(), w.shape[1])
+    out.copy_(_per_expert(a.float(), w, topk_ids, a_div))
+
+
+def _check_ext(ext, w: torch.Tensor, topk_ids: torch.Tensor, a: torch.Tensor) -> None:
+    """``ext``: None, or operand [TK, L] and weights [E, W_rows, L] in ``a``'s dtype and on its device."""
+    if ext is None:
+        return
+    width = ext.a.shape[-1] if ext.a.dim() == 2 else -1
+    _check_tensor("ext.a", ext.a, (topk_ids.numel(), width), a.dtype, a.device)
+    _check_tensor("ext.w", ext.w, (w.shape[0], w.shape[1], width), a.dtype, a.device)
+    if width < 16 or width % 16 or not ext.w.is_contiguous() or ext.rows < 1:
+        raise ValueError(f"ext needs a contiguous [E, W_rows, L] block, L a multiple of 16 and rows >= 1, "
+                         f"got L={width}, rows={ext.rows}")
 
 
 def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div: int) -> torch.Tensor:
@@ -490,16 +548,17 @@ def _per_expert(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, a_div:
 # The whole MoE
 
 
-_TRITON = SimpleNamespace(fused=True, align=moe_align, gate_up=moe_gate_up, down=moe_down, plan=lora_ops.plan_moe_lora,
+_TRITON = SimpleNamespace(fused=True, align=moe_align, gate_up=moe_gate_up, down=moe_down, project=moe_project,
+                          plan=lora_ops.plan_moe_lora,
                           lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down,
                           lora_down_sum=lora_sum.moe_lora_down_sum)
 _TORCH = SimpleNamespace(fused=False, align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_down_ref,
-                         plan=lora_ops.plan_moe_lora_ref, lora_gate_up=lora_ops.moe_lora_gate_up_ref,
+                         project=moe_project_ref, plan=lora_ops.plan_moe_lora_ref, lora_gate_up=lora_ops.moe_lora_gate_up_ref,
                          lora_down=lora_ops.moe_lora_down_ref, lora_down_sum=lora_sum.moe_lora_down_sum_ref)
 
 
 def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config, gate_up_bias=None,
-             down_bias=None, activation: GatedActivation = SILU):
+             down_bias=None, activation: GatedActivation = SILU, stack=None):
     num_tokens, hidden, inter, num_experts, top_k = check_experts_args(x, w_gate_up, w_down, topk_weights,
                                                                        topk_ids)
     cfg = base_config(num_experts, hidden, inter, topk_ids, config)
@@ -507,6 +566,11 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
             != (hidden, inter, num_experts):
         raise ValueError(f"LoRA metadata is for H={lora.meta.hidden}, I={lora.meta.inter}, "
                          f"{lora.meta.num_experts} experts; the MoE has H={hidden}, I={inter}, {num_experts} experts")
+    if stack is not None:
+        if lora is None or not lora.meta.any_lora:
+            raise ValueError("a LoRA stack needs the layer's MoeLora with expert LoRA (its token slots)")
+        return lora_stack.experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, stack, cfg,
+                                  gate_up_bias, down_bias, activation)
     if lora is not None and lora.activation != activation:
         lora = dataclasses.replace(lora, activation=activation)
     plan, shrunk = side.lora_plan(ops, lora, topk_ids, x, lora_config)
@@ -546,26 +610,28 @@ def _experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lo
 
 def fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, lora: lora_ops.MoeLora | None = None,
                   config: dict | None = None, lora_config: dict | None = None, *, gate_up_bias=None,
-                  down_bias=None, activation: GatedActivation = SILU) -> torch.Tensor:
+                  down_bias=None, activation: GatedActivation = SILU, stack=None) -> torch.Tensor:
     """The routed experts: ``out[t] = Σ_j w_j · expert_{e_j}(x[t])`` (module docstring).
 
     ``x`` [T, H]; ``w_gate_up`` [E, 2I, H]; ``w_down`` [E, H, I] (all the model dtype);
     ``topk_weights`` [T, K] float32; ``topk_ids`` [T, K] int32; ``lora``: the layer's
     `MoeLora` or None; ``config`` / ``lora_config``: launch config entries (default:
     tuned by load); ``gate_up_bias`` [E, 2I] / ``down_bias`` [E, H]: the experts' biases
-    (GPT-OSS), the down bias inside the routing weight; ``activation``: `GatedActivation`.
+    (GPT-OSS), the down bias inside the routing weight; ``activation``: `GatedActivation`; ``stack``: a
+    `moe_lora_stack.MoeLoraStack` of ``lora``'s layer whose entries hold the tokens' adapters, whose dense
+    weights then serve the LoRA (``lora_config`` unused).
     Returns ``out`` [T, H] in the model dtype.
     """
     return _experts(_TRITON, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config,
-                    gate_up_bias, down_bias, activation)
+                    gate_up_bias, down_bias, activation, stack)
 
 
 def fused_experts_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora: lora_ops.MoeLora | None = None,
                       config: dict | None = None, lora_config: dict | None = None, *, gate_up_bias=None,
-                      down_bias=None, activation: GatedActivation = SILU) -> torch.Tensor:
+                      down_bias=None, activation: GatedActivation = SILU, stack=None) -> torch.Tensor:
     """Torch version of `fused_experts` (the CPU engine path)."""
     return _experts(_TORCH, x, w_gate_up, w_down, topk_weights, topk_ids, lora, config, lora_config,
-                    gate_up_bias, down_bias, activation)
+                    gate_up_bias, down_bias, activation, stack)
 
 
 def fused_moe(x, router_logits, w_gate_up, w_down, top_k: int, renormalize: bool,

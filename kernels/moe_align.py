@@ -457,7 +457,7 @@ class MoeLoraMeta:
         return self.num_lora_slots > 0
 
 
-def _slot_fields(layer_layout) -> list[int] | None:
+def slot_fields(layer_layout) -> list[int] | None:
     gate_up = layer_layout.targets.get(("experts.gate_up", 0))
     down = layer_layout.targets.get(("experts.down", 0))
     if gate_up is None and down is None:
@@ -496,7 +496,7 @@ def moe_lora_meta(layouts: list[AdapterLayout | None], layer: int,
     """Per-slot offsets and ranks of the expert LoRA of ``layer`` (``layouts[s]``: slot ``s``'s adapter)."""
     rows = []
     for layout in layouts:
-        fields = _slot_fields(layout.layers[layer]) if layout is not None else None
+        fields = slot_fields(layout.layers[layer]) if layout is not None else None
         rows.append(dict(zip(FIELDS, fields or [0] * len(FIELDS))))
     flags = [int(r["gu_rows"] > 0 or r["down_rank"] > 0) for r in rows]
     table = torch.tensor([list(r.values()) for r in rows], dtype=torch.int32).reshape(len(rows), len(FIELDS))

@@ -27,7 +27,7 @@ import numpy as np
 from unipage.config import ModelConfig
 from unipage.kernels.lora_meta import dense_slot_row
 from unipage.kernels.moe_align import FIELDS
-from unipage.kernels.moe_align import _slot_fields as moe_slot_fields
+from unipage.kernels.moe_align import slot_fields as moe_slot_fields
 from unipage.lora_layout import AdapterLayout
 
 QKV = ("q_proj", "k_proj", "v_proj")
