@@ -15,7 +15,7 @@ from test_engine_parity import GREEDY, check, mixed_batch
 
 from unipage import LLM
 from unipage.config import LoRAConfig, PoolConfig
-from unipage.models import shrink_stack
+from unipage.models import entry_table, shrink_stack
 from unipage.scheduler import SchedulerConfig
 
 
@@ -83,7 +83,7 @@ class _Tables:
 
 
 def test_entries_go_to_the_least_recently_used_slot_not_needed():
-    entries = shrink_stack.Entries(3)
+    entries = entry_table.Entries(3, "the shrink stack (max_adapters_per_batch)")
     assert entries.take({0, 1, 2}) == [(0, 0), (1, 1), (2, 2)]
     assert entries.take({2, 0}) == []  # 1 is now the least recently used
     assert entries.take({2, 3}) == [(3, 1)]

@@ -21,21 +21,20 @@ and for o), so the GEMM reads little more than before; `build` returns None othe
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from unipage.kernels.lora_meta import next_pow2
+from unipage.models.entry_table import EntryTable, StackError
 
 MAX_TOKENS = 256  # steps of at most this many tokens use the stack (decode batches)
 MAX_EXTRA = 0.25  # a stack's rows at most this fraction of W's rows
 GROUPS = (("qkv", "w_qkv", "b_qkv", 3), ("o", "w_o", "b_o", 1))  # name, weight, bias, slices J
 
 
-class ShrinkStackError(RuntimeError):
-    """An engine invariant broken: more adapters in a step than entries, or a slot out of range."""
+ShrinkStackError = StackError  # (the entries' errors: more adapters than entries, a slot out of range)
 
 
 @dataclass
@@ -63,38 +62,7 @@ def fits(n_qkv: int, n_o: int, entries: int, max_rank: int) -> bool:
     return entries * 3 * rb <= MAX_EXTRA * n_qkv and entries * rb <= MAX_EXTRA * n_o
 
 
-class Entries:
-    """Which adapter slot holds which of ``count`` entries, least recently used first."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self._of: OrderedDict[int, int] = OrderedDict()  # slot -> entry
-
-    def items(self):
-        return self._of.items()
-
-    def take(self, needed: set[int]) -> list[tuple[int, int]]:
-        """Mark ``needed`` used now; ``(slot, entry)`` of those without an entry, each given a free one or
-        the least recently used one that ``needed`` does not hold (recorded at once: `forget` undoes)."""
-        if len(needed) > self.count:
-            raise ShrinkStackError(f"{len(needed)} adapters in one step, but the shrink stack holds {self.count} "
-                                   "(max_adapters_per_batch)")
-        for slot in sorted(needed & self._of.keys()):
-            self._of.move_to_end(slot)
-        moves = []
-        for slot in sorted(needed - self._of.keys()):
-            taken = set(self._of.values())
-            free = [e for e in range(self.count) if e not in taken]
-            entry = free[0] if free else self._of.pop(next(s for s in self._of if s not in needed))
-            self._of[slot] = entry
-            moves.append((slot, entry))
-        return moves
-
-    def forget(self, slot: int) -> None:
-        self._of.pop(slot, None)
-
-
-class ShrinkStack:
+class ShrinkStack(EntryTable):
     """The stacks of every layer's q/k/v and o, and which adapter slot sits in which entry."""
 
     def __init__(self, layers: list, entries: int, max_rank: int, fill: Callable,
@@ -102,18 +70,12 @@ class ShrinkStack:
         """Moves each layer's ``w_qkv``/``b_qkv`` and ``w_o``/``b_o`` into stacks (`LayerWeights`: they
         become views) and sets the layer's ``qkv_stack`` and ``o_stack``.  ``fill``: `kernels.fill_entry`
         or its reference (the model's `Ops`).  `set_slots` must follow."""
-        if entries < 1:
-            raise ValueError(f"a shrink stack needs at least one entry, got {entries}")
+        super().__init__(entries, layers[0].w_qkv.device, "the shrink stack (max_adapters_per_batch)")
         self.rank_block, self.max_tokens, self._fill_entry = rank_block(max_rank), max_tokens, fill
-        self.layers, self.entries = layers, Entries(entries)
+        self.layers = layers
         for layer in layers:
             for name, weight, bias, slices in GROUPS:
                 setattr(layer, f"{name}_stack", self._stack(layer, weight, bias, slices))
-        self.entry_of_slot: torch.Tensor | None = None  # [max_slots] int32 (device), from `set_slots`
-        self._host: torch.Tensor | None = None  # its host copy (pinned on CUDA)
-        self._uploaded = None  # CUDA event: the last upload has left the host copy
-        self._stale = False  # entry_of_slot lags the entries (a prepare raised before its upload)
-        self.fills = 0  # entries filled so far (one per adapter brought into the stack)
 
     @classmethod
     def build(cls, layers: list, entries: int, max_rank: int, fill: Callable) -> ShrinkStack | None:
@@ -121,16 +83,6 @@ class ShrinkStack:
         if not fits(layers[0].w_qkv.shape[0], layers[0].w_o.shape[0], entries, max_rank):
             return None
         return cls(layers, entries, max_rank, fill)
-
-    def set_slots(self, max_slots: int) -> None:
-        """Make ``entry_of_slot`` for slots ``[0, max_slots)`` (once: CUDA graphs read it, so it never
-        moves).  Slots are reused lowest first, so the pool's page count bounds them."""
-        if self.entry_of_slot is not None:
-            raise ShrinkStackError("set_slots is called once")
-        device = self.layers[0].w_qkv.device
-        self.entry_of_slot = torch.full((max_slots,), -1, dtype=torch.int32, device=device)
-        self._host = torch.full((max_slots,), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     def covers(self, tokens: int) -> bool:
         """Whether a step (or graph bucket) of ``tokens`` tokens with LoRA runs through the stack."""
@@ -149,44 +101,6 @@ class ShrinkStack:
         setattr(layer, weight, ext[:n])  # the old W goes with its last reference
         return StackedWeight(ext, ext_bias, n, width)
 
-    # -- entries -----------------------------------------------------------------
-    def prepare(self, slots, tables, pool: torch.Tensor, layer_rows) -> None:
-        """Give every slot in ``slots`` an entry (copying those new to the stack from ``tables``' pages of
-        ``pool [L, N, P]``, layer ``i`` in row ``layer_rows[i]``); after ``tables.refresh()``."""
-        needed = set(slots)
-        if self._host is None:
-            raise ShrinkStackError("set_slots before prepare")
-        if max(needed) >= self._host.shape[0]:
-            raise ShrinkStackError(f"adapter slot {max(needed)} beyond the shrink stack's {self._host.shape[0]}")
-        moves = self.entries.take(needed)
-        self._stale |= bool(moves)  # (stays set if a fill raises: the next prepare uploads)
-        done = 0
-        try:
-            for slot, entry in moves:
-                self._fill(entry, slot, tables, pool, layer_rows)
-                done += 1
-        except BaseException:  # a fill that raised leaves its slot and those after it without an entry
-            for slot, _ in moves[done:]:
-                self.entries.forget(slot)
-            raise
-        if self._stale:
-            self._upload()
-            self._stale = False
-
-    def forget(self, slot: int) -> None:
-        """Slot ``slot`` now holds another adapter, or none: its entry is free."""
-        self.entries.forget(slot)
-
-    def _upload(self) -> None:
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # (the last upload left long ago: uploads come with new adapters)
-        self._host.fill_(-1)
-        for slot, entry in self.entries.items():
-            self._host[slot] = entry
-        self.entry_of_slot.copy_(self._host, non_blocking=self._uploaded is not None)
-        if self._uploaded is not None:
-            self._uploaded.record()
-
     def _fill(self, entry: int, slot: int, tables, pool: torch.Tensor, layer_rows) -> None:
         for i, layer in enumerate(self.layers):
             lora = tables.layers[i]
@@ -196,4 +110,3 @@ class ShrinkStack:
                     raise ShrinkStackError(f"layer {i} {name}: {meta.num_slices} LoRA slices, the stack has {slices}")
                 self._fill_entry(getattr(layer, f"{name}_stack").entry_rows(entry), pool[layer_rows[i]],
                                  tables.page_table, meta, slot)
-        self.fills += 1
