@@ -136,7 +136,8 @@ def make_engine(ctx: Context, model_dir: str, rank: int, pool_pages: int | None 
                             **scheduler_settings(a))
     ring = {} if a.staging_ring_mib is None else {"staging_ring_bytes": a.staging_ring_mib << 20}
     lora = LoRAConfig(max_rank=max(rank, 1), max_adapters_per_batch=a.max_adapters_per_batch,
-                      host_cache_bytes=int(a.host_cache_gib * (1 << 30)), **ring)
+                      host_cache_bytes=int(a.host_cache_gib * (1 << 30)), moe_stack_entries=a.moe_stack_entries,
+                      **ring)
     pool = PoolConfig(num_pages=pool_pages) if pool_pages else None
     drv.log(f"loading {os.path.basename(model_dir)} (dummy weights) on {ctx.device}")
     graphs = GRAPHS[a.cuda_graphs] if ctx.device.type == "cuda" else None
@@ -197,6 +198,8 @@ def measure(ctx: Context, engine: Engine, work: drv.Workload, *, setup: str, key
               "affinity_max_wait_s": engine.scheduler.config.affinity_max_wait_s,
               "staging_ring_bytes": engine.config.lora.staging_ring_bytes,  # None: grown as needed
               "staging_ring_end_bytes": engine.storage.ring_bytes,
+              "moe_stack_entries": engine.config.lora.moe_stack_entries,
+              "moe_stack_fills": engine.runner.moe_stacks.fills if engine.runner.moe_stacks else 0,
               "cuda_graphs": graphs_label(ctx), "decode_graph_pieces": decode_graph_pieces(engine),
               "run_ahead": engine.runner.run_ahead, **ahead_counts(engine, ahead),
               "linear": dict(lora_linear.LINEAR),
@@ -219,7 +222,7 @@ def write_run_log(ctx: Context, engine: Engine, work, timeline, rows, disk, reco
            "pool": {"num_pages": cfg.num_pages, "block_tokens": cfg.pool.block_tokens,
                     "prefix_caching": cfg.pool.prefix_caching},
            "lora": {k: getattr(cfg.lora, k) for k in ("max_rank", "max_adapters_per_batch", "host_cache_bytes",
-                                                      "eviction_policy")},
+                                                      "eviction_policy", "moe_stack_entries")},
            "scheduler": dataclasses.asdict(engine.scheduler.config), "targets": targets, "rank": max(rank, 1),
            "adapter_names": names, "warm_adapters": warm, "concurrency": work.concurrency,
            "requests": {"adapter": [index[x] if x is not None else -1 for x in work.adapters],
@@ -460,6 +463,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, help="LoRA rank of every adapter")
     p.add_argument("--max-running", type=int, help="the scheduler's max_num_seqs")
     p.add_argument("--max-adapters-per-batch", type=int, help="LoRAConfig.max_adapters_per_batch")
+    p.add_argument("--moe-stack-entries", type=int, default=0,
+                   help="LoRAConfig.moe_stack_entries: adapters whose expert LoRA MoE models hold densely beside the "
+                        "pool, for steps of that many adapters or fewer (setup b's decode steps hold 4)")
     p.add_argument("--max-batched-tokens", type=int, default=4096, help="token budget of one step")
     p.add_argument("--pool-pages", type=int, help="pool size (default: the engine's; c: 8192)")
     p.add_argument("--prefill-coalesce-steps", type=int,

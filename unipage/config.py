@@ -229,6 +229,9 @@ class LoRAConfig:
     h2d_bytes_per_s: float = 20e9  # host-to-device bandwidth, for the cost-aware policy
     disk_bytes_per_s: float = 2e9  # disk read bandwidth, for the cost-aware policy
     recompute_s_per_token: float = 20e-6  # prefill time of one token, the cost of a lost KV block
+    moe_stack_entries: int = 0  # adapters whose expert LoRA MoE models also hold densely beside the pool, for
+    #   steps of that many adapters or fewer (`unipage.models.moe_stacks`: about 1 GB an entry for Qwen3-30B-A3B
+    #   at rank 8); 0 = none
 
     def __post_init__(self) -> None:
         require(isinstance(self.max_rank, int) and 1 <= self.max_rank <= 1024, "max_rank",
@@ -239,6 +242,8 @@ class LoRAConfig:
                  "host_cache_bytes", "an integer >= 0", self.host_cache_bytes)
         require(self.staging_ring_bytes is None or int_at_least(self.staging_ring_bytes, 1 << 20),
                  "staging_ring_bytes", "None or an integer >= 1 MiB (1048576)", self.staging_ring_bytes)
+        require(isinstance(self.moe_stack_entries, int) and self.moe_stack_entries >= 0, "moe_stack_entries",
+                "an integer >= 0", self.moe_stack_entries)
         for name in ("h2d_bytes_per_s", "disk_bytes_per_s", "recompute_s_per_token"):
             require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
         roots = tuple(os.path.realpath(os.fspath(r)) for r in self.adapter_roots)

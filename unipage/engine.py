@@ -31,6 +31,7 @@ from unipage.memory import UnifiedMemory
 from unipage.models.decoder import DecoderLM
 from unipage.models.dummy import DummyCheckpoint
 from unipage.models.ops import ops_for
+from unipage.models.moe_stacks import MoeStacks
 from unipage.models.shrink_stack import ShrinkStack
 from unipage.models.weights import Checkpoint, read_config
 from unipage.runner import GraphLimits, ModelRunner, StepOutput
@@ -105,8 +106,9 @@ class Engine:
         self._build_stack(lora)  # before the pool takes its share of the free memory
         self.config = UnipageConfig(model, pool or default_pool(model, self.device), lora)
         check_pool_size(self.config)
-        if self.model.stack is not None:
-            self.model.stack.set_slots(self.config.num_pages)
+        for stack in (self.model.stack, self.model.moe_stacks):
+            if stack is not None:
+                stack.set_slots(self.config.num_pages)
         self.memory = UnifiedMemory(self.config)
         self.storage = PoolStorage(self.config, self.device)
         try:
@@ -150,6 +152,9 @@ class Engine:
         go back to the device's free memory, which sizes the default pool."""
         self.model.stack = ShrinkStack.build(self.model.layers, lora.max_adapters_per_batch, lora.max_rank,
                                              self.model.ops.fill_entry)
+        if lora.moe_stack_entries and any(layer.router is not None for layer in self.model.layers):
+            self.model.moe_stacks = MoeStacks(self.model.layers, self.model.model, lora.moe_stack_entries,
+                                              lora.max_rank)
         if self.model.stack is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -22,6 +22,7 @@ from unipage.lora_layout import AdapterLayout
 from unipage.mixed_graphs import MixedGraphs
 from unipage.models.decoder import DecoderLM
 from unipage.models.lora_tables import LoraTables
+from unipage.models.moe_stacks import MoeStacks
 from unipage.models.shrink_stack import ShrinkStack
 from unipage.sampling import make_generator, sample_tokens
 from unipage.scheduler import SamplingParams, SchedulerOutput
@@ -68,6 +69,7 @@ class ModelRunner:
         self.model, self.pool, self.block_tokens, self.device = model, pool, block_tokens, device
         self.lora = LoraTables(model.model, device, slots=lora_slots)
         self.stack: ShrinkStack | None = model.stack
+        self.moe_stacks: MoeStacks | None = model.moe_stacks
         self.upload = StagedUpload(device)
         self.graphs = self.mixed = None
         if graphs is not None:
@@ -89,11 +91,15 @@ class ModelRunner:
         self.lora.assign(slot, pages, layout)
         if self.stack is not None:
             self.stack.forget(slot)
+        if self.moe_stacks is not None:
+            self.moe_stacks.assign(slot, pages, layout)
 
     def slot_evicted(self, slot: int) -> None:
         self.lora.release(slot)
         if self.stack is not None:
             self.stack.forget(slot)
+        if self.moe_stacks is not None:
+            self.moe_stacks.release(slot)
 
     # -- request state -----------------------------------------------------
     def drop(self, out: SchedulerOutput) -> None:
@@ -194,12 +200,16 @@ class ModelRunner:
 
     def _prepare_stack(self, seqs: list[SeqState], num_tokens: list[int]) -> None:
         """Bring the step's adapters into the shrink stack if the step may use it (the model decides by
-        its token count, or its graph bucket's, which is no smaller)."""
-        if self.stack is None or self.lora.page_table is None or not self.stack.covers(sum(num_tokens)):
+        its token count, or its graph bucket's, which is no smaller), and into the MoE LoRA stacks if they
+        hold that many (the model decides by the step's or its graph's adapter bound, no smaller)."""
+        if self.lora.page_table is None:
             return
         slots = {seq.slot for seq in seqs if seq.slot >= 0}
-        if slots:
-            self.stack.prepare(slots, self.lora, self.pool, self.model.model.layer_rows)
+        rows = self.model.model.layer_rows
+        if slots and self.stack is not None and self.stack.covers(sum(num_tokens)):
+            self.stack.prepare(slots, self.lora, self.pool, rows)
+        if slots and self.moe_stacks is not None and len(slots) <= self.moe_stacks.entries.count:
+            self.moe_stacks.prepare(slots, self.lora, self.pool, rows)
 
     def _check_fits(self, out: SchedulerOutput, seqs: list[SeqState]) -> None:
         bt = self.block_tokens

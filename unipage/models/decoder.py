@@ -36,6 +36,8 @@ from unipage.kernels.moe_act import SILU, GatedActivation
 from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
 from unipage.models.ops import Ops
+from unipage.kernels.moe_lora_stack import MoeLoraStack
+from unipage.models.moe_stacks import MoeStacks
 from unipage.models.shrink_stack import ShrinkStack, StackedWeight
 from unipage.models.weights import Checkpoint
 
@@ -106,6 +108,7 @@ class LayerWeights:
     window: int = 0  # sliding-window length of this layer's attention; 0 = full
     qkv_stack: StackedWeight | None = None  # q/k/v's shrink stack (w_qkv, b_qkv: views of it), or None
     o_stack: StackedWeight | None = None  # o's
+    moe_stack: MoeLoraStack | None = None  # the experts' MoE LoRA stack (`moe_stacks`), or None
 
 
 class DecoderLM:
@@ -134,6 +137,7 @@ class DecoderLM:
         self.norm = ckpt.get("model.norm.weight", (h,))
         self.layers = [self._load_layer(ckpt, i) for i in range(model.num_layers)]
         self.stack: ShrinkStack | None = None  # over the layers' q/k/v and o, once the engine builds one
+        self.moe_stacks: MoeStacks | None = None  # the MoE layers' LoRA stacks, if the engine builds them
 
     # -- weights ---------------------------------------------------------
     def _load_layer(self, ckpt: Checkpoint, i: int) -> LayerWeights:
@@ -221,10 +225,13 @@ class DecoderLM:
                                    max_groups=batch.active_slots)
         stack = self.stack if lora_on and self.stack is not None and self.stack.covers(batch.input_ids.shape[0]) \
             else None
-        ranks = None
-        if lora_on and self.ops.plans_lora and lora.any_moe_lora:  # one launch for every MoE layer
+        ranks, moe_stacks = None, None
+        if lora_on and lora.any_moe_lora and self.moe_stacks is not None \
+                and self.moe_stacks.covers(batch.input_ids.shape[0], batch.active_slots):
+            moe_stacks = self.moe_stacks
+        elif lora_on and self.ops.plans_lora and lora.any_moe_lora:  # one launch for every MoE layer
             ranks = slot_ranks(batch.token_slots, lora.page_table.shape[0], batch.active_slots)
-        return _Context(batch, cos, sin, lora if lora_on else None, plan, stack, ranks)
+        return _Context(batch, cos, sin, lora if lora_on else None, plan, stack, ranks, moe_stacks)
 
     def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, x)``: the token embeddings ``[T, H]`` and the first layer's input norm of them."""
@@ -332,9 +339,10 @@ class DecoderLM:
         if ctx.lora is not None and layer_lora.moe.any_lora:
             moe_lora = MoeLora(pool_l, ctx.lora.page_table, ctx.batch.token_slots, layer_lora.moe,
                                ctx.batch.active_slots, ctx.ranks)
+        stacked = {"stack": layer.moe_stack} if moe_lora is not None and ctx.moe_stacks is not None else {}
         return self.ops.experts(x, layer.experts_gate_up, layer.experts_down, weights, ids, moe_lora,
                                 gate_up_bias=layer.experts_gate_up_bias, down_bias=layer.experts_down_bias,
-                                activation=self.activation)
+                                activation=self.activation, **stacked)
 
 
 def _kv_tables(layer: LayerWeights, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,3 +361,4 @@ class _Context:
     plan: object  # LoraBatch of the dense LoRA kernels, or None
     stack: ShrinkStack | None = None  # the model's shrink stack when this step uses it (`_project`)
     ranks: SlotRanks | None = None  # the step's `slot_ranks` for the MoE LoRA alignment, or None
+    moe_stacks: MoeStacks | None = None  # the MoE LoRA stacks when this step uses them (`_moe`)
