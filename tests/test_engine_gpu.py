@@ -46,9 +46,11 @@ def test_skinny_projections_match_transformers_peft(family, monkeypatch):
     assert calls and max(calls) <= 16  # it ran, within its entry's max_tokens
 
 
-def check_against_transformers(family):
+def check_against_transformers(family, **lora) -> LLM:
+    """The bf16 Triton engine's greedy runs against transformers + PEFT (``lora``: more `LoRAConfig` settings);
+    returns the engine."""
     llm = LLM(family.model_dir, family.adapters, device="cuda", dtype="bfloat16", kernels="triton",
-              pool=PoolConfig(num_pages=2048), lora=LoRAConfig(max_rank=32, max_adapters_per_batch=8),
+              pool=PoolConfig(num_pages=2048), lora=LoRAConfig(max_rank=32, max_adapters_per_batch=8, **lora),
               scheduler=SchedulerConfig(max_model_len=512))
     rng = random.Random(0)
     names = [([*family.adapters, None])[i % (len(family.adapters) + 1)] for i in range(SEQS)]
@@ -71,3 +73,4 @@ def check_against_transformers(family):
         assert ours <= 2 * theirs + 0.01 * ref.abs().mean().item(), \
             f"{out.adapter}: mean logit error {ours:.4g}, transformers bf16 {theirs:.4g}"
     assert agree / total >= 0.95, f"greedy tokens agree at {agree}/{total} positions"
+    return llm

@@ -104,31 +104,18 @@ def test_covers_counts_pairs_per_group(monkeypatch):
     assert not stacks.covers(64, 4) and not stacks.covers(256, None) and not stacks.covers(256, 0)
 
 
-# --- GPU: CUDA graphs through the stacks -------------------------------------------------------
+# --- GPU: bf16, CUDA graphs through the stacks ------------------------------------------------------
 
 
 @pytest.mark.gpu
-def test_gpu_graphs_with_the_stacks_match_eager_without(family):
-    """bf16 on the GPU: decode graphs (and eager steps) through the stacks, against eager steps through the
-    paged MoE LoRA kernels, over adapter mixes with tokens without adapter."""
+def test_gpu_engine_through_the_stacks_matches_transformers_peft(family, stacked_steps):
+    """bf16 Triton engine (decode graphs and mixed-step graphs) with eight entries, so every step takes the
+    experts' LoRA from the stacks, against transformers + PEFT as the paged engine is checked (its mean logit
+    error at most twice transformers' own in bf16, plus 1 %).  (Against the paged engine in bf16 the two part
+    more: the stacks add the gate/up delta to the float32 product, the paged pass to its bf16 rounding.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from test_engine_graphs_gpu import SEQS, TOKENS, _run
+    from test_engine_gpu import check_against_transformers
 
-    def llm(graphs: bool, entries: int) -> LLM:
-        return LLM(family.model_dir, family.adapters, device="cuda", dtype="bfloat16", kernels="triton",
-                   pool=PoolConfig(num_pages=2048), scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=32),
-                   lora=LoRAConfig(max_rank=32, max_adapters_per_batch=4, moe_stack_entries=entries),
-                   cuda_graphs=graphs)
-
-    stacked, paged = llm(True, 4), llm(False, 0)
-    assert stacked.engine.runner.moe_stacks is not None and paged.engine.runner.moe_stacks is None
-    rng = random.Random(4)
-    choices = [*family.adapters, None]
-    prompts = [[rng.randrange(1, 128) for _ in range(rng.randrange(3, 40))] for _ in range(SEQS)]
-    agree = total = 0
-    for names in ([choices[i % len(choices)] for i in range(SEQS)], [rng.choice(choices[:2]) for _ in range(SEQS)]):
-        for got, want in zip(_run(stacked, prompts, names), _run(paged, prompts, names)):
-            agree, total = agree + es.common_prefix(got, want, TOKENS), total + TOKENS
-    assert stacked.engine.runner.graphs.replays > 0 and stacked.engine.runner.moe_stacks.fills > 0
-    assert agree / total >= 0.95, f"identical greedy prefixes cover {agree}/{total} tokens"
+    llm = check_against_transformers(family, moe_stack_entries=8)
+    assert llm.engine.runner.moe_stacks.fills == len(family.adapters) and stacked_steps
