@@ -235,3 +235,14 @@ def test_overlap_goes_with_pair_mode():
     group = {"block_m": 16, "overlap": True, "down": {"block_n": 256}}
     assert "overlap" not in km._candidate(group, "block_m", 1)
     assert km._candidate(group, "block_m", 32)["overlap"] is True
+
+
+def test_stack_sweep_parses_its_arguments():
+    """benchmarks/kernels_moe_stack.py (GPU only) imports and parses its arguments on the CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "kernels_moe_stack.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--slot-order" in done.stdout, done.stderr
