@@ -148,6 +148,14 @@ def family_fixture(names, cuda: bool = False):
     return family
 
 
+def oracle_fixture():
+    """A module-scoped ``oracle`` fixture: transformers + PEFT for the module's ``family``, in fp32 on the CPU."""
+    @pytest.fixture(scope="module")
+    def oracle(family):
+        return Oracle(family)
+    return oracle
+
+
 class Oracle:
     """transformers + PEFT, one model per adapter, each adapter alone."""
 

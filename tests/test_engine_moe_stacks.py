@@ -21,11 +21,7 @@ from unipage.models import entry_table, moe_stacks
 from unipage.scheduler import SchedulerConfig
 
 family = es.family_fixture(["qwen3_moe", "gpt_oss"])
-
-
-@pytest.fixture(scope="module")
-def oracle(family):
-    return es.Oracle(family)
+oracle = es.oracle_fixture()
 
 
 @pytest.fixture(autouse=True)
