@@ -324,9 +324,10 @@ def _launch_gemm(a, w, out, align: Alignment, cfg: dict, *, n: int, a_div: int, 
         lora_args, lora_consts = lora_fused.gemm_args(fused, gated, cfg["block_n"])
     else:
         lora_args, lora_consts = (out, out, out, out, out, out, out, 1, 0, 0), {}
-    if ext is not None:  # (top_k: the pairs over the tokens; the down GEMM's rows are pairs, a_div 1)
+    if ext is not None:  # (the kernel's top_k finds a pair's token, also in the down GEMM, whose a_div is 1)
         token_slots = ext.token_slots
-        lora_args = (*lora_args[:7], out.shape[0] // max(token_slots.shape[0], 1), 0, 0)
+        top_k, num_ranks, stride_pt = ext.top_k, 0, 0
+        lora_args = (*lora_args[:7], top_k, num_ranks, stride_pt)
         ext_args = (ext.a, ext.w, ext.entry_of_slot)
         lora_consts = {**lora_consts, "EXT": True, "EXT_K": next_pow2(ext.a.shape[1]), "EXT_L": ext.a.shape[1],
                        "EXT_ROWS": ext.rows}
@@ -449,7 +450,7 @@ def moe_gate_up_ref(x, w_gate_up, topk_ids, align: Alignment, act, raw=None, tok
     _check_ext(ext, w_gate_up, topk_ids, x)
     h = _per_expert(x.float(), w_gate_up, topk_ids, topk_ids.shape[-1])
     if ext is not None:
-        h += _per_expert(ext.own(topk_ids.shape[-1]), ext.w, topk_ids, 1)
+        h += _per_expert(ext.own(), ext.w, topk_ids, 1)
     if bias is not None:
         h += bias.float()[topk_ids.reshape(-1).long()]
     a = activation.ref(h[:, :inter], h[:, inter:]).to(act.dtype)
@@ -497,7 +498,7 @@ def moe_down_ref(act, w_down, topk_ids, topk_weights, align: Alignment, y, confi
     _check_ext(ext, w_down, topk_ids, act)
     out = _per_expert(act.float(), w_down, topk_ids, 1)
     if ext is not None:
-        out += _per_expert(ext.own(topk_ids.shape[-1]), ext.w, topk_ids, 1)
+        out += _per_expert(ext.own(), ext.w, topk_ids, 1)
     if bias is not None:
         out += bias.float()[topk_ids.reshape(-1).long()]
     out *= topk_weights.reshape(-1, 1)
@@ -510,15 +511,22 @@ def moe_project(a, w, topk_ids, align: Alignment, out, config: dict, *, a_div: i
     """``out[p] = a[p // a_div] @ w[e].T`` for every pair ``p`` routed to expert ``e``, rounded to ``out``'s
     dtype (the stacked LoRA's shrinks, `moe_lora_stack`).  ``a`` [rows, K]; ``w`` [E, L, K]; ``out`` [TK, L];
     ``config``: a stage's launch settings (``block_n`` capped at L's power of two, no TMA)."""
-    _check_stage(a, w, out, topk_ids, topk_ids.numel(), w.shape[1])
+    _check_project(a, w, out, topk_ids, a_div)
     cfg = {**config, "block_n": max(16, min(config["block_n"], next_pow2(w.shape[1]))), "tma": False}
     _launch_gemm(a, w, out, align, cfg, n=w.shape[1], a_div=a_div, gated=False)
 
 
 def moe_project_ref(a, w, topk_ids, align: Alignment, out, config: dict, *, a_div: int) -> None:
     """Torch version of `moe_project`."""
-    _check_stage(a, w, out, topk_ids, topk_ids.numel(), w.shape[1])
+    _check_project(a, w, out, topk_ids, a_div)
     out.copy_(_per_expert(a.float(), w, topk_ids, a_div))
+
+
+def _check_project(a, w, out, topk_ids, a_div: int) -> None:
+    _check_stage(a, w, out, topk_ids, topk_ids.numel(), w.shape[1])
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2] or a.shape[0] * a_div != topk_ids.numel():
+        raise ValueError(f"moe_project needs a [TK / a_div, K] and w [E, L, K]: a {list(a.shape)}, w "
+                         f"{list(w.shape)}, a_div {a_div}, {topk_ids.numel()} pairs")
 
 
 def _check_ext(ext, w: torch.Tensor, topk_ids: torch.Tensor, a: torch.Tensor) -> None:
@@ -528,6 +536,11 @@ def _check_ext(ext, w: torch.Tensor, topk_ids: torch.Tensor, a: torch.Tensor) ->
     width = ext.a.shape[-1] if ext.a.dim() == 2 else -1
     _check_tensor("ext.a", ext.a, (topk_ids.numel(), width), a.dtype, a.device)
     _check_tensor("ext.w", ext.w, (w.shape[0], w.shape[1], width), a.dtype, a.device)
+    _check_tensor("ext.token_slots", ext.token_slots, (topk_ids.shape[0],), torch.int32, a.device)
+    if ext.entry_of_slot.dim() != 1 or ext.entry_of_slot.dtype != torch.int32 or ext.entry_of_slot.device != a.device:
+        raise ValueError(f"ext.entry_of_slot must be 1-D int32 on {a.device}")
+    if ext.top_k != topk_ids.shape[1]:
+        raise ValueError(f"ext.top_k must be the routing's {topk_ids.shape[1]}, got {ext.top_k}")
     if width < 16 or width % 16 or not ext.w.is_contiguous() or ext.rows < 1:
         raise ValueError(f"ext needs a contiguous [E, W_rows, L] block, L a multiple of 16 and rows >= 1, "
                          f"got L={width}, rows={ext.rows}")

@@ -21,13 +21,15 @@ weights are, so the LoRA is three more plain grouped GEMMs' worth of work::
     y      = w · (act @ W_d[e].T + own(dz) @ b_d[e].T)
 
 where ``own`` keeps a pair's columns of its token's entry (``entry_of_slot``) and zeroes the
-rest, so a token without an adapter, or whose slot has no entry, gets no delta.  Rounding points
-match the paged path: z and dz in the model dtype before their dots (the paged path casts them
-there too), the deltas added to the float32 accumulator before the activation or the weight.
+rest, so a token without an adapter, or whose slot has no entry, gets no delta.  z and dz are
+rounded to the model dtype before their dots, as in the paged kernels; the deltas go into the
+float32 accumulators before the activation or the weight, as in the fused paged path (the separate
+paged pass adds them to the base GEMMs' rounded outputs, so bf16 results of the two differ by that).
 
-`build_stack` gathers a layer's stack for given slots from the pool (torch; one index gather per
-matrix and slot over every expert).  `experts` runs the MoE with it (`fused_moe.fused_experts`'s
-``stack``).  The GEMMs' extra block is `ext_delta`, called by `fused_moe._moe_gemm_kernel` (EXT).
+`build_stack` makes a layer's stack for given slots from the pool (`fill_entry` per slot: the slot's
+expert groups of the layer gathered by page once, then strided copies).  `experts` runs the MoE with it
+(`fused_moe.fused_experts`'s ``stack``).  The GEMMs' extra block is `ext_delta`, called by
+`fused_moe._moe_gemm_kernel` (EXT).
 """
 
 from __future__ import annotations
@@ -68,11 +70,12 @@ class Ext:
     entry_of_slot: torch.Tensor  # [>= S] int32
     token_slots: torch.Tensor  # [T] int32, -1 = no adapter
     rows: int  # columns of ``a`` per entry
+    top_k: int  # pairs per token (pair p is token p // top_k's)
 
-    def own(self, top_k: int) -> torch.Tensor:
+    def own(self) -> torch.Tensor:
         """``a`` in float32 with every column outside each pair's entry zeroed (the torch side of
         `ext_delta`)."""
-        slot = self.token_slots.long().repeat_interleave(top_k)
+        slot = self.token_slots.long().repeat_interleave(self.top_k)
         entry = torch.where(slot >= 0, self.entry_of_slot.long()[slot.clamp(min=0)], -1)
         cols = torch.arange(self.a.shape[1], device=self.a.device) // self.rows
         return self.a.float() * (cols[None, :] == entry[:, None])
@@ -163,9 +166,9 @@ def check_stack(stack: MoeLoraStack, lora, x: torch.Tensor) -> None:
                 or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
             raise ValueError(f"stack.{name} must be contiguous {list(shape)} (None: any) {x.dtype} on {x.device}, "
                              f"got {list(t.shape)} {t.dtype} on {t.device}")
-    if stack.entry_of_slot.dim() != 1 or stack.entry_of_slot.shape[0] < meta.table.shape[0] \
-            or stack.entry_of_slot.dtype != torch.int32 or stack.entry_of_slot.device != x.device:
-        raise ValueError(f"stack.entry_of_slot must be [>= {meta.table.shape[0]}] int32 on {x.device}")
+    if stack.entry_of_slot.dim() != 1 or stack.entry_of_slot.dtype != torch.int32 \
+            or stack.entry_of_slot.device != x.device:
+        raise ValueError(f"stack.entry_of_slot must be 1-D int32 on {x.device} (a row for every token's slot)")
 
 
 def _check_covered(stack: MoeLoraStack, lora) -> None:
@@ -174,6 +177,9 @@ def _check_covered(stack: MoeLoraStack, lora) -> None:
     slots = lora.token_slots
     if slots.device.type != "cpu":
         return
+    if slots.numel() and int(slots.max()) >= stack.entry_of_slot.shape[0]:
+        raise ValueError(f"token slot {int(slots.max())} has no row in the stack's entry_of_slot "
+                         f"({stack.entry_of_slot.shape[0]} rows)")
     has = slots[slots >= 0].long()
     has = has[lora.meta.slot_flags.long()[has] != 0]
     missing = sorted(set(has[stack.entry_of_slot.long()[has] < 0].tolist()))
@@ -193,12 +199,12 @@ def experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, stack: MoeL
     ops.project(x, stack.a_gu, topk_ids, align, z, tuned.get("gate_up", cfg["gate_up"]), a_div=top_k)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation,
-                ext=Ext(z, stack.b_gu, stack.entry_of_slot, lora.token_slots, stack.gate_up_rows))
+                ext=Ext(z, stack.b_gu, stack.entry_of_slot, lora.token_slots, stack.gate_up_rows, top_k))
     dz = torch.empty(num_pairs, stack.a_d.shape[1], dtype=x.dtype, device=x.device)
     ops.project(act, stack.a_d, topk_ids, align, dz, tuned.get("down", cfg["down"]), a_div=1)
     y = torch.empty(num_pairs, w_down.shape[1], dtype=x.dtype, device=x.device)
     ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias,
-             ext=Ext(dz, stack.b_d, stack.entry_of_slot, lora.token_slots, stack.down_rows))
+             ext=Ext(dz, stack.b_d, stack.entry_of_slot, lora.token_slots, stack.down_rows, top_k))
     return y.view(topk_ids.shape[0], top_k, -1).sum(dim=1)
 
 
@@ -219,7 +225,7 @@ def ext_delta(acc, acc_up, ext_a_ptr, ext_w_ptr, entry_ptr, slots_ptr, pairs, pa
     lo = tl.min(tl.where(entry >= 0, entry, 1 << 30), 0)
     hi = tl.max(entry, 0)
     CH: tl.constexpr = CHUNK if EXT_K > CHUNK else EXT_K
-    for c in tl.static_range(EXT_K // CH):
+    for c in tl.static_range((EXT_L + CH - 1) // CH):
         if (hi >= c * CH // EXT_ROWS) & (lo <= ((c + 1) * CH - 1) // EXT_ROWS):
             j = c * CH + tl.arange(0, CH)
             own = pair_ok[:, None] & ((j // EXT_ROWS)[None, :] == entry[:, None]) & (j < EXT_L)[None, :]

@@ -10,7 +10,7 @@ import test_kernel_fused_moe_lora as lt
 import test_kernel_fused_moe_lora_gpu as gpu
 import torch
 from test_kernel_moe_gptoss import OAI, _biases
-from unipage.kernels.fused_moe import fused_experts, fused_experts_ref, moe_gate_up
+from unipage.kernels.fused_moe import fused_experts, fused_experts_ref, moe_gate_up, moe_project
 from unipage.kernels.moe_align import moe_align_ref
 from unipage.kernels.moe_lora_stack import Ext, build_stack
 
@@ -127,10 +127,20 @@ def test_bad_input_is_refused():
     align = moe_align_ref(c["topk_ids"], lt.E, 16)
     act = torch.empty(c["topk_ids"].numel(), lt.I)
     z = torch.zeros(c["topk_ids"].numel(), 48)
-    ext = Ext(z, stack.b_gu, stack.entry_of_slot, c["lora"].token_slots, 8)
+    ext = Ext(z, stack.b_gu, stack.entry_of_slot, c["lora"].token_slots, 8, lt.K)
     with pytest.raises(ValueError, match="exclude each other"):
         moe_gate_up(c["x"], c["w_gate_up"], c["topk_ids"], align, act, raw=torch.empty(act.shape[0], 2 * lt.I),
                     ext=ext)
+    with pytest.raises(ValueError, match="ext.top_k must be the routing's"):
+        moe_gate_up(c["x"], c["w_gate_up"], c["topk_ids"], align, act, ext=dataclasses.replace(ext, top_k=1))
+    with pytest.raises(ValueError, match="ext.token_slots must be"):
+        moe_gate_up(c["x"], c["w_gate_up"], c["topk_ids"], align, act,
+                    ext=dataclasses.replace(ext, token_slots=ext.token_slots[:-1]))
+    with pytest.raises(ValueError, match="moe_project needs"):
+        moe_project(c["x"][:, :32], stack.a_gu, c["topk_ids"], align, z, lt.BASE_CONFIG["gate_up"], a_div=lt.K)
+    short = dataclasses.replace(stack, entry_of_slot=stack.entry_of_slot[:2])
+    with pytest.raises(ValueError, match="has no row in the stack's entry_of_slot"):
+        fused_experts(*args, c["lora"], lt.BASE_CONFIG, stack=short)
     with pytest.raises(ValueError, match="a multiple of 16"):
         moe_gate_up(c["x"], c["w_gate_up"], c["topk_ids"], align, act,
                     ext=dataclasses.replace(ext, a=z[:, :40], w=stack.b_gu[:, :, :40].contiguous()))

@@ -231,7 +231,7 @@ class LoRAConfig:
     recompute_s_per_token: float = 20e-6  # prefill time of one token, the cost of a lost KV block
     moe_stack_entries: int = 0  # adapters whose expert LoRA MoE models also hold densely beside the pool, for
     #   steps of that many adapters or fewer (`unipage.models.moe_stacks`: about 1 GB an entry for Qwen3-30B-A3B
-    #   at rank 8); 0 = none
+    #   at max_rank 8); 0 = none
 
     def __post_init__(self) -> None:
         require(isinstance(self.max_rank, int) and 1 <= self.max_rank <= 1024, "max_rank",

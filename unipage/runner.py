@@ -92,7 +92,7 @@ class ModelRunner:
         if self.stack is not None:
             self.stack.forget(slot)
         if self.moe_stacks is not None:
-            self.moe_stacks.assign(slot, pages, layout)
+            self.moe_stacks.assign(slot, layout)
 
     def slot_evicted(self, slot: int) -> None:
         self.lora.release(slot)
@@ -201,15 +201,23 @@ class ModelRunner:
     def _prepare_stack(self, seqs: list[SeqState], num_tokens: list[int]) -> None:
         """Bring the step's adapters into the shrink stack if the step may use it (the model decides by
         its token count, or its graph bucket's, which is no smaller), and into the MoE LoRA stacks if they
-        hold that many (the model decides by the step's or its graph's adapter bound, no smaller)."""
+        may take them (the model decides by the step's or its graph's adapter bound, no smaller)."""
         if self.lora.page_table is None:
             return
         slots = {seq.slot for seq in seqs if seq.slot >= 0}
         rows = self.model.model.layer_rows
         if slots and self.stack is not None and self.stack.covers(sum(num_tokens)):
             self.stack.prepare(slots, self.lora, self.pool, rows)
-        if slots and self.moe_stacks is not None and len(slots) <= self.moe_stacks.entries.count:
+        if slots and self.moe_stacks is not None and self.moe_stacks.covers(self._bucket(sum(num_tokens)), len(slots)):
             self.moe_stacks.prepare(slots, self.lora, self.pool, rows)
+
+    def _bucket(self, tokens: int) -> int:
+        """The most tokens a step of ``tokens`` tokens runs as: its graph bucket's, decode or mixed (`covers` of
+        the MoE LoRA stacks grows with tokens and shrinks with adapters, and a graph's adapter class is no
+        smaller than its step's adapters, so a step the model runs through the stacks finds them filled)."""
+        chosen = [min((b for b in graphs.buckets if b >= tokens), default=tokens)
+                  for graphs in (self.graphs, self.mixed) if graphs is not None]
+        return max(chosen, default=tokens)
 
     def _check_fits(self, out: SchedulerOutput, seqs: list[SeqState]) -> None:
         bt = self.block_tokens

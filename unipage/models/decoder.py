@@ -31,13 +31,13 @@ import torch
 from unipage.config import ModelConfig
 from unipage.errors import CheckpointError
 from unipage.kernels import MoeLora, plan_lora_batch
-from unipage.kernels.moe_ranks import SlotRanks, slot_ranks
 from unipage.kernels.moe_act import SILU, GatedActivation
+from unipage.kernels.moe_lora_stack import MoeLoraStack
+from unipage.kernels.moe_ranks import SlotRanks, slot_ranks
 from unipage.models import rope
 from unipage.models.lora_tables import LayerLora, LoraTables
-from unipage.models.ops import Ops
-from unipage.kernels.moe_lora_stack import MoeLoraStack
 from unipage.models.moe_stacks import MoeStacks
+from unipage.models.ops import Ops
 from unipage.models.shrink_stack import ShrinkStack, StackedWeight
 from unipage.models.weights import Checkpoint
 

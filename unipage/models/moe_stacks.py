@@ -15,7 +15,11 @@ class bound in CUDA graphs) fit the entries and the routed pairs per (adapter, e
 a stack's extra K block reads every entry's weights of each expert tile holding it, where the paged kernels
 read one adapter's per pair, so at a few pairs per group the paged kernels win (GPT-OSS-20B, 16 tokens of 8
 adapters: 390.4 against 353.8 us a layer; Qwen3-30B-A3B, 256 tokens of 4 adapters: 358.2 against 366.6;
-`kernels-moe-h200.jsonl`).
+`kernels-moe-h200.jsonl`).  The rule counts every token of the step, those without an adapter too:
+a step of many base-model tokens and a few with adapters takes the stacks, whose shrinks then run over all
+its pairs (the paged kernels touch only the LoRA pairs).  Entries are as wide as ``max_rank`` allows (the
+gate/up A rows of two slices), whatever the adapters' own ranks.  A fill gathers one slot's expert groups of
+a layer at a time (about 17 MB at Qwen3-30B-A3B's rank 8) out of the memory the pool leaves free.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from unipage.config import ModelConfig
 from unipage.kernels.moe_align import FIELDS, slot_fields
 from unipage.kernels.moe_lora_stack import empty_stack, fill_entry
 from unipage.lora_layout import AdapterLayout
-from unipage.models.entry_table import EntryTable
+from unipage.models.entry_table import EntryTable, StackError
 
 MIN_LOAD = 2.0  # routed pairs per (adapter, expert) group from which a step takes the stacks
 
@@ -43,8 +47,9 @@ class MoeStacks(EntryTable):
         if not moe:
             raise ValueError("MoE LoRA stacks need a model with MoE layers")
         super().__init__(entries, moe[0].experts_gate_up.device, "the MoE LoRA stacks (moe_stack_entries)")
-        self.layers, self.experts, self.top_k = layers, model.num_experts, model.top_k
-        self._adapters: dict[int, tuple[torch.Tensor, AdapterLayout]] = {}  # slot -> (page ids, layout)
+        self.layers, self.experts, self.top_k = moe, model.num_experts, model.top_k
+        self.indices = [i for i, layer in enumerate(layers) if layer.router is not None]
+        self._layouts: dict[int, AdapterLayout] = {}  # slot -> its adapter's layout
         placeholder = torch.empty(0, dtype=torch.int32, device=self.device)  # (`set_slots` sets the map)
         for layer in moe:
             experts, two_inter, hidden = layer.experts_gate_up.shape
@@ -54,30 +59,29 @@ class MoeStacks(EntryTable):
     def set_slots(self, max_slots: int) -> None:
         super().set_slots(max_slots)
         for layer in self.layers:
-            if getattr(layer, "moe_stack", None) is not None:
-                layer.moe_stack = replace(layer.moe_stack, entry_of_slot=self.entry_of_slot)
+            layer.moe_stack = replace(layer.moe_stack, entry_of_slot=self.entry_of_slot)
 
     def covers(self, tokens: int, adapters: int | None) -> bool:
         """Whether a step (or graph) of ``tokens`` tokens over at most ``adapters`` adapters uses the stacks."""
         return bool(adapters) and adapters <= self.entries.count \
             and tokens * self.top_k >= MIN_LOAD * adapters * self.experts
 
-    def assign(self, slot: int, pages, layout: AdapterLayout) -> None:
-        """Slot ``slot`` now holds the adapter of ``layout`` in ``pages``: its entry, if any, is stale."""
-        self._adapters[slot] = (torch.as_tensor(list(pages), dtype=torch.int64).to(self.device), layout)
+    def assign(self, slot: int, layout: AdapterLayout) -> None:
+        """Slot ``slot`` now holds the adapter of ``layout`` (in the pages the LoRA tables give): its entry, if
+        any, is stale."""
+        self._layouts[slot] = layout
         self.forget(slot)
 
     def release(self, slot: int) -> None:
         """Slot ``slot`` holds no adapter now."""
-        self._adapters.pop(slot, None)
+        self._layouts.pop(slot, None)
         self.forget(slot)
 
     def _fill(self, entry: int, slot: int, tables, pool: torch.Tensor, layer_rows) -> None:
-        if slot not in self._adapters:
-            raise ValueError(f"adapter slot {slot} holds no adapter the MoE LoRA stacks know of")
-        pages, layout = self._adapters[slot]
-        for i, layer in enumerate(self.layers):
-            if getattr(layer, "moe_stack", None) is not None:
-                fields = slot_fields(layout.layers[i]) or [0] * len(FIELDS)
-                fill_entry(layer.moe_stack, entry, pool[layer_rows[i]], pages, dict(zip(FIELDS, fields)))
+        if slot not in self._layouts:
+            raise StackError(f"adapter slot {slot} holds no adapter the MoE LoRA stacks know of")
+        layout, pages = self._layouts[slot], tables.page_table[slot].long()
+        for i, layer in zip(self.indices, self.layers):
+            fields = slot_fields(layout.layers[i]) or [0] * len(FIELDS)
+            fill_entry(layer.moe_stack, entry, pool[layer_rows[i]], pages, dict(zip(FIELDS, fields)))
 
