@@ -196,8 +196,8 @@ def _moe_gemm_kernel(
     # [S, max_pages] int32, LoRA metadata [S, NUM_FIELDS] int32, RANKED: the slots' ranks [S_PAD] and the
     # ranks' slots [A_PAD] int32 (`moe_ranks.slot_ranks`), ranks below num_ranks
     z_ptr, down_z_ptr, pool_ptr, pt_ptr, meta_ptr, ranks_ptr, inverse_ptr,
-    # EXT (`moe_lora_stack`): the extra K block's operand [TK, EXT_K], weights [E, W_rows, EXT_K] and the
-    # slots' entries [S] int32 (token slots in slots_ptr)
+    # EXT (`moe_lora_stack`): the extra K block's operand [TK, EXT_L], weights [E, W_rows, EXT_L] and each
+    # slot's entry (int32; the token slots in slots_ptr)
     ext_a_ptr, ext_w_ptr, entry_ptr,
     num_pairs, N, K_dim, a_div, w_rows, top_k, num_ranks, stride_pt,
     stride_am, stride_we, stride_wn, stride_om, stride_rm, stride_ea, stride_ewe, alpha, limit,
@@ -566,7 +566,8 @@ _TRITON = SimpleNamespace(fused=True, align=moe_align, gate_up=moe_gate_up, down
                           lora_gate_up=lora_ops.moe_lora_gate_up, lora_down=lora_ops.moe_lora_down,
                           lora_down_sum=lora_sum.moe_lora_down_sum)
 _TORCH = SimpleNamespace(fused=False, align=moe_align_ref, gate_up=moe_gate_up_ref, down=moe_down_ref,
-                         project=moe_project_ref, plan=lora_ops.plan_moe_lora_ref, lora_gate_up=lora_ops.moe_lora_gate_up_ref,
+                         project=moe_project_ref, plan=lora_ops.plan_moe_lora_ref,
+                         lora_gate_up=lora_ops.moe_lora_gate_up_ref,
                          lora_down=lora_ops.moe_lora_down_ref, lora_down_sum=lora_sum.moe_lora_down_sum_ref)
 
 

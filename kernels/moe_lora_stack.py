@@ -55,7 +55,7 @@ class MoeLoraStack:
     b_gu: torch.Tensor  # [E, 2I, LE]
     a_d: torch.Tensor  # [E, LD, I]
     b_d: torch.Tensor  # [E, H, LD]
-    entry_of_slot: torch.Tensor  # [>= S] int32: a slot's entry, -1 if it has none
+    entry_of_slot: torch.Tensor  # [rows] int32: a slot's entry, -1 if it has none (a row for every token's slot)
     gate_up_rows: int  # RE
     down_rows: int  # RD
 
@@ -67,7 +67,7 @@ class Ext:
 
     a: torch.Tensor
     w: torch.Tensor
-    entry_of_slot: torch.Tensor  # [>= S] int32
+    entry_of_slot: torch.Tensor  # [rows] int32 (a row for every token's slot)
     token_slots: torch.Tensor  # [T] int32, -1 = no adapter
     rows: int  # columns of ``a`` per entry
     top_k: int  # pairs per token (pair p is token p // top_k's)
@@ -117,7 +117,8 @@ def fill_entry(stack: MoeLoraStack, entry: int, pool_l: torch.Tensor, pages: tor
         for j in range(fields["gu_slices"]):
             a_row, rank, b, col, ncols = (fields[f"s{j}_{n}"] for n in ("a_row", "rank", "b", "col", "ncols"))
             if rank:
-                stack.b_gu[:, col: col + ncols, base + a_row: base + a_row + rank] = read(b, rank, ncols).transpose(1, 2)
+                rows = slice(base + a_row, base + a_row + rank)
+                stack.b_gu[:, col: col + ncols, rows] = read(b, rank, ncols).transpose(1, 2)
     rank, base = fields["down_rank"], entry * rd
     if rank:
         stack.a_d[:, base: base + rank] = read(fields["down_a"], rank, inter)
