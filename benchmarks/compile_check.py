@@ -42,8 +42,8 @@ from triton.compiler.errors import CompilationError
 from triton.runtime import driver
 
 TUNED_DEVICE = "nvidia_h100_80gb_hbm3"
-PATCHED = ("launch", "fused_moe", "fused_moe_lora", "moe_lora_plan", "moe_lora_sum", "moe_ranks",  # unipage.kernels
-           "moe_align")
+PATCHED = ("launch", "fused_moe", "moe_route", "fused_moe_lora", "moe_lora_plan", "moe_lora_sum",  # unipage.kernels
+           "moe_ranks", "moe_align")
 SHARED_LIMIT = 232448  # bytes of shared memory one program may use on an H100 or H200 (227 KiB)
 
 

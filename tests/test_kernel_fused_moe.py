@@ -10,8 +10,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from unipage.kernels.fused_moe import (_round_to, fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
+from unipage.kernels.fused_moe import (fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,
                                        moe_down_ref, moe_gate_up, moe_gate_up_ref, route_topk, route_topk_ref)
+from unipage.kernels.moe_route import _round_to
 from unipage.kernels import moe_align as moe_align_module
 from unipage.kernels.moe_align import (Alignment, _launch_split, launch_config, max_blocks, moe_align,
                                       moe_align_ref)
