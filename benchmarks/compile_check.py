@@ -17,7 +17,8 @@ One JSON line per (shape, tokens): each kernel compiled, ok or its error (a kern
 shared memory than an H100 has is not ok either), with its shared memory, registers per thread and
 local memory (spills) and static SASS instruction count from ``cuobjdump``: compare variants' register
 pressure without a GPU, e.g. the H200's configs at serve.py's setup (b) mix: ``--device-key nvidia_h200
---adapters 16 --rank 8 --lora '{}'``; ``--base`` compiles the experts without LoRA too (rows ``"base": true``),
+--adapters 16 --rank 8 --lora '{}'``; ``--base`` compiles the experts without LoRA too (rows ``"base": true``), ``--stack`` the stacked expert LoRA
+(rows ``"stack": true``),
 ``--slot-order`` / ``--active-slots`` as `kernels_moe`'s (setup (b)'s mixed steps: ``--tokens 4096
 --adapters 5 --slot-order mixed --active-slots 16``); ``--lines N`` lists each kernel's N source lines with the
 most instructions (``nvdisasm -gi``): where a variant's extra code comes from.
@@ -164,6 +165,9 @@ def main(argv=None) -> int:
     parser.add_argument("--active-slots", type=int, default=None, help="the MoeLora's bound (a graph's class)")
     parser.add_argument("--slot-ids", type=int, nargs="+", help="each adapter's slot, as kernels_moe's")
     parser.add_argument("--base", action="store_true", help="also compile the experts without LoRA")
+    parser.add_argument("--stack", action="store_true",
+                        help="also compile the stacked expert LoRA (the batch's adapters in a `moe_lora_stack`; rows "
+                             "\"stack\": true)")
     parser.add_argument("--lines", type=int, default=0, metavar="N",
                         help="each kernel's N source lines with the most static SASS instructions")
     args = parser.parse_args(argv)
@@ -177,6 +181,7 @@ def main(argv=None) -> int:
     km.configure(args.adapters, args.rank, args.slot_order, args.active_slots, args.slot_ids)
     from unipage.kernels.fused_moe import fused_experts, route_topk
     from unipage.kernels.moe_lora_plan import lora_config
+    from unipage.kernels.moe_lora_stack import build_stack
     from unipage.kernels.moe_ranks import slot_ranks
 
     km.DEVICE = "cpu"
@@ -195,6 +200,11 @@ def main(argv=None) -> int:
                 compiled[:] = [{"base": True, **c} for c in compiled]
             fused_experts(b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"], b["lora"],
                           lora_config=config)
+            if args.stack:  # the stacked path's kernels after the paged ones, marked
+                done = len(compiled)
+                fused_experts(b["x"], s["w_gate_up"], s["w_down"], b["topk_weights"], b["topk_ids"], b["lora"],
+                              stack=build_stack(b["lora"], km.slot_ids()))
+                compiled[done:] = [{"stack": True, **c} for c in compiled[done:]]
             experts, top_k, dtype = s["w_gate_up"].shape[0], b["topk_ids"].shape[1], b["x"].dtype
             for bias in (None, torch.zeros(experts, dtype=dtype)):  # routing as the engine calls it
                 route_topk(torch.zeros(tokens, experts, dtype=dtype), top_k, True, bias=bias, weight_dtype=dtype)

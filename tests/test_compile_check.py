@@ -1,6 +1,7 @@
 """`benchmarks/compile_check.py` compiles the MoE kernels with the H100's tuned configs on the CPU:
 its patch must reach the lookups the launchers make; and the MoE LoRA kernels' small tiles compile for
-sm_90 (the Triton the venv has), beside the base experts (``--base``), each with its instruction count."""
+sm_90 (the Triton the venv has), beside the base experts (``--base``) and the stacked expert LoRA
+(``--stack``), each with its instruction count."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_small_tiles_compile_for_hopper():
                           "compile_check.py")
     out = subprocess.run([sys.executable, script, "--shapes", "qwen3-30b-a3b", "--tokens", "256", "--device-key",
                           "nvidia_h200", "--adapters", "4", "--rank", "8", "--lora", json.dumps(lora), "--base",
-                          "--lines", "3"],
+                          "--lines", "3", "--stack"],
                          capture_output=True, text=True, timeout=900,
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})  # compile, not interpret
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -62,6 +63,10 @@ def test_small_tiles_compile_for_hopper():
     assert len(lora_kernels) == 3 and all(c["ok"] and c["local_bytes"] <= 0 for c in lora_kernels), lora_kernels
     base = [c for c in row["compiled"] if c.get("base")]  # --base: the experts without LoRA, first
     assert [c["kernel"] for c in base].count("_moe_gemm_kernel") == 2 and row["compiled"][:len(base)] == base
+    at = [i for i, c in enumerate(row["compiled"]) if c.get("stack")]  # --stack: the stacked path's, together
+    stacked = [row["compiled"][i] for i in at]  # (its alignment, two shrinks, two GEMMs with the extra block)
+    assert [c["kernel"] for c in stacked].count("_moe_gemm_kernel") == 4 and at == list(range(at[0], at[-1] + 1))
+    assert all(c["ok"] and c["local_bytes"] <= 0 for c in stacked), stacked
     assert all(c["instructions"] > 0 or c["instructions"] == -1 for c in row["compiled"])  # (-1: no cuobjdump)
     gemm = next(c for c in row["compiled"] if c["kernel"] == "_moe_gemm_kernel")  # --lines: where its code is
     assert gemm["instructions"] == -1 or (len(gemm["lines"]) == 3 and all(n > 0 for _, n in gemm["lines"]))
