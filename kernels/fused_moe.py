@@ -78,6 +78,27 @@ def _load_w(w_src, ptrs, row, col, k_ok, USE_TMA: tl.constexpr, EVEN_K: tl.const
     return w
 
 
+@triton.jit
+def _add_bias(acc, acc_up, bias_ptr, cols, N, GATED: tl.constexpr):
+    """The expert's output bias (``bias_ptr``: its row of ``[E, W_rows]``) added to the tile's columns."""
+    acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc_up += tl.load(bias_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return acc, acc_up
+
+
+@triton.jit
+def _store_raw(acc, acc_up, raw_ptr, slots_ptr, flags_ptr, a_rows, pairs, pair_ok, cols, mask, N, stride_rm):
+    """Store the un-activated gate | up of the tile's pairs whose token's slot has expert LoRA into ``raw``;
+    returns ``mask`` without those rows (their ``act`` is the LoRA pass's to write)."""
+    slot = tl.load(slots_ptr + a_rows, mask=pair_ok, other=-1)
+    lora = tl.load(flags_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0) != 0
+    raw_ptrs = raw_ptr + pairs[:, None].to(tl.int64) * stride_rm + cols[None, :]
+    tl.store(raw_ptrs, acc.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
+    tl.store(raw_ptrs + N, acc_up.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
+    return mask & ~lora[:, None]
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_ranks"])
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K_dim]: x [T, H] (gate/up, row = pair // a_div) or act [TK, I] (down, row = pair)
@@ -170,18 +191,11 @@ def _moe_gemm_kernel(
     mask = pair_ok[:, None] & (cols[None, :] < N)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
     if HAS_BIAS:
-        bias = bias_ptr + expert * w_rows + cols
-        acc += tl.load(bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(bias + N, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc, acc_up = _add_bias(acc, acc_up, bias_ptr + expert * w_rows, cols, N, GATED)
     if GATED:
-        if HAS_LORA:
-            slot = tl.load(slots_ptr + a_rows, mask=pair_ok, other=-1)
-            lora = tl.load(flags_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0) != 0
-            raw_ptrs = raw_ptr + pairs[:, None].to(tl.int64) * stride_rm + cols[None, :]
-            tl.store(raw_ptrs, acc.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
-            tl.store(raw_ptrs + N, acc_up.to(raw_ptr.dtype.element_ty), mask=mask & lora[:, None])
-            mask = mask & ~lora[:, None]
+        if HAS_LORA:  # the LoRA pairs' rows go to raw, un-activated, for the separate LoRA pass
+            mask = _store_raw(acc, acc_up, raw_ptr, slots_ptr, flags_ptr, a_rows, pairs, pair_ok, cols, mask, N,
+                              stride_rm)
         acc = gated_act(acc, acc_up, ACT, alpha, limit)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]

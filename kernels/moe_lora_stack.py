@@ -81,16 +81,12 @@ class Ext:
         return self.a.float() * (cols[None, :] == entry[:, None])
 
 
-def _round16(n: int) -> int:
-    return max(16, -(-n // 16) * 16)
-
-
 def empty_stack(entries: int, experts: int, hidden: int, inter: int, gate_up_rows: int, down_rank: int,
                 entry_of_slot: torch.Tensor, dtype: torch.dtype) -> MoeLoraStack:
     """A zeroed stack of ``entries`` entries for adapters of at most ``gate_up_rows`` gate/up A rows and down
     rank ``down_rank`` (each rounded up to a power of two), on ``entry_of_slot``'s device."""
     re, rd = next_pow2(max(gate_up_rows, 1)), next_pow2(max(down_rank, 1))
-    le, ld = _round16(entries * re), _round16(entries * rd)
+    le, ld = round_up(max(entries * re, 16), 16), round_up(max(entries * rd, 16), 16)
     like = {"dtype": dtype, "device": entry_of_slot.device}
     return MoeLoraStack(torch.zeros(experts, le, hidden, **like), torch.zeros(experts, 2 * inter, le, **like),
                         torch.zeros(experts, ld, inter, **like), torch.zeros(experts, hidden, ld, **like),
