@@ -5,14 +5,15 @@
                                         [--prompt 64] [--prefill 4 960]
                                         [--no-early] [--no-moe-pdl] [--piece-layers N] [--linear-ab]
                                         [--stack-ab] [--moe-ab JSON] [--dense-ab JSON] [--skinny-ab]
-                                        [--linear-config JSON]
+                                        [--linear-config JSON] [--moe-stack-entries N]
                                         [--trace DIR] [--out FILE]
 
 Builds the engine on ``--shape`` (random weights at its real shape) with
 ``--adapters`` random rank-``--rank`` adapters on every linear layer (``--max-adapters``:
 `max_adapters_per_batch`, by default ``--adapters``; the CUDA graphs' adapter classes follow it;
 ``--resident N``: N adapters made and loaded first, all at once, so that the LoRA tables' slot capacity is
-what serving N adapters makes it, and the runs use ``--adapters`` of them spread over the slots), then for
+what serving N adapters makes it, and the runs use ``--adapters`` of them spread over the slots;
+``--moe-stack-entries N``: `LoRAConfig.moe_stack_entries`, the MoE LoRA stacks), then for
 the base model and for the adapters round-robin: ``--running`` requests with
 ``--prompt``-token prompts reach steady decode and ``--timed-steps`` decode steps
 are timed without the profiler (median wall time per step, synchronised; the
@@ -87,7 +88,8 @@ def build(args, root: str) -> tuple[Engine, list[str]]:
     paths = sm.write_adapters(os.path.join(root, "adapters"), model, args.resident, args.rank, "all")
     max_len = max(args.prompt + decode_tokens(args) + 2, args.prefill[1] + 8)
     engine = Engine(model_dir, device="cuda", dtype="bfloat16",
-                    lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.max_adapters),
+                    lora=LoRAConfig(max_rank=args.rank, max_adapters_per_batch=args.max_adapters,
+                                    moe_stack_entries=args.moe_stack_entries),
                     scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=args.running + args.prefill[0],
                                               max_num_batched_tokens=args.budget), load_format="dummy",
                     run_ahead=False)  # (steps timed one by one: none launched ahead of its own)
@@ -487,6 +489,8 @@ def main(argv=None) -> None:
     p.add_argument("--linear-ab", action="store_true",
                    help="also time the LoRA run's decode steps with the projections' LoRA the other way (fused "
                         "into the decode projection, `lora_linear`, or separate launches), then as before")
+    p.add_argument("--moe-stack-entries", type=int, default=0,
+                   help="LoRAConfig.moe_stack_entries: the experts' LoRA of this many adapters held densely")
     p.add_argument("--stack-ab", action="store_true",
                    help="also time the LoRA run's decode steps without the shrink stack, then with it again")
     p.add_argument("--moe-ab", type=overrides_arg, default=None, metavar="JSON",
@@ -549,7 +553,8 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
            "lora_slots": engine.runner.lora.num_slots, "rank": args.rank,
            "early_shrink": not args.no_early,
            "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR),
-           "shrink_stack": engine.runner.stack is not None}
+           "shrink_stack": engine.runner.stack is not None, "moe_stack_entries": args.moe_stack_entries,
+           "commit": os.environ.get("UNIPAGE_COMMIT")}
     if window == "decode":  # the medians of the unprofiled steps
         for kind in ("base", "lora"):  # step time, with the host hidden, the host's share before the graph
             times = runs[kind]["times"]
