@@ -509,6 +509,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.piece_layers < 0:
         p.error(f"--piece-layers must be >= 0, got {args.piece_layers}")
+    if args.moe_stack_entries < 0:
+        p.error(f"--moe-stack-entries must be >= 0, got {args.moe_stack_entries}")
     args.max_adapters = args.adapters if args.max_adapters is None else args.max_adapters
     if args.max_adapters < args.adapters:
         p.error(f"--max-adapters must be >= --adapters ({args.adapters}), got {args.max_adapters}")
@@ -553,7 +555,8 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
            "lora_slots": engine.runner.lora.num_slots, "rank": args.rank,
            "early_shrink": not args.no_early,
            "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR),
-           "shrink_stack": engine.runner.stack is not None, "moe_stack_entries": args.moe_stack_entries,
+           "shrink_stack": engine.runner.stack is not None, "moe_stack_entries": engine.config.lora.moe_stack_entries,
+           "moe_stacks": engine.runner.moe_stacks is not None,
            "commit": os.environ.get("UNIPAGE_COMMIT")}
     if window == "decode":  # the medians of the unprofiled steps
         for kind in ("base", "lora"):  # step time, with the host hidden, the host's share before the graph

@@ -40,6 +40,12 @@ def test_max_adapters_below_the_adapters_served_is_refused(capsys):
     assert exc.value.code == 2 and "--max-adapters must be >= --adapters (4), got 2" in capsys.readouterr().err
 
 
+def test_negative_moe_stack_entries_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        lb.main(["--shape", "qwen3-30b-a3b", "--moe-stack-entries", "-1"])
+    assert exc.value.code == 2 and "--moe-stack-entries must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_resident_adapters_spread_and_bounded(capsys):
     """``--resident``: the runs use ``--adapters`` of them, spread over their slots; fewer is refused."""
     assert lb.spread([f"a{i}" for i in range(16)], 4) == ["a0", "a4", "a8", "a12"]
