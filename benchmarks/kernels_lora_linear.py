@@ -165,8 +165,7 @@ def tune(args, out) -> None:
     results.sort(key=lambda r: r[0])
     separate_us = {name: round(per_layer_us(separate(s)), 2) for name, s in shapes.items()}
     emit({"bench": "lora_linear_tune", "tokens": max(args.tokens), "best": results[0][2], "best_us": results[0][1],
-          "separate_us": separate_us, "top5": [[t, c] for _, t, c in results[:5]],
-          "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
+          "separate_us": separate_us, "top5": [[t, c] for _, t, c in results[:5]]}, out)
     if args.best:
         with open(args.best, "w") as f:
             json.dump(results[0][2], f)
@@ -186,8 +185,7 @@ def bench(args, out) -> None:
               "fused_over_floor": fused_us and round(fused_us / floor, 2), "read_gbps": round(bandwidth / 1e9, 1),
               "max_rel_diff": round(check(s), 5) if takes else None,
               "stacked_max_rel_diff": round(check(s, other=stack.first), 5),
-              "config": on(s, dict(LINEAR)) if takes else dict(LINEAR),
-              "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
+              "config": on(s, dict(LINEAR)) if takes else dict(LINEAR)}, out)
 
 
 def projection(args, out) -> None:
@@ -199,8 +197,7 @@ def projection(args, out) -> None:
                 "linear_us": lambda: [F.linear(x, w, b) for w in s["w"]],
                 "matmul_only_us": lambda: [x @ w.T for w in s["w"]]}
         emit({"bench": "projection_bias", "shape": name, "tokens": tokens,
-              **{key: round(per_layer_us(run), 2) for key, run in ways.items()},
-              "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
+              **{key: round(per_layer_us(run), 2) for key, run in ways.items()}}, out)
 
 
 def main(argv=None) -> None:

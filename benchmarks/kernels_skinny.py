@@ -103,7 +103,7 @@ def tune_one(name: str, tokens: int) -> dict | None:
     results.sort(key=lambda r: r[0])
     return {"bench": "skinny_tune", "shape": name, "tokens": tokens, "linear_us": round(per_layer_us(cublas(s)), 2),
             "best_us": results[0][0], "best": results[0][1], "top5": [[t, c] for t, c in results[:5]],
-            "max_rel_diff": round(rel_diff(s, results[0][1]), 5), "commit": os.environ.get("UNIPAGE_COMMIT")}
+            "max_rel_diff": round(rel_diff(s, results[0][1]), 5)}
 
 
 def save(rows: list[dict], device: str, path=None) -> None:
@@ -146,8 +146,7 @@ def bench(args, out) -> None:
         emit({"bench": "skinny", "shape": name, "tokens": tokens, "linear_us": round(per_layer_us(cublas(s)), 2),
               "skinny_us": round(skinny_us, 2), "floor_us": round(floor, 2),
               "skinny_over_floor": round(skinny_us / floor, 2), "read_gbps": round(bandwidth / 1e9, 1),
-              "max_rel_diff": round(rel_diff(s, config), 5), "config": config,
-              "commit": os.environ.get("UNIPAGE_COMMIT")}, out)
+              "max_rel_diff": round(rel_diff(s, config), 5), "config": config}, out)
 
 
 def main(argv=None) -> None:

@@ -556,8 +556,7 @@ def record(args, engine: Engine, runs: dict, window: str) -> dict:
            "early_shrink": not args.no_early,
            "moe_pdl": not args.no_moe_pdl, "linear": dict(lora_linear.LINEAR),
            "shrink_stack": engine.runner.stack is not None, "moe_stack_entries": engine.config.lora.moe_stack_entries,
-           "moe_stacks": engine.runner.moe_stacks is not None,
-           "commit": os.environ.get("UNIPAGE_COMMIT")}
+           "moe_stacks": engine.runner.moe_stacks is not None}
     if window == "decode":  # the medians of the unprofiled steps
         for kind in ("base", "lora"):  # step time, with the host hidden, the host's share before the graph
             times = runs[kind]["times"]

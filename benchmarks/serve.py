@@ -79,7 +79,6 @@ import dataclasses
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -92,7 +91,7 @@ import serve_experts
 import serve_models as sm
 import serve_variants
 import torch
-from timing import emit
+from timing import commit, emit
 from unipage.scheduler import SchedulerConfig
 from unipage.scheduler.policies import POLICIES
 from unipage.sim import CostProfile
@@ -434,19 +433,6 @@ def calibrate(ctx: Context) -> None:
                 emit({**serve_calib.what_if(lg, profile, path, overrides), "commit": ctx.commit}, ctx.out)
             else:
                 emit({**serve_calib.compare(lg, profile, path, lg["label"] in fitted), "commit": ctx.commit}, ctx.out)
-
-
-def commit() -> str:
-    """``$UNIPAGE_COMMIT`` if set (a run of an installed build, not of this checkout), else ``git describe
-    --always --dirty`` of this checkout ("" outside git)."""
-    if os.environ.get("UNIPAGE_COMMIT"):
-        return os.environ["UNIPAGE_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        return subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
 
 
 SETUPS = {"a": setup_a, "b": setup_b, "c": setup_c, "d": setup_d, "calibrate": calibrate}

@@ -1,13 +1,16 @@
 """Timing helpers shared by the GPU benchmarks: CUDA-graph replay with a flushed L2,
 the measured copy bandwidth (the floor the kernels are compared against), the
 measured read bandwidth (the floor of a decode step, which mostly reads), and
-one JSON-lines record format (the same fields the simulator writes)."""
+one JSON-lines record format (the same fields the simulator writes, and the commit measured)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -64,9 +67,25 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / seconds
 
 
+@functools.cache
+def commit() -> str:
+    """``$UNIPAGE_COMMIT`` if set (a run of an installed build, not of this checkout), else ``git describe
+    --always --dirty`` of this checkout ("" outside git)."""
+    if os.environ.get("UNIPAGE_COMMIT"):
+        return os.environ["UNIPAGE_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
 def emit(record: dict, out=None) -> None:
-    """Write one JSON line: the record plus the device, versions and wall time."""
+    """Write one JSON line: the record plus the device, versions and wall time, and the commit (`commit`)
+    unless the record has one."""
     full = {"device": device_name(), "torch": torch.__version__, "python": sys.version.split()[0],
             "unix_time": round(time.time(), 3), **record}
+    full.setdefault("commit", commit())
     line = json.dumps(full, sort_keys=False)
     print(line, file=out or sys.stdout, flush=True)
