@@ -67,7 +67,7 @@ from unipage.kernels.fused_moe_lora import (MoeLora, expected_load, lora_config,
                                             moe_lora_gate_up, moe_lora_meta, moe_lora_shrink, plan_moe_lora)
 from unipage.kernels.common import config_devices, record_tuned_device  # noqa: E402
 from unipage.kernels.moe_lora_fused import config_mode  # noqa: E402
-from unipage.kernels.moe_lora_stack import build_stack  # noqa: E402
+from unipage.kernels.moe_lora_stack import build_stack, shrink_configs  # noqa: E402
 from unipage.kernels.moe_lora_sum import moe_lora_down_sum, sums_down  # noqa: E402
 from unipage.kernels.moe_align import CONFIG_DIR, device_key, launch_config, moe_align, shape_key  # noqa: E402
 from unipage.kernels.moe_ranks import slot_ranks, slot_ranks_ref  # noqa: E402
@@ -256,14 +256,16 @@ def measure(s: dict, num_tokens: int, bandwidth: float, read_bw: float) -> dict:
 
 
 def _stack_projections(s: dict, b: dict, stack) -> tuple[float, float]:
-    """Seconds of the stacked path's two shrinks alone (`moe_project`: x by the gate/up A, act by the down A)."""
+    """Seconds of the stacked path's two shrinks alone (`moe_project`: x by the gate/up A, act by the down A), with
+    the launch settings the path takes (`moe_lora_stack.shrink_configs`)."""
     cfg = base_config(s["experts"], s["hidden"], s["inter"], b["topk_ids"], None)
+    gate_up_cfg, down_cfg = shrink_configs(cfg)
     align = moe_align(b["topk_ids"], s["experts"], cfg["block_m"])
     z = torch.empty(b["topk_ids"].numel(), stack.a_gu.shape[1], device=DEVICE, dtype=DTYPE)
     dz = torch.empty(b["topk_ids"].numel(), stack.a_d.shape[1], device=DEVICE, dtype=DTYPE)
-    return (time_graph(lambda: moe_project(b["x"], stack.a_gu, b["topk_ids"], align, z, cfg["gate_up"],
+    return (time_graph(lambda: moe_project(b["x"], stack.a_gu, b["topk_ids"], align, z, gate_up_cfg,
                                            a_div=s["top_k"]), iters=20),
-            time_graph(lambda: moe_project(b["act"], stack.a_d, b["topk_ids"], align, dz, cfg["down"], a_div=1),
+            time_graph(lambda: moe_project(b["act"], stack.a_d, b["topk_ids"], align, dz, down_cfg, a_div=1),
                        iters=20))
 
 

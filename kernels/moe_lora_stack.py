@@ -184,6 +184,13 @@ def _check_covered(stack: MoeLoraStack, lora) -> None:
         raise ValueError(f"the tokens' slots {missing} have expert LoRA but no entry in the stack")
 
 
+def shrink_configs(cfg: dict) -> tuple[dict, dict]:
+    """The two shrinks' launch settings (gate/up, down) for a base entry ``cfg``: its ``"stack"`` ones where
+    tuned, else its GEMMs'."""
+    tuned = cfg.get("stack", {})
+    return tuned.get("gate_up", cfg["gate_up"]), tuned.get("down", cfg["down"])
+
+
 def experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, stack: MoeLoraStack, cfg: dict,
             gate_up_bias=None, down_bias=None, activation=None) -> torch.Tensor:
     """The routed experts with ``stack``'s LoRA (``ops``: `fused_moe`'s Triton or torch stages)."""
@@ -191,14 +198,14 @@ def experts(ops, x, w_gate_up, w_down, topk_weights, topk_ids, lora, stack: MoeL
     _check_covered(stack, lora)
     num_pairs, inter, top_k = topk_ids.numel(), w_gate_up.shape[1] // 2, topk_ids.shape[1]
     align = ops.align(topk_ids, w_gate_up.shape[0], cfg["block_m"])
-    tuned = cfg.get("stack", {})  # the base entry's launch settings of the two shrinks, if tuned
+    gate_up_cfg, down_cfg = shrink_configs(cfg)
     z = torch.empty(num_pairs, stack.a_gu.shape[1], dtype=x.dtype, device=x.device)
-    ops.project(x, stack.a_gu, topk_ids, align, z, tuned.get("gate_up", cfg["gate_up"]), a_div=top_k)
+    ops.project(x, stack.a_gu, topk_ids, align, z, gate_up_cfg, a_div=top_k)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     ops.gate_up(x, w_gate_up, topk_ids, align, act, config=cfg, bias=gate_up_bias, activation=activation,
                 ext=Ext(z, stack.b_gu, stack.entry_of_slot, lora.token_slots, stack.gate_up_rows, top_k))
     dz = torch.empty(num_pairs, stack.a_d.shape[1], dtype=x.dtype, device=x.device)
-    ops.project(act, stack.a_d, topk_ids, align, dz, tuned.get("down", cfg["down"]), a_div=1)
+    ops.project(act, stack.a_d, topk_ids, align, dz, down_cfg, a_div=1)
     y = torch.empty(num_pairs, w_down.shape[1], dtype=x.dtype, device=x.device)
     ops.down(act, w_down, topk_ids, topk_weights, align, y, cfg, bias=down_bias,
              ext=Ext(dz, stack.b_d, stack.entry_of_slot, lora.token_slots, stack.down_rows, top_k))
