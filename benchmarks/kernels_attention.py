@@ -39,9 +39,9 @@ from unipage.kernels.attention import (
     decode_config,
     default_num_splits,
     paged_attention_decode,
-    paged_attention_decode_ref,
     paged_attention_prefill,
 )
+from unipage.kernels.attention_ref import paged_attention_decode_ref
 from unipage.kernels.kv_write import write_kv
 
 try:

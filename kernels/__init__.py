@@ -3,8 +3,8 @@
 See docs/design.md ("Kernels") and each module's docstring for shapes and math.
 """
 
-from unipage.kernels.attention import (AttentionConfig, paged_attention_decode, paged_attention_decode_ref,
-                                       paged_attention_prefill, paged_attention_prefill_ref)
+from unipage.kernels.attention import AttentionConfig, paged_attention_decode, paged_attention_prefill
+from unipage.kernels.attention_ref import paged_attention_decode_ref, paged_attention_prefill_ref
 from unipage.kernels.elementwise import (add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, rope_qk,
                                          rope_qk_ref, silu_mul, silu_mul_ref)
 from unipage.kernels.fused_moe import (fused_experts, fused_experts_ref, fused_moe, fused_moe_ref, moe_down,

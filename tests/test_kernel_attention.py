@@ -14,14 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from unipage.kernels.attention import (
-    AttentionConfig,
-    gather_kv,
-    paged_attention_decode,
-    paged_attention_decode_ref,
-    paged_attention_prefill,
-    paged_attention_prefill_ref,
-)
+from unipage.kernels.attention import AttentionConfig, paged_attention_decode, paged_attention_prefill
+from unipage.kernels.attention_ref import gather_kv, paged_attention_decode_ref, paged_attention_prefill_ref
 from unipage.kernels.kv_write import write_kv, write_kv_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}

@@ -28,13 +28,8 @@ from transformers.masking_utils import (
     eager_mask,
     sliding_window_causal_mask_function,
 )
-from unipage.kernels.attention import (
-    AttentionConfig,
-    paged_attention_decode,
-    paged_attention_decode_ref,
-    paged_attention_prefill,
-    paged_attention_prefill_ref,
-)
+from unipage.kernels.attention import AttentionConfig, paged_attention_decode, paged_attention_prefill
+from unipage.kernels.attention_ref import paged_attention_decode_ref, paged_attention_prefill_ref
 from unipage.kernels.kv_write import write_kv
 
 HEADS, KV_HEADS, BT = 4, 2, 4
