@@ -15,7 +15,7 @@ import torch
 
 import kernels_moe as km
 from timing import emit, time_graph
-from unipage.kernels.fused_moe import _launch_gemm, base_config
+from unipage.kernels.fused_moe import base_config, moe_project
 from unipage.kernels.moe_align import moe_align
 from unipage.kernels.moe_lora_stack import build_stack
 
@@ -36,8 +36,7 @@ def sweep(shape: str, tokens: int) -> list[dict]:
                 cfg = {**dict(zip(SPACE, values)), "group_m": 1, "tma": False}
                 if cfg["block_n"] > w.shape[1]:
                     continue
-                seconds = time_graph(lambda: _launch_gemm(a, w, out, align, cfg, n=w.shape[1], a_div=a_div,
-                                                          gated=False), iters=20)
+                seconds = time_graph(lambda: moe_project(a, w, b["topk_ids"], align, out, cfg, a_div=a_div), iters=20)
                 rows.append({"shrink": name, "block_m": bm, "width": w.shape[1], **cfg, "us": round(seconds * 1e6, 2)})
     return rows
 

@@ -10,10 +10,10 @@ free memory.
 
 Entries (`entry_table.EntryTable`): before a step that may use the stacks (`covers` at its graph bucket and its
 distinct adapters: `covers` grows with tokens and shrinks with adapters, and a graph's bucket and adapter class
-are no smaller than its step's), the runner gives each of its adapter slots an entry, copying the weights of slots new to the stacks from the pool's pages
-(`_fill`: every MoE layer, on the current stream).  A step uses them (`covers`) when its adapters (its graph's
-class bound in CUDA graphs) fit the entries and the routed pairs per (adapter, expert) group reach `MIN_LOAD`:
-a stack's extra K block reads every entry's weights of each expert tile holding it, where the paged kernels
+are no smaller than its step's), the runner gives each of its adapter slots an entry, copying the weights of
+slots new to the stacks from the pool's pages (`_fill`: every MoE layer, on the current stream).  A step uses
+them (`covers`) when its adapters (its graph's class bound in CUDA graphs) fit the entries and the routed pairs
+per (adapter, expert) group reach `MIN_LOAD`: a stack's extra K block reads every entry's weights of each expert tile holding it, where the paged kernels
 read one adapter's per pair, so at a few pairs per group the paged kernels win (GPT-OSS-20B, 16 tokens of 8
 adapters: 390.4 against 353.8 us a layer; Qwen3-30B-A3B, 256 tokens of 4 adapters: 353.2 against 370.9;
 `kernels-moe-h200.jsonl`).  The rule counts every token of the step, those without an adapter too:
