@@ -10,17 +10,17 @@ free memory.
 
 Entries (`entry_table.EntryTable`): before a step that may use the stacks (`covers` at its graph bucket and its
 distinct adapters: `covers` grows with tokens and shrinks with adapters, and a graph's bucket and adapter class
-are no smaller than its step's), the runner gives each of its adapter slots an entry, copying the weights of
-slots new to the stacks from the pool's pages (`_fill`: every MoE layer, on the current stream).  A step uses
-them (`covers`) when its adapters (its graph's class bound in CUDA graphs) fit the entries and the routed pairs
-per (adapter, expert) group reach `MIN_LOAD`: a stack's extra K block reads every entry's weights of each expert tile holding it, where the paged kernels
-read one adapter's per pair, so at a few pairs per group the paged kernels win (GPT-OSS-20B, 16 tokens of 8
-adapters: 390.4 against 353.8 us a layer; Qwen3-30B-A3B, 256 tokens of 4 adapters: 353.2 against 370.9;
-`kernels-moe-h200.jsonl`).  The rule counts every token of the step, those without an adapter too:
-a step of many base-model tokens and a few with adapters takes the stacks, whose shrinks then run over all
-its pairs (the paged kernels touch only the LoRA pairs).  Entries are as wide as ``max_rank`` allows (the
-gate/up A rows of two slices), whatever the adapters' own ranks.  A fill gathers one slot's expert groups of
-a layer at a time (about 17 MB at Qwen3-30B-A3B's rank 8) out of the memory the pool leaves free.
+are no smaller than its step's), the runner gives each of its adapter slots an entry, copying the weights of slots
+new to the stacks from the pool's pages (`_fill`: every MoE layer, on the current stream). A step uses them
+(`covers`) when its adapters (its graph's class bound in CUDA graphs) fit the entries and the routed pairs per
+(adapter, expert) group reach `MIN_LOAD`: a stack's extra K block reads every entry's weights of each expert tile
+holding it, where the paged kernels read one adapter's per pair, so at a few pairs per group the paged kernels win
+(GPT-OSS-20B, 16 tokens of 8 adapters: 390.4 against 353.8 us a layer; Qwen3-30B-A3B, 256 tokens of 4 adapters:
+353.2 against 370.9; `kernels-moe-h200.jsonl`). The rule counts every token of the step, those without an adapter
+too: a step of many base-model tokens and a few with adapters takes the stacks, whose shrinks then run over all
+its pairs (the paged kernels touch only the LoRA pairs). Entries are as wide as ``max_rank`` allows (the gate/up A
+rows of two slices), whatever the adapters' own ranks. A fill gathers one slot's expert groups of a layer at a
+time (about 17 MB at Qwen3-30B-A3B's rank 8) out of the memory the pool leaves free.
 """
 
 from __future__ import annotations
